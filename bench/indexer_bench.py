@@ -1,0 +1,189 @@
+"""``kvroute bench indexer``: ingest throughput, lookup latency and memory of the prefix index.
+
+- ingest: real msgpack frames as vLLM publishes them (BlockStored per prefill step, one
+  BlockRemoved per evicted block) are decoded and applied on one thread; the figure is block
+  events (blocks stored + blocks removed) per second.
+- lookup: a 2,048-block request against an index of >= 1M (block, replica) entries, where one
+  replica holds the whole prefix and the others part of it. ``lookup_p99_us_2048`` times the walk
+  over the request's keys (the router computes keys once per request); the figure with keying
+  included is reported beside it.
+- memory: tracemalloc's count of what building the index allocated, per entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from typing import Any
+
+from indexer.index import InMemoryPrefixIndex
+from indexer.keys import block_keys
+from indexer.wire import BlockRemoved, BlockStored, decode_batch, decode_frames, encode_batch
+from indexer.wire import encode_frames as frames_of
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--entries", type=int, default=1_200_000, help="index size for lookups")
+    parser.add_argument("--ingest-blocks", type=int, default=400_000, help="blocks to ingest")
+    parser.add_argument("--lookups", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _fake_hash(rng: random.Random) -> int:
+    return rng.getrandbits(64)
+
+
+def _build_frames(
+    n_blocks: int, block_size: int, rng: random.Random
+) -> tuple[list[list[bytes]], int]:
+    """A replica's stream: prompts stored in steps of up to 32 blocks, then evicted block by block.
+
+    Returns the frames and the number of block events they hold.
+    """
+    frames: list[list[bytes]] = []
+    seq = 0
+    block_events = 0
+    stored: list[int] = []
+    while block_events < n_blocks:
+        prompt_blocks = rng.randint(8, 128)
+        parent = None
+        for start in range(0, prompt_blocks, 32):
+            count = min(32, prompt_blocks - start)
+            hashes = [_fake_hash(rng) for _ in range(count)]
+            tokens = [rng.randrange(128_000) for _ in range(count * block_size)]
+            event = BlockStored(hashes, parent, tokens, block_size)
+            payload = encode_batch([event], ts=time.time())
+            frames.append(frames_of("kv@bench", seq, payload))
+            seq += 1
+            parent = hashes[-1]
+            stored.extend(hashes)
+            block_events += count
+        if len(stored) > 4096:
+            victims, stored = stored[:1024], stored[1024:]
+            payload = encode_batch([BlockRemoved([h]) for h in victims], ts=time.time())
+            frames.append(frames_of("kv@bench", seq, payload))
+            seq += 1
+            block_events += len(victims)
+    return frames, block_events
+
+
+def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    frames, block_events = _build_frames(args.ingest_blocks, args.block_size, rng)
+    index = InMemoryPrefixIndex()
+    gc.collect()
+    started = time.perf_counter()
+    for message in frames:
+        frame = decode_frames(message)
+        batch = decode_batch(frame.payload)
+        result = index.apply("bench", batch.events)
+        if result.rejected:
+            raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
+    elapsed = time.perf_counter() - started
+    return {
+        "ingest_blocks_per_s": round(block_events / elapsed),
+        "ingest_batches_per_s": round(len(frames) / elapsed),
+        "ingest_block_events": block_events,
+        "ingest_seconds": round(elapsed, 3),
+    }
+
+
+def _fill_index(
+    index: InMemoryPrefixIndex, args: argparse.Namespace, rng: random.Random
+) -> list[int]:
+    """Spread ``args.entries`` entries over the replicas; returns the 2,048-block probe prompt."""
+    bs = args.block_size
+    probe = [rng.randrange(128_000) for _ in range(2048 * bs)]
+    per_replica = args.entries // args.replicas
+    for r in range(args.replicas):
+        name = f"replica-{r}"
+        # Replica 0 holds the whole probe prefix, others a replica-dependent part of it.
+        held = 2048 if r == 0 else (2048 * r) // args.replicas
+        hashes = [_fake_hash(rng) for _ in range(held)]
+        parent = None
+        for start in range(0, held, 256):
+            chunk = hashes[start : start + 256]
+            tokens = probe[start * bs : (start + len(chunk)) * bs]
+            index.apply(name, [BlockStored(chunk, parent, tokens, bs)])
+            parent = chunk[-1]
+        filler = per_replica - held
+        while filler > 0:
+            count = min(256, filler)
+            hashes = [_fake_hash(rng) for _ in range(count)]
+            tokens = [rng.randrange(128_000) for _ in range(count * bs)]
+            index.apply(name, [BlockStored(hashes, None, tokens, bs)])
+            filler -= count
+    return probe
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _lookup(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = InMemoryPrefixIndex()
+    probe = _fill_index(index, args, rng)
+    gc.collect()
+    allocated = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    entries = index.entries
+    replicas = index.replicas()
+    keys = block_keys(probe, args.block_size)
+    walk_us: list[float] = []
+    full_us: list[float] = []
+    matched = None
+    for _ in range(args.lookups):
+        t0 = time.perf_counter()
+        matched = index.lookup_keys(keys, replicas, args.block_size)
+        t1 = time.perf_counter()
+        index.lookup(probe)
+        t2 = time.perf_counter()
+        walk_us.append((t1 - t0) * 1e6)
+        full_us.append((t2 - t1) * 1e6)
+    assert matched is not None
+    if matched["replica-0"].blocks != 2048:
+        raise RuntimeError("lookup did not find the probe prefix on replica-0")
+    return {
+        "index_entries": entries,
+        "index_replicas": len(replicas),
+        "lookup_blocks": len(keys),
+        "lookup_p50_us_2048": round(statistics.median(walk_us), 1),
+        "lookup_p99_us_2048": round(_percentile(walk_us, 0.99), 1),
+        "lookup_with_keying_p50_us_2048": round(statistics.median(full_us), 1),
+        "lookup_with_keying_p99_us_2048": round(_percentile(full_us, 0.99), 1),
+        "bytes_per_entry": round(allocated / entries, 1),
+        "estimated_bytes_per_entry": round(index.estimated_bytes() / entries, 1),
+    }
+
+
+def _keying(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    tokens = [rng.randrange(128_000) for _ in range(1 << 20)]
+    started = time.perf_counter()
+    block_keys(tokens, args.block_size)
+    return {"keying_tokens_per_s": round(len(tokens) / (time.perf_counter() - started))}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    result: dict[str, Any] = {"block_size": args.block_size}
+    result.update(_keying(args, rng))
+    result.update(_ingest(args, rng))
+    result.update(_lookup(args, rng))
+    result["targets"] = {
+        "ingest_blocks_per_s >= 500000": result["ingest_blocks_per_s"] >= 500_000,
+        "lookup_p99_us_2048 <= 1000": result["lookup_p99_us_2048"] <= 1000,
+        "bytes_per_entry <= 200": result["bytes_per_entry"] <= 200,
+        "keying_tokens_per_s >= 5000000": result["keying_tokens_per_s"] >= 5_000_000,
+    }
+    return result

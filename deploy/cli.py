@@ -1,0 +1,107 @@
+"""The ``kvroute`` command: one entry point, a subcommand per job.
+
+Each subcommand lives in the package that owns it and exposes ``add_arguments(parser)`` plus
+``main(args) -> int`` (servers, launchers) or ``run(args) -> dict`` (benchmarks, whose result is
+printed as JSON with ``--json`` and as a table otherwise). This module only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["main"]
+
+# subcommand -> (module, help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("router.cli", "run the cache-aware OpenAI-compatible router"),
+    "up": ("deploy.launcher", "start a local fleet (vLLM or simulated replicas) and the router"),
+    "sim": ("bench.sim.fleet", "run simulated vLLM replicas (API, metrics and KV events)"),
+    "demo": ("deploy.demo", "start a fleet, drive a multi-turn chat workload, compare policies"),
+    "tiny-model": ("deploy.tiny_model", "build the tiny local Llama model used on CPU machines"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "indexer": ("bench.indexer_bench", "event ingest throughput, lookup latency, memory/entry"),
+    "proxy": ("bench.proxy_bench", "latency the router adds over a direct upstream"),
+    "connector": ("bench.connector_bench", "tier store/load throughput and CPU-hit TTFT"),
+    "routing": ("bench.routing_bench", "routing quality per policy on the simulated fleet"),
+}
+
+
+def _load(module_name: str) -> ModuleType | ImportError:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        return exc
+
+
+def _print_table(result: Any, indent: str = "") -> None:
+    if isinstance(result, dict):
+        for key, value in result.items():
+            if isinstance(value, dict | list):
+                print(f"{indent}{key}:")
+                _print_table(value, indent + "  ")
+            else:
+                print(f"{indent}{key:<32} {value}")
+    elif isinstance(result, list):
+        for item in result:
+            _print_table(item, indent + "  ")
+            print()
+    else:
+        print(f"{indent}{result}")
+
+
+def _add_module(sub: Any, name: str, module_name: str, help_text: str) -> None:
+    module = _load(module_name)
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    if isinstance(module, ImportError):
+        parser.set_defaults(_missing=f"{module_name} could not be imported: {module}")
+        return
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(parser)
+    parser.set_defaults(_module=module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        _add_module(sub, name, module_name, help_text)
+    bench = sub.add_parser("bench", help="benchmarks with JSON output")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module_name, help_text) in BENCHES.items():
+        _add_module(bench_sub, name, module_name, help_text)
+    for action in bench_sub.choices.values():
+        action.add_argument("--json", action="store_true", help="print the result as JSON")
+        action.add_argument("--out", help="also write the JSON result to this file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    missing = getattr(args, "_missing", None)
+    if missing:
+        print(f"kvroute: {missing}", file=sys.stderr)
+        return 2
+    module = args._module
+    if args.command == "bench":
+        result = module.run(args)
+        text = json.dumps(result, indent=2)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        if args.json:
+            print(text)
+        else:
+            _print_table(result)
+        return 0
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

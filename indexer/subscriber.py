@@ -1,0 +1,459 @@
+"""Feeds the index from every replica's KV-event stream.
+
+One thread per replica (``ReplicaFeed``): a ZMQ SUB socket on the replica's publisher, applied
+in sequence order, so one replica's events are never reordered while replicas proceed in
+parallel and a slow replay of one never holds up another. Nothing here runs on the router's
+asyncio loop; the only shared state is the index, which has its own lock.
+
+Sequence handling (vLLM numbers batches from 0 in every process, +1 per batch):
+- next expected: apply.
+- ahead (a gap): ask the replica's replay socket for the missing batches; if that fails or the
+  replica no longer buffers them, clear the replica and rebuild from live events (state
+  ``rebuilding``), rather than trusting a view with holes in it.
+- behind: a batch we already have from a replay (skipped), or the replica restarted (a reset:
+  clear, then replay the new process's history from 0).
+A first message with seq > 0 (we joined late) is a gap from 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from indexer.index import PrefixIndex
+from indexer.wire import (
+    EventBatch,
+    Frame,
+    WireError,
+    decode_batch,
+    decode_frames,
+    decode_replay_reply,
+)
+from indexer.wire import encode_replay_request as _replay_request
+
+__all__ = ["EventSource", "EventSubscriber", "FeedStats", "Freshness", "ReplicaFeed"]
+
+log = logging.getLogger(__name__)
+
+
+class Freshness(enum.StrEnum):
+    CONNECTING = "connecting"  # no publisher seen yet
+    SYNCING = "syncing"  # replaying missed batches
+    LIVE = "live"  # every batch since the replica started is applied
+    REBUILDING = "rebuilding"  # history was lost and cleared; live events are refilling it
+    STALE = "stale"  # publisher gone: entries kept but may no longer be true
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """Where a replica publishes: ``endpoint`` is what the SUB socket connects to."""
+
+    replica: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(slots=True)
+class FeedStats:
+    """Counters of one replica's feed (what /index/stats shows per replica)."""
+
+    freshness: Freshness = Freshness.CONNECTING
+    reason: str = "waiting for the first event batch"
+    batches: int = 0
+    events_applied: int = 0
+    events_rejected: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    unresolved_blocks: int = 0
+    ignored_events: int = 0
+    malformed_messages: int = 0
+    foreign_topic: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    missed_batches: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    resets: int = 0
+    clears: int = 0
+    last_seq: int | None = None
+    last_event_wall: float | None = None
+    last_event_ts: float | None = None
+    rejected_reasons: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self) -> dict[str, object]:
+        now = time.time()
+        return {
+            "freshness": self.freshness.value,
+            "reason": self.reason,
+            "batches": self.batches,
+            "events_applied": self.events_applied,
+            "events_rejected": self.events_rejected,
+            "blocks_stored": self.blocks_stored,
+            "blocks_removed": self.blocks_removed,
+            "unresolved_blocks": self.unresolved_blocks,
+            "ignored_events": self.ignored_events,
+            "malformed_messages": self.malformed_messages,
+            "foreign_topic": self.foreign_topic,
+            "duplicates": self.duplicates,
+            "gaps": self.gaps,
+            "missed_batches": self.missed_batches,
+            "replays": self.replays,
+            "replay_failures": self.replay_failures,
+            "resets": self.resets,
+            "clears": self.clears,
+            "last_seq": self.last_seq,
+            "last_event_age_s": None
+            if self.last_event_wall is None
+            else round(now - self.last_event_wall, 3),
+            "rejected_reasons": dict(self.rejected_reasons.most_common(10)),
+        }
+
+
+class ReplicaFeed:
+    """The state machine of one replica's stream; ``handle`` is pure given the replay hook.
+
+    Kept separate from the socket loop so it can be driven directly in tests.
+    """
+
+    def __init__(
+        self,
+        source: EventSource,
+        index: PrefixIndex,
+        replay: Callable[[int], list[Frame] | None] | None = None,
+    ) -> None:
+        self.source = source
+        self.index = index
+        self.replay = replay
+        self.stats = FeedStats()
+        self.expected: int | None = None
+        self._replayed: tuple[int, int] | None = None  # seqs [lo, hi) obtained by replay
+        self.lock = threading.Lock()
+
+    # --- state transitions --------------------------------------------------------------------
+
+    def _set(self, freshness: Freshness, reason: str) -> None:
+        if freshness != self.stats.freshness or reason != self.stats.reason:
+            log.info("replica %s: %s (%s)", self.source.replica, freshness.value, reason)
+        self.stats.freshness = freshness
+        self.stats.reason = reason
+
+    def clear(self, reason: str) -> None:
+        self.index.clear_replica(self.source.replica)
+        self.stats.clears += 1
+        self._set(Freshness.REBUILDING, reason)
+
+    def mark_disconnected(self) -> None:
+        with self.lock:
+            if self.stats.freshness is not Freshness.CONNECTING:
+                self._set(Freshness.STALE, "publisher disconnected; entries kept until it returns")
+
+    def mark_connected(self) -> None:
+        with self.lock:
+            if self.stats.freshness is Freshness.STALE:
+                self._set(Freshness.SYNCING, "publisher reconnected; waiting for the next batch")
+
+    # --- messages ---------------------------------------------------------------------------------
+
+    def handle_frames(self, frames: list[bytes]) -> None:
+        try:
+            frame = decode_frames(frames)
+        except WireError as exc:
+            self.stats.malformed_messages += 1
+            self.stats.rejected_reasons[f"malformed message: {exc}"] += 1
+            return
+        self.handle(frame)
+
+    def handle(self, frame: Frame) -> None:
+        with self.lock:
+            self._handle(frame)
+
+    def _handle(self, frame: Frame) -> None:
+        if self.source.topic and not frame.topic.startswith(self.source.topic):
+            self.stats.foreign_topic += 1
+            return
+        seq = frame.seq
+        expected = self.expected
+        if expected is None:
+            if seq == 0:
+                self._apply(frame)
+                self._set(Freshness.LIVE, "in sync since the replica's first batch")
+            else:
+                self._catch_up(0, frame, f"joined at seq {seq}: replaying 0..{seq - 1}")
+            return
+        if seq == expected:
+            self._apply(frame)
+            if self.stats.freshness in (Freshness.SYNCING, Freshness.STALE):
+                self._set(Freshness.LIVE, "in sync")
+            return
+        if seq > expected:
+            self.stats.gaps += 1
+            self._catch_up(expected, frame, f"gap: batches {expected}..{seq - 1} missing")
+            return
+        replayed = self._replayed
+        if replayed is not None and replayed[0] <= seq < replayed[1]:
+            self.stats.duplicates += 1
+            return
+        # The replica's sequence went backwards: it restarted, and its cache is new.
+        self.stats.resets += 1
+        self.index.clear_replica(self.source.replica)
+        self.stats.clears += 1
+        self.expected = None
+        self._replayed = None
+        if seq == 0:
+            self._apply(frame)
+            self._set(Freshness.LIVE, f"replica restarted (seq {expected - 1} -> 0); index rebuilt")
+        else:
+            self._catch_up(0, frame, f"replica restarted (seq {expected - 1} -> {seq}); replaying")
+
+    def _catch_up(self, start: int, frame: Frame, why: str) -> None:
+        """Fill [start, frame.seq) from the replay socket, then apply ``frame``."""
+        self._set(Freshness.SYNCING, why)
+        frames = self.replay(start) if self.replay is not None else None
+        if frames is not None:
+            self.stats.replays += 1
+            by_seq = {f.seq: f for f in frames if start <= f.seq}
+            if all(s in by_seq for s in range(start, frame.seq)):
+                for s in range(start, frame.seq):
+                    self._apply(by_seq[s])
+                self._apply(frame)
+                # Later batches the replay already delivered arrive again live: skip those.
+                extra = [s for s in by_seq if s > frame.seq]
+                for s in sorted(extra):
+                    if s == self.expected:
+                        self._apply(by_seq[s])
+                self._replayed = (start, self.expected or 0)
+                self._set(Freshness.LIVE, f"in sync after replaying {frame.seq - start} batches")
+                return
+            missing = next(s for s in range(start, frame.seq) if s not in by_seq)
+            why = f"{why}; replay no longer holds batch {missing}"
+        else:
+            self.stats.replay_failures += 1
+            why = f"{why}; " + (
+                "no replay endpoint" if self.replay is None else "replay failed or timed out"
+            )
+        self.stats.missed_batches += frame.seq - start
+        self.clear(f"{why}: cleared, rebuilding from live events")
+        self._apply(frame)
+
+    def _apply(self, frame: Frame) -> None:
+        self.expected = frame.seq + 1
+        self.stats.last_seq = frame.seq
+        self.stats.batches += 1
+        try:
+            batch: EventBatch = decode_batch(frame.payload)
+        except WireError as exc:
+            self.stats.malformed_messages += 1
+            self.stats.rejected_reasons[str(exc)] += 1
+            return
+        for reason in batch.rejected:
+            self.stats.rejected_reasons[reason] += 1
+        self.stats.events_rejected += len(batch.rejected)
+        result = self.index.apply(self.source.replica, batch.events)
+        self.stats.events_applied += result.applied
+        self.stats.events_rejected += len(result.rejected)
+        for reason in result.rejected:
+            self.stats.rejected_reasons[reason] += 1
+        self.stats.blocks_stored += result.blocks_stored
+        self.stats.blocks_removed += result.blocks_removed
+        self.stats.unresolved_blocks += result.unresolved
+        self.stats.ignored_events += result.ignored
+        self.stats.last_event_wall = time.time()
+        self.stats.last_event_ts = batch.ts
+
+
+class _FeedThread(threading.Thread):
+    """Socket loop of one replica: SUB + connection monitor + on-demand replay DEALER."""
+
+    def __init__(
+        self,
+        feed: ReplicaFeed,
+        ctx: zmq.Context,
+        *,
+        replay_timeout_s: float,
+        stale_clear_after_s: float,
+    ) -> None:
+        super().__init__(name=f"kv-feed-{feed.source.replica}", daemon=True)
+        self.feed = feed
+        self.ctx = ctx
+        self.replay_timeout_s = replay_timeout_s
+        self.stale_clear_after_s = stale_clear_after_s
+        self.stop_event = threading.Event()
+        if feed.source.replay_endpoint:
+            feed.replay = self._replay
+
+    def _replay(self, start: int) -> list[Frame] | None:
+        """Ask the replay socket for every batch from ``start``; None when it does not answer."""
+        endpoint = self.feed.source.replay_endpoint
+        assert endpoint is not None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        frames: list[Frame] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart(_replay_request(start))
+            while not self.stop_event.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000)):
+                    return None
+                try:
+                    frame = decode_replay_reply(sock.recv_multipart())
+                except WireError:
+                    self.feed.stats.malformed_messages += 1
+                    continue
+                if frame is None:
+                    return frames
+                frames.append(frame)
+            return None
+        except zmq.ZMQError as exc:
+            log.warning("replay from %s failed: %s", endpoint, exc)
+            return None
+        finally:
+            sock.close(linger=0)
+
+    def run(self) -> None:
+        source = self.feed.source
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        stale_since: float | None = None
+        try:
+            sub.connect(source.endpoint)
+            while not self.stop_event.is_set():
+                ready = dict(poller.poll(100))
+                if monitor in ready:
+                    event = recv_monitor_message(monitor)
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self.feed.mark_disconnected()
+                        stale_since = time.monotonic()
+                    elif event["event"] == zmq.EVENT_CONNECTED:
+                        self.feed.mark_connected()
+                        stale_since = None
+                if sub in ready:
+                    # Drain what is queued before polling again: bursts arrive together.
+                    for _ in range(1000):
+                        try:
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.feed.handle_frames(frames)
+                if (
+                    stale_since is not None
+                    and time.monotonic() - stale_since > self.stale_clear_after_s
+                ):
+                    with self.feed.lock:
+                        if self.feed.stats.freshness is Freshness.STALE:
+                            self.feed.index.clear_replica(source.replica)
+                            self.feed.stats.clears += 1
+                            self.feed.stats.reason = (
+                                f"publisher gone for over {self.stale_clear_after_s:.0f}s: cleared"
+                            )
+                    stale_since = None
+        except Exception:  # the feed must never die silently
+            log.exception("event feed of %s crashed", source.replica)
+            with self.feed.lock:
+                self.feed.clear("feed thread crashed; see the log")
+                self.feed._set(Freshness.STALE, "feed thread crashed; see the log")
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+
+class EventSubscriber:
+    """All replicas' feeds into one index; add and remove replicas at run time."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        context: zmq.Context | None = None,
+        replay_timeout_s: float = 5.0,
+        stale_clear_after_s: float = 30.0,
+    ) -> None:
+        self.index = index
+        self.ctx = context or zmq.Context.instance()
+        self.replay_timeout_s = replay_timeout_s
+        self.stale_clear_after_s = stale_clear_after_s
+        self._threads: dict[str, _FeedThread] = {}
+        self._lock = threading.Lock()
+
+    def add_source(self, source: EventSource) -> None:
+        with self._lock:
+            old = self._threads.get(source.replica)
+            if old is not None:
+                if old.feed.source == source:
+                    return
+                self._stop(source.replica)
+            feed = ReplicaFeed(source, self.index)
+            thread = _FeedThread(
+                feed,
+                self.ctx,
+                replay_timeout_s=self.replay_timeout_s,
+                stale_clear_after_s=self.stale_clear_after_s,
+            )
+            self._threads[source.replica] = thread
+            thread.start()
+
+    def _stop(self, replica: str) -> None:
+        thread = self._threads.pop(replica, None)
+        if thread is not None:
+            thread.stop_event.set()
+            thread.join(timeout=5)
+
+    def remove_source(self, replica: str) -> None:
+        with self._lock:
+            self._stop(replica)
+        self.index.remove_replica(replica)
+
+    def clear_replica(self, replica: str, reason: str) -> None:
+        """Drop a replica's entries from outside (e.g. the router saw it die)."""
+        with self._lock:
+            thread = self._threads.get(replica)
+        if thread is None:
+            self.index.clear_replica(replica)
+            return
+        with thread.feed.lock:
+            thread.feed.clear(reason)
+
+    def sources(self) -> list[EventSource]:
+        with self._lock:
+            return [t.feed.source for t in self._threads.values()]
+
+    def freshness(self, replica: str) -> tuple[Freshness, str]:
+        thread = self._threads.get(replica)
+        if thread is None:
+            return Freshness.STALE, "no event source configured"
+        stats = thread.feed.stats
+        return stats.freshness, stats.reason
+
+    def feed_stats(self) -> dict[str, FeedStats]:
+        with self._lock:
+            return {name: t.feed.stats for name, t in self._threads.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            for replica in list(self._threads):
+                self._stop(replica)
+
+    def __enter__(self) -> EventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,462 @@
+"""vLLM's KV-event wire format: the one module that knows frames, msgpack layouts and replay.
+
+Everything that reads or writes vLLM KV events goes through here, so a change in vLLM's format
+is a change in one file. The decoder is strict about what it needs and lenient about what it
+does not: unknown fields are ignored, both the map-tagged encoding (vLLM 0.32/0.33) and the
+positional-array encoding (older vLLM) are accepted, and a malformed event is rejected with a
+reason while the rest of its batch is still applied.
+
+Wire facts (see docs/indexer.md):
+- PUB message: ``[topic utf-8, seq 8-byte big-endian unsigned, payload msgpack]``.
+- payload: ``[ts, [event, ...], data_parallel_rank | nil]``.
+- event: a map with ``"type"`` (new) or an array ``[tag, field, ...]`` (old), fields in
+  declaration order.
+- replay (ROUTER; we talk to it with a DEALER): request ``[b"", start_seq8]``, replies
+  ``[b"", topic, seq8, payload]`` per buffered batch, then the end marker
+  ``[b"", b"", -1 as 8 signed bytes, b""]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "REPLAY_END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "EventBatch",
+    "Frame",
+    "Medium",
+    "WireError",
+    "decode_batch",
+    "decode_frames",
+    "decode_replay_reply",
+    "encode_batch",
+    "encode_frames",
+    "encode_replay_end",
+    "encode_replay_reply",
+    "encode_replay_request",
+    "normalize_medium",
+]
+
+
+class WireError(ValueError):
+    """A frame or payload that cannot be decoded at all (the whole message is skipped)."""
+
+
+class Medium(enum.IntEnum):
+    """Cache tiers, ordered from fastest to slowest (the order is the tier's bit offset)."""
+
+    GPU = 0
+    CPU = 1
+    STORAGE = 2
+
+
+_MEDIUM_ALIASES: dict[str, Medium] = {
+    "gpu": Medium.GPU,
+    "cuda": Medium.GPU,
+    "device": Medium.GPU,
+    "hbm": Medium.GPU,
+    "xpu": Medium.GPU,
+    "cpu": Medium.CPU,
+    "host": Medium.CPU,
+    "dram": Medium.CPU,
+    "ram": Medium.CPU,
+    "cpu_pinned": Medium.CPU,
+    "storage": Medium.STORAGE,
+    "disk": Medium.STORAGE,
+    "ssd": Medium.STORAGE,
+    "nvme": Medium.STORAGE,
+    "file": Medium.STORAGE,
+    "local_disk": Medium.STORAGE,
+    "remote": Medium.STORAGE,
+}
+
+
+_MEDIUM_EXACT: dict[object, Medium] = {
+    None: Medium.GPU,
+    "GPU": Medium.GPU,
+    "CPU": Medium.CPU,
+    "STORAGE": Medium.STORAGE,
+}
+
+
+def normalize_medium(value: object) -> Medium:
+    """Map a wire ``medium`` to a tier.
+
+    ``nil`` means the device cache: vLLM before the ``medium`` field only published device
+    events. Any other unknown value raises: guessing GPU would make a slow tier look fast.
+    """
+    if isinstance(value, str | None):
+        exact = _MEDIUM_EXACT.get(value)
+        if exact is not None:
+            return exact
+    if isinstance(value, str):
+        found = _MEDIUM_ALIASES.get(value.strip().lower())
+        if found is not None:
+            return found
+    raise ValueError(f"unknown medium {value!r}")
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks that landed in a tier.
+
+    ``token_ids`` holds the tokens of all listed blocks, concatenated. A tier-only update (vLLM's
+    OffloadingConnector without self-describing events) has ``token_ids=[]`` and
+    ``block_size=0``: it names blocks already known from earlier events.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: Medium = Medium.GPU
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    locality: str | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Blocks that left one tier (other tiers of the same blocks are untouched)."""
+
+    block_hashes: list[int]
+    medium: Medium = Medium.GPU
+    group_idx: int = 0
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The replica dropped its cache (``medium`` set: only that tier)."""
+
+    medium: Medium | None = None
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One published batch: the events of one engine step, applied atomically in order."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+    rejected: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class Frame:
+    """One PUB message, split but not yet decoded."""
+
+    topic: str
+    seq: int
+    payload: bytes
+
+
+# Field order of each event class, as vLLM declares them (positional encoding follows it).
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+_CLEARED_FIELDS = ("medium",)
+
+_decoder = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+
+REPLAY_END_SEQ = -1
+_REPLAY_END_SEQ_BYTES = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
+_U64 = (1 << 64) - 1
+
+
+def _block_hash(value: object) -> int:
+    """vLLM sends ints by default and raw digests as bytes otherwise: both become an int."""
+    if isinstance(value, bool):
+        raise ValueError("block hash must be int or bytes, got bool")
+    if isinstance(value, int):
+        return value & _U64
+    if isinstance(value, bytes | bytearray):
+        if not value:
+            raise ValueError("empty block hash")
+        return int.from_bytes(value[-8:], "big")
+    raise ValueError(f"block hash must be int or bytes, got {type(value).__name__}")
+
+
+def _hash_list(value: object) -> list[int]:
+    if not isinstance(value, list | tuple):
+        raise ValueError("block_hashes must be a list")
+    if all(type(v) is int for v in value):  # the common case, kept cheap
+        return [v & _U64 for v in value]
+    return [_block_hash(v) for v in value]
+
+
+def _int_field(value: object, name: str, *, default: int | None = None) -> int:
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int")
+    return value
+
+
+def _token_list(value: object) -> list[int]:
+    # Element types are checked where the tokens are packed for keying (indexer.keys), in C.
+    if not isinstance(value, list | tuple):
+        raise ValueError("token_ids must be a list")
+    return value if isinstance(value, list) else list(value)
+
+
+def _fields(raw: object) -> tuple[str, dict[str, Any]]:
+    """Return (tag, fields by name) for either encoding."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise ValueError("event map without a string 'type'")
+        return tag, raw
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        names = {
+            "BlockStored": _STORED_FIELDS,
+            "BlockRemoved": _REMOVED_FIELDS,
+            "AllBlocksCleared": _CLEARED_FIELDS,
+        }.get(tag, ())
+        return tag, dict(zip(names, raw[1:], strict=False))
+    raise ValueError(f"event is neither a tagged map nor a tagged array: {type(raw).__name__}")
+
+
+def _decode_event(raw: object) -> Event:
+    if type(raw) is dict and raw.get("type") == "BlockRemoved" and len(raw) <= 3:
+        # Fast path: vLLM sends one of these per evicted block.
+        hashes = raw.get("block_hashes")
+        if type(hashes) is list and len(hashes) == 1 and type(hashes[0]) is int:
+            group = raw.get("group_idx", 0)
+            if type(group) is int:
+                return BlockRemoved([hashes[0] & _U64], normalize_medium(raw.get("medium")), group)
+    tag, f = _fields(raw)
+    if tag == "BlockStored":
+        if "block_hashes" not in f or "token_ids" not in f:
+            raise ValueError("BlockStored without block_hashes or token_ids")
+        hashes = _hash_list(f["block_hashes"])
+        if not hashes:
+            raise ValueError("BlockStored with no block hashes")
+        parent_raw = f.get("parent_block_hash")
+        parent = None if parent_raw is None else _block_hash(parent_raw)
+        tokens = _token_list(f["token_ids"])
+        block_size = _int_field(f.get("block_size"), "block_size", default=0)
+        if block_size < 0:
+            raise ValueError("negative block_size")
+        if tokens and block_size == 0:
+            raise ValueError("BlockStored with token_ids but block_size 0")
+        if tokens and len(tokens) != len(hashes) * block_size:
+            raise ValueError(
+                f"BlockStored token_ids has {len(tokens)} tokens for {len(hashes)} blocks "
+                f"of {block_size}"
+            )
+        extra = f.get("extra_keys")
+        if extra is not None:
+            if not isinstance(extra, list | tuple) or len(extra) != len(hashes):
+                raise ValueError("extra_keys must hold one entry per block")
+            extra = list(extra)
+        lora_name = f.get("lora_name")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise ValueError("lora_name must be a string")
+        lora_id = f.get("lora_id")
+        if lora_id is not None:
+            lora_id = _int_field(lora_id, "lora_id")
+        locality = f.get("locality")
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=block_size,
+            medium=normalize_medium(f.get("medium")),
+            lora_name=lora_name,
+            lora_id=lora_id,
+            extra_keys=extra,
+            group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
+            locality=locality if isinstance(locality, str) else None,
+        )
+    if tag == "BlockRemoved":
+        if "block_hashes" not in f:
+            raise ValueError("BlockRemoved without block_hashes")
+        return BlockRemoved(
+            block_hashes=_hash_list(f["block_hashes"]),
+            medium=normalize_medium(f.get("medium")),
+            group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
+        )
+    if tag == "AllBlocksCleared":
+        medium = f.get("medium")
+        return AllBlocksCleared(medium=None if medium is None else normalize_medium(medium))
+    raise ValueError(f"unknown event type {tag!r}")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one msgpack payload.
+
+    Raises WireError when the payload is not a batch at all. Individual events that are
+    malformed are left out and described in ``EventBatch.rejected``.
+    """
+    try:
+        raw = _decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise WireError(f"payload is not msgpack: {exc}") from exc
+    if isinstance(raw, dict):
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list | tuple) or len(raw) < 2:
+        raise WireError("payload is not an [ts, events, dp_rank] array")
+    ts, events_raw = raw[0], raw[1]
+    dp_rank = raw[2] if len(raw) > 2 else None
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise WireError("batch ts is not a number")
+    if not isinstance(events_raw, list | tuple):
+        raise WireError("batch events is not a list")
+    if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
+        dp_rank = None
+    events: list[Event] = []
+    rejected: list[str] = []
+    for raw_event in events_raw:
+        try:
+            events.append(_decode_event(raw_event))
+        except (ValueError, TypeError, OverflowError) as exc:
+            rejected.append(str(exc))
+    return EventBatch(ts=float(ts), events=events, data_parallel_rank=dp_rank, rejected=rejected)
+
+
+def decode_frames(frames: Sequence[bytes]) -> Frame:
+    """Split a PUB message into topic, sequence number and payload."""
+    if len(frames) != 3:
+        raise WireError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    topic_raw, seq_raw, payload = frames
+    if len(seq_raw) != 8:
+        raise WireError(f"sequence frame has {len(seq_raw)} bytes, expected 8")
+    try:
+        topic = bytes(topic_raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError("topic is not utf-8") from exc
+    return Frame(topic=topic, seq=int.from_bytes(seq_raw, "big"), payload=bytes(payload))
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> Frame | None:
+    """Decode one message a DEALER got from the replay ROUTER; None is the end marker."""
+    is_end = len(frames) == 4 and frames[0] == frames[1] == b""
+    if is_end and bytes(frames[2]) == _REPLAY_END_SEQ_BYTES:
+        return None
+    if len(frames) != 4 or frames[0] != b"":
+        raise WireError(
+            f"replay reply has {len(frames)} frames, expected [b'', topic, seq, payload]"
+        )
+    return decode_frames(frames[1:])
+
+
+# --- encoding: used by the simulator, the test publishers and the benchmarks ------------------
+
+
+def _event_map(event: Event) -> dict[str, Any]:
+    """An event as vLLM 0.32/0.33 encodes it: tagged map, defaults omitted."""
+    if isinstance(event, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": event.block_hashes,
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": event.token_ids,
+            "block_size": event.block_size,
+            "lora_id": event.lora_id,
+            "medium": event.medium.name,
+            "lora_name": event.lora_name,
+        }
+        if event.extra_keys is not None:
+            out["extra_keys"] = event.extra_keys
+        if event.group_idx:
+            out["group_idx"] = event.group_idx
+        if event.locality is not None:
+            out["locality"] = event.locality
+        return out
+    if isinstance(event, BlockRemoved):
+        out = {
+            "type": "BlockRemoved",
+            "block_hashes": event.block_hashes,
+            "medium": event.medium.name,
+        }
+        if event.group_idx:
+            out["group_idx"] = event.group_idx
+        return out
+    out = {"type": "AllBlocksCleared"}
+    if event.medium is not None:
+        out["medium"] = event.medium.name
+    return out
+
+
+def _event_array(event: Event) -> list[Any]:
+    """An event as older vLLM encoded it: ``[tag, field...]`` in declaration order."""
+    if isinstance(event, BlockStored):
+        return [
+            "BlockStored",
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+            event.medium.name,
+            event.lora_name,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium.name]
+    return ["AllBlocksCleared"]
+
+
+def encode_batch(
+    events: Sequence[Event],
+    *,
+    ts: float,
+    data_parallel_rank: int | None = None,
+    positional: bool = False,
+) -> bytes:
+    """Encode a batch exactly as vLLM does (``positional=True``: the pre-2026 array events)."""
+    encode_event = _event_array if positional else _event_map
+    return _encoder.encode([ts, [encode_event(e) for e in events], data_parallel_rank])
+
+
+def encode_frames(topic: str, seq: int, payload: bytes) -> list[bytes]:
+    return [topic.encode("utf-8"), seq.to_bytes(8, "big"), payload]
+
+
+def encode_replay_request(start_seq: int) -> list[bytes]:
+    """What a DEALER sends to a replay ROUTER to get every buffered batch with seq >= start."""
+    return [b"", start_seq.to_bytes(8, "big")]
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> int:
+    """The start sequence of a request as a ROUTER sees it: ``[identity, b"", seq8]``."""
+    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        raise WireError("replay request must be [identity, b'', start_seq8]")
+    return int.from_bytes(frames[2], "big")
+
+
+def encode_replay_reply(identity: bytes, topic: str, seq: int, payload: bytes) -> list[bytes]:
+    return [identity, b"", *encode_frames(topic, seq, payload)]
+
+
+def encode_replay_end(identity: bytes) -> list[bytes]:
+    return [identity, b"", b"", _REPLAY_END_SEQ_BYTES, b""]

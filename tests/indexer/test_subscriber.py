@@ -1,0 +1,233 @@
+"""The subscriber over real ZMQ sockets on 127.0.0.1: ordering, gaps, replay, resets, garbage."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from bench.publisher import EventPublisher
+from indexer.index import InMemoryPrefixIndex
+from indexer.stats import collect_stats
+from indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaFeed
+from indexer.wire import BlockRemoved, BlockStored, Frame, Medium, encode_batch
+from tests.indexer.test_index import DOC, removed, stored
+
+TOPIC = "kv@127.0.0.1:8000@tiny"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def publisher(replay: bool = True, buffer_steps: int = 10_000) -> EventPublisher:
+    return EventPublisher(
+        "tcp://127.0.0.1:0",
+        replay_endpoint="tcp://127.0.0.1:0" if replay else None,
+        topic=TOPIC,
+        buffer_steps=buffer_steps,
+        bind=True,
+    )
+
+
+@pytest.fixture
+def index() -> InMemoryPrefixIndex:
+    return InMemoryPrefixIndex()
+
+
+@pytest.fixture
+def subscriber(index: InMemoryPrefixIndex) -> Iterator[EventSubscriber]:
+    sub = EventSubscriber(index, replay_timeout_s=2.0, stale_clear_after_s=1.0)
+    yield sub
+    sub.close()
+
+
+def connect(sub: EventSubscriber, pub: EventPublisher, name: str = "r1") -> None:
+    sub.add_source(EventSource(name, pub.endpoint, pub.replay_endpoint, TOPIC))
+
+
+def blocks(index: InMemoryPrefixIndex, replica: str = "r1") -> int:
+    match = index.lookup(DOC).get(replica)
+    return 0 if match is None else match.blocks
+
+
+def test_live_events_are_indexed_in_order_and_late_join_replays(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    with publisher() as pub:
+        # Published before anyone listens: only the replay socket can deliver these.
+        pub.publish([stored(DOC, 0, 2)])
+        pub.publish([stored(DOC, 2, 2)])
+        connect(subscriber, pub)
+        time.sleep(0.3)
+        pub.publish([stored(DOC, 4, 1, Medium.CPU)])
+        wait_for(lambda: blocks(index) == 5)
+        state, reason = subscriber.freshness("r1")
+        assert state is Freshness.LIVE, reason
+        stats = subscriber.feed_stats()["r1"]
+        assert stats.replays == 1 and stats.missed_batches == 0
+        pub.publish([removed(DOC, [4], Medium.CPU)])
+        wait_for(lambda: blocks(index) == 4)
+
+
+def test_gap_is_filled_from_replay(index: InMemoryPrefixIndex, subscriber: EventSubscriber) -> None:
+    with publisher() as pub:
+        connect(subscriber, pub)
+        time.sleep(0.3)
+        pub.publish([stored(DOC, 0, 2)])
+        wait_for(lambda: blocks(index) == 2)
+        pub.publish([stored(DOC, 2, 2)], drop=True)  # lost on the wire, kept for replay
+        pub.publish([stored(DOC, 4, 2)])
+        wait_for(lambda: blocks(index) == 6)
+        stats = subscriber.feed_stats()["r1"]
+        assert stats.gaps == 1 and stats.replays == 1 and stats.events_rejected == 0
+        assert subscriber.freshness("r1")[0] is Freshness.LIVE
+
+
+def test_gap_without_replay_clears_and_rebuilds(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    other = list(range(900, 916))
+    with publisher(replay=False) as pub:
+        connect(subscriber, pub)
+        time.sleep(0.3)
+        pub.publish([stored(DOC, 0, 4)])
+        wait_for(lambda: blocks(index) == 4)
+        pub.publish([removed(DOC, [3, 2, 1, 0])], drop=True)  # lost: the index would lie
+        pub.publish([stored(other, 0, 2)])
+        wait_for(lambda: subscriber.feed_stats()["r1"].replay_failures == 1)
+        state, reason = subscriber.freshness("r1")
+        assert state is Freshness.REBUILDING and "no replay endpoint" in reason
+        assert blocks(index) == 0  # cleared rather than trusting the stale view
+        assert index.lookup(other)["r1"].blocks == 2  # rebuilding from live events
+
+
+def test_replay_that_no_longer_holds_the_gap_clears(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    with publisher(buffer_steps=2) as pub:
+        connect(subscriber, pub)
+        time.sleep(0.3)
+        pub.publish([stored(DOC, 0, 2)])
+        wait_for(lambda: blocks(index) == 2)
+        for _ in range(3):
+            pub.publish([removed(DOC, [1])], drop=True)
+        pub.publish([BlockStored([1], None, [1, 2, 3, 4], 4)])
+        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.REBUILDING)
+        assert "no longer holds" in subscriber.freshness("r1")[1]
+        assert blocks(index) == 0
+
+
+def test_sequence_reset_clears_and_rebuilds(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    pub = publisher()
+    port_pub, port_replay = pub.endpoint, pub.replay_endpoint
+    connect(subscriber, pub)
+    time.sleep(0.3)
+    for i in range(4):
+        pub.publish([stored(DOC, 2 * i, 2)])
+    wait_for(lambda: blocks(index) == 8)
+    pub.close()
+    wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.STALE)
+    assert blocks(index) == 8  # kept while stale (and discounted by the router)
+    # The replica restarts on the same ports: a new process, seq from 0, an empty cache.
+    pub = EventPublisher(port_pub, replay_endpoint=port_replay, topic=TOPIC, bind=True)
+    try:
+        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.SYNCING)
+        time.sleep(0.3)
+        pub.publish([stored(DOC, 0, 1)])
+        wait_for(lambda: subscriber.feed_stats()["r1"].resets == 1)
+        wait_for(lambda: blocks(index) == 1)
+        assert subscriber.freshness("r1")[0] is Freshness.LIVE
+    finally:
+        pub.close()
+
+
+def test_stale_publisher_is_cleared_after_the_grace_period(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    pub = publisher()
+    connect(subscriber, pub)
+    time.sleep(0.3)
+    pub.publish([stored(DOC, 0, 2)])
+    wait_for(lambda: blocks(index) == 2)
+    pub.close()
+    wait_for(lambda: blocks(index) == 0, timeout=10)  # stale_clear_after_s=1 in the fixture
+    assert subscriber.freshness("r1")[0] is Freshness.STALE
+
+
+def test_garbage_frames_and_foreign_topics_are_counted_never_fatal(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    with publisher() as pub:
+        connect(subscriber, pub)
+        time.sleep(0.3)
+        pub.send_raw([TOPIC.encode(), b"short"])
+        pub.send_raw([TOPIC.encode(), b"\x00" * 7, b"x"])
+        pub.publish_payload(b"\xc1 not msgpack")  # seq 0: counted and skipped
+        pub.publish_payload(msgspec.msgpack.encode([1.0]))  # seq 1: not a batch
+        pub.publish([stored(DOC, 0, 1), BlockRemoved([1], Medium.GPU)])  # seq 2
+        wait_for(lambda: blocks(index) == 1)
+        stats = subscriber.feed_stats()["r1"]
+        assert stats.malformed_messages == 4
+        assert stats.gaps == 0 and stats.events_applied == 2
+        assert subscriber.freshness("r1")[0] is Freshness.LIVE
+        snapshot = collect_stats(index, subscriber).to_dict()
+        assert snapshot["fleet"]["malformed_messages"] == stats.malformed_messages
+        assert snapshot["replicas"]["r1"]["entries_by_tier"]["GPU"] == 1
+
+
+def test_replicas_are_independent_and_removable(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    with publisher() as a, publisher() as b:
+        connect(subscriber, a, "a")
+        connect(subscriber, b, "b")
+        time.sleep(0.3)
+        a.publish([stored(DOC, 0, 3)])
+        b.publish([stored(DOC, 0, 1)])
+        wait_for(lambda: blocks(index, "a") == 3 and blocks(index, "b") == 1)
+        subscriber.remove_source("a")
+        assert "a" not in index.lookup(DOC)
+        assert [s.replica for s in subscriber.sources()] == ["b"]
+
+
+def test_duplicates_after_replay_are_skipped() -> None:
+    """Driven without sockets: a replay that already delivered later batches."""
+    index = InMemoryPrefixIndex()
+    payloads = [encode_batch([stored(DOC, i, 1)], ts=0.0) for i in range(4)]
+    frames = [Frame(TOPIC, i, p) for i, p in enumerate(payloads)]
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda start: frames[start:])
+    feed.handle(frames[2])  # joined late: replays 0..3
+    feed.handle(frames[3])  # arrives live too: a duplicate
+    assert feed.stats.duplicates == 1 and feed.expected == 4
+    assert index.lookup(DOC)["r"].blocks == 4
+    feed.handle(Frame(TOPIC, 1, payloads[1]))  # behind but inside the replayed range
+    assert feed.stats.duplicates == 2 and feed.stats.resets == 0
+
+
+def test_subscriber_never_blocks_on_a_dead_replay_socket(index: InMemoryPrefixIndex) -> None:
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts the request and never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    sub = EventSubscriber(index, replay_timeout_s=0.5)
+    try:
+        with EventPublisher("tcp://127.0.0.1:0", topic=TOPIC, bind=True) as pub:
+            sub.add_source(EventSource("r1", pub.endpoint, f"tcp://127.0.0.1:{port}", TOPIC))
+            time.sleep(0.3)
+            pub.publish([stored(DOC, 0, 1)], drop=True)
+            pub.publish([stored(DOC, 1, 1)])
+            wait_for(lambda: sub.feed_stats()["r1"].replay_failures == 1)
+            assert sub.freshness("r1")[0] is Freshness.REBUILDING
+    finally:
+        sub.close()
+        silent.close(linger=0)

@@ -1,0 +1,270 @@
+"""The wire decoder: both encodings, every field, lenient on extras, strict on what it needs."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Medium,
+    WireError,
+    decode_batch,
+    decode_frames,
+    decode_replay_reply,
+    encode_batch,
+    encode_frames,
+    encode_replay_end,
+    encode_replay_reply,
+    normalize_medium,
+)
+
+enc = msgspec.msgpack.encode
+
+
+def stored_map(**over: object) -> dict[str, object]:
+    event: dict[str, object] = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12],
+        "parent_block_hash": 10,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    event.update(over)
+    return event
+
+
+def test_map_tagged_block_stored_every_field() -> None:
+    payload = enc(
+        [
+            1.5,
+            [
+                stored_map(
+                    extra_keys=[["adapter", "salt"], None],
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                    kv_cache_spec_sliding_window=None,
+                    locality="LOCAL",
+                    ownership="x",
+                    session_id="s",
+                    lookahead_token_ids=[9],
+                    lora_name="adapter",
+                    lora_id=3,
+                    some_future_field={"a": 1},
+                )
+            ],
+            2,
+        ]
+    )
+    batch = decode_batch(payload)
+    assert batch.ts == 1.5 and batch.data_parallel_rank == 2 and batch.rejected == []
+    (event,) = batch.events
+    assert event == BlockStored(
+        block_hashes=[11, 12],
+        parent_block_hash=10,
+        token_ids=[1, 2, 3, 4],
+        block_size=2,
+        medium=Medium.GPU,
+        lora_name="adapter",
+        lora_id=3,
+        extra_keys=[["adapter", "salt"], None],
+        group_idx=0,
+        locality="LOCAL",
+    )
+
+
+def test_positional_array_events_from_older_vllm() -> None:
+    payload = enc(
+        [
+            2.0,
+            [
+                ["BlockStored", [5], None, [7, 8], 2, None, "cpu", None],
+                ["BlockRemoved", [5], "GPU"],
+                ["BlockStored", [6], 5, [9, 9], 2, None],  # shorter: medium missing -> GPU
+                ["AllBlocksCleared"],
+            ],
+        ]
+    )
+    batch = decode_batch(payload)
+    assert batch.data_parallel_rank is None
+    assert batch.events == [
+        BlockStored([5], None, [7, 8], 2, medium=Medium.CPU),
+        BlockRemoved([5], Medium.GPU),
+        BlockStored([6], 5, [9, 9], 2),
+        AllBlocksCleared(),
+    ]
+
+
+def test_bytes_hashes_become_their_low_64_bits() -> None:
+    digest = bytes(range(32))
+    payload = enc([0.0, [stored_map(block_hashes=[digest, digest[::-1]], parent_block_hash=digest)]])
+    (event,) = decode_batch(payload).events
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [
+        int.from_bytes(digest[-8:], "big"),
+        int.from_bytes(digest[::-1][-8:], "big"),
+    ]
+    assert event.parent_block_hash == int.from_bytes(digest[-8:], "big")
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (None, Medium.GPU),
+        ("GPU", Medium.GPU),
+        ("gpu", Medium.GPU),
+        ("cuda", Medium.GPU),
+        ("CPU", Medium.CPU),
+        ("cpu", Medium.CPU),
+        ("host", Medium.CPU),
+        ("STORAGE", Medium.STORAGE),
+        ("disk", Medium.STORAGE),
+        (" Storage ", Medium.STORAGE),
+    ],
+)
+def test_medium_normalised(raw: object, expected: Medium) -> None:
+    assert normalize_medium(raw) is expected
+
+
+@pytest.mark.parametrize("raw", ["tape", "", 3, ["GPU"]])
+def test_unknown_medium_is_rejected_never_counted_as_gpu(raw: object) -> None:
+    with pytest.raises(ValueError):
+        normalize_medium(raw)
+    batch = decode_batch(enc([0.0, [stored_map(medium=raw), stored_map(block_hashes=[1, 2])]]))
+    assert len(batch.events) == 1 and len(batch.rejected) == 1
+    assert "medium" in batch.rejected[0]
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (stored_map(token_ids=[1, 2, 3]), "tokens for 2 blocks"),
+        (stored_map(block_hashes="nope"), "block_hashes"),
+        (stored_map(block_hashes=[]), "no block hashes"),
+        (stored_map(block_hashes=[1.5, 2]), "block hash"),
+        (stored_map(block_size=-2), "negative"),
+        (stored_map(block_size=0), "block_size 0"),
+        (stored_map(extra_keys=[None]), "extra_keys"),
+        (stored_map(lora_name=5), "lora_name"),
+        ({"type": "BlockExploded"}, "unknown event type"),
+        ({"no_type": 1}, "type"),
+        (["BlockRemoved"], "block_hashes"),
+        (42, "neither"),
+    ],
+)
+def test_malformed_events_rejected_with_reason_rest_of_batch_kept(bad: object, reason: str) -> None:
+    good = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    batch = decode_batch(enc([0.0, [good, bad, good]]))
+    assert batch.events == [BlockRemoved([3]), BlockRemoved([3])]
+    assert len(batch.rejected) == 1 and reason in batch.rejected[0]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\xc1", enc({"x": 1}), enc([1.0]), enc(["ts", []]), enc([1.0, "events"]), enc(7)],
+)
+def test_undecodable_payload_raises_wire_error(payload: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_batch(payload)
+
+
+def test_frames_round_trip_and_errors() -> None:
+    frame = decode_frames(encode_frames("kv@a", 2**40 + 3, b"p"))
+    assert (frame.topic, frame.seq, frame.payload) == ("kv@a", 2**40 + 3, b"p")
+    for frames in ([b"t", b"\x00" * 8], [b"t", b"\x00" * 7, b"p"], [b"\xff\xfe", b"\x00" * 8, b"p"]):
+        with pytest.raises(WireError):
+            decode_frames(frames)
+
+
+def test_replay_reply_and_end_marker() -> None:
+    reply = encode_replay_reply(b"id", "kv", 5, b"payload")[1:]  # a DEALER does not see the id
+    frame = decode_replay_reply(reply)
+    assert frame is not None and frame.seq == 5 and frame.payload == b"payload"
+    assert decode_replay_reply(encode_replay_end(b"id")[1:]) is None
+    with pytest.raises(WireError):
+        decode_replay_reply([b"x", b"kv", b"\x00" * 8, b"p"])
+
+
+def test_encoding_matches_vllm_layout() -> None:
+    """The map layout and field order vLLM 0.32's msgspec structs produce (omit_defaults)."""
+    payload = encode_batch(
+        [BlockStored([1], None, [4, 5], 2, medium=Medium.CPU), BlockRemoved([1]), AllBlocksCleared()],
+        ts=3.0,
+    )
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[0] == 3.0 and raw[2] is None
+    assert list(raw[1][0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
+    assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+    assert raw[1][2] == {"type": "AllBlocksCleared"}
+
+
+hashes = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=4)
+media = st.sampled_from(list(Medium))
+
+
+@st.composite
+def events(draw: st.DrawFn) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
+    if kind == "stored":
+        hs = draw(hashes)
+        bs = draw(st.integers(1, 4))
+        tokens = draw(st.lists(st.integers(0, 2**31), min_size=len(hs) * bs, max_size=len(hs) * bs))
+        return BlockStored(
+            hs,
+            draw(st.none() | st.integers(0, 2**64 - 1)),
+            tokens,
+            bs,
+            medium=draw(media),
+            lora_name=draw(st.none() | st.text(max_size=5)),
+        )
+    if kind == "removed":
+        return BlockRemoved(draw(hashes), draw(media))
+    return AllBlocksCleared()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(events(), max_size=6), st.booleans())
+def test_encode_decode_round_trip(evs: list, positional: bool) -> None:
+    batch = decode_batch(encode_batch(evs, ts=1.0, positional=positional))
+    assert batch.rejected == []
+    assert batch.events == evs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_never_escape_as_anything_but_wire_error(data: bytes) -> None:
+    try:
+        batch = decode_batch(data)
+    except WireError:
+        return
+    assert isinstance(batch.events, list)
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(json_like, max_size=4))
+def test_forged_events_are_rejected_not_raised(raw_events: list) -> None:
+    batch = decode_batch(enc([0.0, raw_events]))
+    assert len(batch.events) + len(batch.rejected) == len(raw_events)
