@@ -64,7 +64,10 @@ def _add_module(sub: Any, name: str, module_name: str, help_text: str) -> None:
         return
     if hasattr(module, "add_arguments"):
         module.add_arguments(parser)
-    parser.set_defaults(_module=module)
+        parser.set_defaults(_module=module, _argv=None)
+    else:  # a module with its own argv parser: hand it the rest of the command line
+        parser.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        parser.set_defaults(_module=module, _argv=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _print_table(result)
         return 0
+    if args._argv:
+        return int(module.main(args.argv) or 0)
     return int(module.main(args) or 0)
 
 
