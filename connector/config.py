@@ -1,0 +1,87 @@
+"""Connector configuration, parsed from ``kv_connector_extra_config``.
+
+Kept as a frozen dataclass so the scheduler-side and worker-side instances (separate
+objects, possibly separate processes) derive the same numbers from the same dict.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+DISK_POLICIES = ("write_through", "demote")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Settings of the kvroute connector.
+
+    ``chunk_tokens`` must be a whole number of vLLM blocks: a chunk is the unit of
+    storage, lookup and events, and it is keyed by the hash of its last block.
+    """
+
+    chunk_tokens: int = 256
+    cpu_gib: float = 1.0
+    disk_dir: str | None = None
+    disk_gib: float = 8.0
+    # "write_through": every chunk stored in RAM is also written to disk (a restarted
+    # replica finds its cache); "demote": a chunk goes to disk only when RAM evicts it.
+    disk_policy: str = "write_through"
+    disk_fsync: bool = False
+    # Pending disk writes above this many bytes are dropped (never block the forward).
+    disk_write_queue_mib: int = 256
+    # After a full disk (ENOSPC or byte cap hit), retry writes after this many seconds.
+    disk_full_retry_s: float = 30.0
+    # Opt-in to use a disk tier although block hashes are not reproducible across
+    # processes (random NONE_HASH seed): the directory is then private and wiped at start.
+    allow_nondeterministic_hash_seed: bool = False
+    pin_memory: bool = True
+    # Touch the RAM pool at start so first stores do not pay page faults.
+    prefault_cpu_pool: bool = True
+    # Concurrent chunk reads of the disk tier (queue depth for the device).
+    disk_read_threads: int = 2
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Build from the connector's extra config; unknown keys are rejected so a typo
+        does not silently fall back to a default."""
+        extra = dict(extra or {})
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise ValueError(f"unknown kvroute connector config keys: {unknown}")
+        cfg = cls(**extra)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive")
+        if self.cpu_gib < 0 or self.disk_gib < 0:
+            raise ValueError("cpu_gib and disk_gib must be >= 0")
+        if self.disk_policy not in DISK_POLICIES:
+            raise ValueError(f"disk_policy must be one of {DISK_POLICIES}")
+
+    def blocks_per_chunk(self, block_size: int) -> int:
+        if self.chunk_tokens % block_size:
+            raise ValueError(
+                f"chunk_tokens={self.chunk_tokens} is not a multiple of the vLLM block "
+                f"size {block_size}"
+            )
+        return self.chunk_tokens // block_size
+
+    @property
+    def cpu_bytes(self) -> int:
+        return int(self.cpu_gib * GIB)
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.disk_gib * GIB)
+
+    @property
+    def disk_path(self) -> Path | None:
+        return Path(os.path.expanduser(self.disk_dir)) if self.disk_dir else None

@@ -1,0 +1,209 @@
+"""Disk tier: a directory of chunk files (see ``disk_format``).
+
+* ``scan_directory`` (scheduler side, at start): serve what is there; remove temp
+  leftovers, cut-short, corrupted-header and foreign files.
+* ``DiskWriter`` (worker side): a background thread writes files so the forward pass
+  never waits on disk. Pending bytes are bounded; over the bound a write is dropped and
+  reported (a dropped write is only a future miss). ENOSPC, and the optional
+  ``byte_cap`` used by tests, become a ``disk_full`` report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from connector.disk_format import (
+    SUFFIX,
+    TMP_MARK,
+    ChunkFileError,
+    DiskFullError,
+    file_name,
+    info_from_header,
+    max_file_size,
+    read_chunk_header,
+    write_chunk_file,
+)
+from connector.keys import ChunkInfo
+
+logger = logging.getLogger(__name__)
+
+# Temp files younger than this may belong to a live writer sharing the directory.
+STALE_TMP_S = 600.0
+
+
+def tier_directory(base: Path, identity_digest: str) -> Path:
+    """Files of one model identity live in their own sub-directory, so replicas of
+    different models can share a base directory without ever seeing each other."""
+    d = Path(base) / identity_digest
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def chunk_path(directory: Path, key: bytes) -> Path:
+    return directory / file_name(key)
+
+
+def unlink_chunk(directory: Path, key: bytes) -> None:
+    try:
+        os.unlink(chunk_path(directory, key))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # pragma: no cover - unusual FS errors
+        logger.warning("kvroute: could not remove %s: %s", key.hex(), exc)
+
+
+def scan_directory(directory: Path, identity: str) -> list[tuple[ChunkInfo, int]]:
+    """Return (chunk, file size) for every valid file, oldest first (LRU order by mtime).
+    Invalid files are removed: a bad file must never be served."""
+    found: list[tuple[float, ChunkInfo, int]] = []
+    now = time.time()
+    for entry in os.scandir(directory):
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            continue
+        if TMP_MARK in entry.name:
+            if now - st.st_mtime > STALE_TMP_S:
+                _remove(path, "stale temp file")
+            continue
+        if not entry.name.endswith(SUFFIX):
+            continue
+        try:
+            header = read_chunk_header(path, identity)
+            info = info_from_header(header)
+        except (ChunkFileError, OSError, KeyError, ValueError, TypeError) as exc:
+            _remove(path, f"invalid chunk file ({exc})")
+            continue
+        found.append((st.st_mtime, info, st.st_size))
+    found.sort(key=lambda x: x[0])
+    return [(info, size) for _, info, size in found]
+
+
+def _remove(path: Path, why: str) -> None:
+    logger.warning("kvroute: removing %s: %s", path.name, why)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+@dataclass
+class WriteResult:
+    key: bytes
+    ok: bool
+    error: str | None = None
+    size: int = 0
+
+
+class DiskWriter:
+    """Background writer of chunk files with bounded pending bytes."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        fsync: bool = False,
+        max_pending_bytes: int = 256 << 20,
+        byte_cap: int | None = None,
+        on_done: Callable[[WriteResult], None] | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.fsync = fsync
+        self.max_pending_bytes = max_pending_bytes
+        self.byte_cap = byte_cap
+        self._written = 0
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._results: list[WriteResult] = []
+        self._on_done = on_done
+        self._q: queue.Queue[tuple[bytes, dict, torch.Tensor, Callable[[], None] | None] | None] = (
+            queue.Queue()
+        )
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="kvroute-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        key: bytes,
+        header: dict,
+        payload: torch.Tensor,
+        on_written: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue a write of ``payload`` (which must stay unchanged until written;
+        ``on_written`` runs once the writer is done with it, success or not). Returns
+        False (and records a failed result) when the queue is over its byte bound."""
+        n = payload.numel() * payload.element_size()
+        with self._lock:
+            if self._pending + n > self.max_pending_bytes and self._pending > 0:
+                self._results.append(WriteResult(key, False, "queue_full"))
+                drop = True
+            else:
+                self._pending += n
+                self._idle.clear()
+                drop = False
+        if drop:
+            if on_written is not None:
+                on_written()
+            return False
+        self._q.put((key, header, payload, on_written))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            key, header, payload, on_written = item
+            n = payload.numel() * payload.element_size()
+            res: WriteResult
+            try:
+                if (
+                    self.byte_cap is not None
+                    and self._written + max_file_size(header, n) > self.byte_cap
+                ):
+                    raise DiskFullError(28, "byte cap reached")
+                size = write_chunk_file(self.directory, key, header, payload, fsync=self.fsync)
+                self._written += size
+                res = WriteResult(key, True, size=size)
+            except DiskFullError:
+                res = WriteResult(key, False, "disk_full")
+            except OSError as exc:
+                logger.warning("kvroute: disk write failed for %s: %s", key.hex(), exc)
+                res = WriteResult(key, False, "io")
+            if on_written is not None:
+                on_written()
+            with self._lock:
+                self._pending -= n
+                self._results.append(res)
+                if self._pending == 0 and self._q.empty():
+                    self._idle.set()
+            if self._on_done is not None:
+                self._on_done(res)
+
+    def take_results(self) -> list[WriteResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write finished (tests, benchmarks, shutdown)."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._q.put(None)
+        self._thread.join(timeout)

