@@ -1,0 +1,138 @@
+"""``create_app(settings)``: the router as a FastAPI app, usable in-process or under uvicorn.
+
+The proxied endpoints are raw ASGI routes (router.endpoints); the rest are ordinary FastAPI
+handlers. Every error, including unknown paths and wrong methods, is in OpenAI's schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.config import RouterSettings
+from router.endpoints import ProxyEndpoint, debug_kind
+from router.errors import RouterError, error_response
+from router.proxy import read_body
+from router.requests import decode_json, parse_body
+from router.service import RouterService
+from router.tokenization import TokenizerBase
+
+__all__ = ["create_app"]
+
+_PROXIED = (
+    ("/v1/completions", "completion"),
+    ("/v1/chat/completions", "chat"),
+    ("/tokenize", "tokenize"),
+    ("/detokenize", "detokenize"),
+)
+
+
+def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> FastAPI:
+    """Build the router app. The indexer (index + event subscriber), health checks and the
+    replicas-file watcher start with the app's lifespan and stop with it.
+    ``tokenizer`` overrides the one ``settings`` describes (tests inject a shared instance)."""
+    service = RouterService(settings, tokenizer=tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="kvroute router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    for path, kind in _PROXIED:
+        app.router.routes.append(Route(path, ProxyEndpoint(service, kind, path), methods=["POST"]))
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> Response:
+        return exc.response(request.headers.get("x-request-id"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, str(exc.errors()))
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = len(service.registry.healthy())
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "healthy_replicas": healthy,
+            "replicas": len(service.registry),
+        }
+        if healthy:
+            return JSONResponse(body)
+        return JSONResponse(
+            body, status_code=503, headers={"retry-after": str(settings.retry_after_s)}
+        )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        healthy = service.registry.healthy()
+        cards = service.registry.known_models(healthy)
+        if not healthy:
+            raise RouterError(
+                503,
+                "no healthy replica is available",
+                headers={"retry-after": str(settings.retry_after_s)},
+            )
+        return JSONResponse({"object": "list", "data": list(cards.values())})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(
+            service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.get("/index/stats")
+    async def index_stats() -> Response:
+        return JSONResponse(service.stats())
+
+    @app.post("/debug/route")
+    async def debug_route(request: Request) -> Response:
+        """What the router would do with this completion or chat body, without sending it."""
+        raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
+        body = decode_json(raw)
+        kind = request.query_params.get("kind") or debug_kind(body)
+        if kind not in ("chat", "completion"):
+            raise RouterError(400, "kind must be 'chat' or 'completion'", param="kind")
+        parsed = parse_body(raw, kind)  # type: ignore[arg-type]
+        candidates = service.candidates(parsed.model)
+        session = request.headers.get(settings.session_header)
+        decision = await service.router.decide(parsed, candidates, session)
+        out: dict[str, Any] = {"kind": kind, **decision.to_dict()}
+        return JSONResponse(out)
+
+    @app.get("/debug/tokenizer_check")
+    async def tokenizer_check() -> Response:
+        """Self-check: the router's token ids vs each healthy replica's /tokenize."""
+        results = await service.check_tokenizer()
+        ok = bool(results) and all(r["ok"] for r in results)
+        return JSONResponse({"ok": ok, "results": results})
+
+    @app.post("/debug/tokenizer_check")
+    async def tokenizer_check_body(request: Request) -> Response:
+        """Self-check on the caller's own completion or chat body (model, prompt/messages)."""
+        raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
+        body = decode_json(raw)
+        sample = {k: v for k, v in body.items() if k != "model"}
+        parse_body(json.dumps(body).encode(), debug_kind(body))  # 400 on a bad body
+        results = await service.check_tokenizer([sample])
+        ok = bool(results) and all(r["ok"] for r in results)
+        return JSONResponse({"ok": ok, "results": results})
+
+    return app

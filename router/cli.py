@@ -1,0 +1,171 @@
+"""``kvroute serve``: the router under uvicorn, with the indexer in-process.
+
+``add_arguments(parser)`` and ``main(args) -> int`` follow the project's CLI convention (the
+lead's deploy/cli.py mounts them); ``python -m router.cli ...`` runs the same thing directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+
+from router.config import (
+    POLICIES,
+    ConfigError,
+    CostSettings,
+    RouterSettings,
+    parse_replica_flag,
+)
+
+__all__ = ["add_arguments", "main", "settings_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RouterSettings()
+    c = CostSettings()
+    fleet = parser.add_argument_group("replicas")
+    fleet.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL[,events=EP,replay=EP,topic=T,name=N]",
+        help="a vLLM replica and where it publishes KV events (repeatable)",
+    )
+    fleet.add_argument(
+        "--replicas-file",
+        default=None,
+        help="YAML file of replicas, watched: edits add and remove replicas without a restart",
+    )
+    fleet.add_argument("--watch-interval-s", type=float, default=d.watch_interval_s)
+    fleet.add_argument(
+        "--replay-timeout-s",
+        type=float,
+        default=d.replay_timeout_s,
+        help="how long to wait for a replica's replay socket after a gap",
+    )
+    fleet.add_argument(
+        "--stale-clear-after-s",
+        type=float,
+        default=d.stale_clear_after_s,
+        help="drop a silent replica's index entries after this long",
+    )
+    fleet.add_argument("--index-max-entries", type=int, default=d.index_max_entries)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=d.host)
+    server.add_argument("--port", type=int, default=d.port)
+    server.add_argument("--log-level", default="info")
+    server.add_argument("--access-log", action="store_true", help="log every request")
+    routing = parser.add_argument_group("routing")
+    routing.add_argument("--policy", choices=POLICIES, default=d.policy)
+    routing.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer path or model id (transformers); default: the replicas' /tokenize",
+    )
+    routing.add_argument("--tokenizer-mode", choices=("local", "remote"), default=d.tokenizer_mode)
+    routing.add_argument(
+        "--no-tokenizer-check",
+        action="store_true",
+        help="skip the startup comparison with a replica's /tokenize",
+    )
+    routing.add_argument(
+        "--hint-ttl-s",
+        type=float,
+        default=d.hint_ttl_s,
+        help="burst-hint lifetime (0 disables hints)",
+    )
+    routing.add_argument("--session-header", default=d.session_header)
+    cost = parser.add_argument_group("cost model (seconds; see docs/router.md)")
+    cost.add_argument("--prefill-s-per-token", type=float, default=c.prefill_s_per_token)
+    cost.add_argument("--load-s-per-token-cpu", type=float, default=c.load_s_per_token_cpu)
+    cost.add_argument("--load-s-per-token-storage", type=float, default=c.load_s_per_token_storage)
+    cost.add_argument("--queue-s-per-request", type=float, default=c.queue_s_per_request)
+    cost.add_argument("--queue-knee", type=float, default=c.queue_knee)
+    cost.add_argument("--waiting-s-per-request", type=float, default=c.waiting_s_per_request)
+    proxy = parser.add_argument_group("proxy")
+    proxy.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
+    proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
+    proxy.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    proxy.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    proxy.add_argument("--max-connections", type=int, default=d.max_connections)
+    health = parser.add_argument_group("health")
+    health.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+    health.add_argument("--health-timeout-s", type=float, default=d.health_timeout_s)
+    health.add_argument("--unhealthy-after", type=int, default=d.unhealthy_after)
+    health.add_argument("--healthy-after", type=int, default=d.healthy_after)
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    cost = CostSettings(
+        prefill_s_per_token=args.prefill_s_per_token,
+        load_s_per_token_cpu=args.load_s_per_token_cpu,
+        load_s_per_token_storage=args.load_s_per_token_storage,
+        queue_s_per_request=args.queue_s_per_request,
+        queue_knee=args.queue_knee,
+        waiting_s_per_request=args.waiting_s_per_request,
+    )
+    return RouterSettings(
+        replicas=[parse_replica_flag(r) for r in args.replica],
+        replicas_file=args.replicas_file,
+        watch_interval_s=args.watch_interval_s,
+        replay_timeout_s=args.replay_timeout_s,
+        stale_clear_after_s=args.stale_clear_after_s,
+        index_max_entries=args.index_max_entries,
+        policy=args.policy,
+        tokenizer=args.tokenizer,
+        tokenizer_mode=args.tokenizer_mode,
+        tokenizer_check_on_start=not args.no_tokenizer_check,
+        host=args.host,
+        port=args.port,
+        connect_timeout_s=args.connect_timeout_s,
+        read_timeout_s=args.read_timeout_s,
+        max_attempts=args.max_attempts,
+        max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
+        health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        unhealthy_after=args.unhealthy_after,
+        healthy_after=args.healthy_after,
+        hint_ttl_s=args.hint_ttl_s,
+        session_header=args.session_header,
+        cost=cost,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = settings_from_args(args).replace(gc_freeze=True)
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    if not settings.replicas and not settings.replicas_file:
+        print("kvroute serve: give --replica (repeatable) or --replicas-file", file=sys.stderr)
+        return 2
+    has = importlib.util.find_spec
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        workers=1,  # the index and the in-flight counts live in this process
+        loop="uvloop" if has("uvloop") else "asyncio",
+        http="httptools" if has("httptools") else "h11",
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="kvroute serve", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

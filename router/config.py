@@ -1,0 +1,209 @@
+"""Router settings and the replica list, from command-line flags or a YAML file.
+
+A replica is an OpenAI-compatible vLLM server (``url``) plus, optionally, where it publishes KV
+events (``events``: the ZMQ PUB endpoint to connect to; ``replay``: its replay ROUTER). A replica
+without events is still routed to, by load only: the index simply knows nothing about it.
+
+Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N]``.
+File syntax (YAML): ``replicas: [{url, events, replay, topic, name}, ...]`` or a bare list of
+the same mappings or URL strings. The file is re-read while the router runs (router.watcher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+
+__all__ = [
+    "POLICIES",
+    "ConfigError",
+    "CostSettings",
+    "ReplicaConfig",
+    "RouterSettings",
+    "load_replicas_file",
+    "parse_replica",
+    "parse_replica_flag",
+]
+
+POLICIES = ("kvroute", "round_robin", "least_loaded", "session", "approx_prefix")
+
+
+class ConfigError(ValueError):
+    """A replica flag or file that cannot be used, with the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    topic: str = ""
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"replica url must be http(s)://host:port, got {self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+    @property
+    def key(self) -> str:
+        """The replica's name everywhere (index, metrics, stats): ``name`` or ``host:port``."""
+        return self.name or urlsplit(self.url).netloc
+
+
+@dataclass(slots=True)
+class CostSettings:
+    """Knobs of the default (kvroute) cost: estimated seconds to first token per replica.
+
+    est_ttft = queue_delay + prefill_s_per_token * uncached
+               + load_s_per_token_cpu * cpu_tokens + load_s_per_token_storage * storage_tokens
+    queue_delay = queue_s_per_request * pending * (1 + pending / queue_knee)
+                  + waiting_s_per_request * waiting + kv_pressure_s * pressure
+    See docs/router.md for what each term models and how to set it.
+    """
+
+    prefill_s_per_token: float = 1e-4
+    load_s_per_token_cpu: float = 2e-5
+    load_s_per_token_storage: float = 5e-5
+    queue_s_per_request: float = 0.02
+    queue_knee: float = 16.0
+    waiting_s_per_request: float = 0.05
+    kv_pressure_s: float = 0.5
+    kv_pressure_start: float = 0.9
+    tie_epsilon_s: float = 1e-3
+    # How much of a replica's match we believe, by the freshness of its event feed.
+    freshness_weight: dict[str, float] = field(
+        default_factory=lambda: {
+            "live": 1.0,
+            "syncing": 0.8,
+            "rebuilding": 0.5,
+            "stale": 0.25,
+            "connecting": 0.0,
+        }
+    )
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    replicas: list[ReplicaConfig] = field(default_factory=list)
+    replicas_file: str | None = None
+    policy: str = "kvroute"
+    tokenizer: str | None = None
+    tokenizer_mode: Literal["local", "remote"] = "local"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Proxying
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    write_timeout_s: float = 30.0
+    pool_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_attempts: int = 3
+    max_body_bytes: int = 32 * 1024 * 1024
+    retry_after_s: int = 2
+    # Replica health and load signals
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 2
+    healthy_after: int = 1
+    models_refresh_s: float = 30.0
+    watch_interval_s: float = 1.0
+    # Index feed
+    replay_timeout_s: float = 5.0
+    stale_clear_after_s: float = 30.0
+    index_max_entries: int = 8_000_000
+    # Routing
+    cost: CostSettings = field(default_factory=CostSettings)
+    hint_ttl_s: float = 5.0
+    hint_max_keys: int = 500_000
+    default_block_size: int = 16
+    session_header: str = "x-session-id"
+    approx_block_size: int = 16
+    approx_max_keys: int = 1_000_000
+    approx_match_threshold: float = 0.5
+    approx_balance_abs: int = 32
+    approx_balance_rel: float = 1.5
+    # Tokenization
+    tokenizer_cache_entries: int = 4096
+    tokenizer_segment_cache_entries: int = 65536
+    tokenizer_check_on_start: bool = True
+    # Process-wide GC tuning; for the server process only (kvroute serve sets it).
+    gc_freeze: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.tokenizer_mode not in ("local", "remote"):
+            raise ConfigError("tokenizer_mode must be 'local' or 'remote'")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be >= 1")
+        names = [r.key for r in self.replicas]
+        if len(names) != len(set(names)):
+            raise ConfigError(f"replica names must be unique: {names}")
+
+    def replace(self, **changes: Any) -> RouterSettings:
+        return dataclasses.replace(self, **changes)
+
+
+def parse_replica_flag(value: str) -> ReplicaConfig:
+    """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1``."""
+    url, *options = [part.strip() for part in value.split(",")]
+    fields: dict[str, str] = {}
+    for option in options:
+        if not option:
+            continue
+        name, sep, val = option.partition("=")
+        if not sep or name not in ("events", "replay", "topic", "name"):
+            raise ConfigError(
+                f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, name="
+            )
+        fields[name] = val
+    return ReplicaConfig(url=url, **fields)
+
+
+def parse_replica(item: object) -> ReplicaConfig:
+    """One entry of a replicas file: a URL string or a mapping of ReplicaConfig's fields."""
+    if isinstance(item, str):
+        return parse_replica_flag(item)
+    if not isinstance(item, dict):
+        raise ConfigError(f"replica entry must be a URL or a mapping, got {item!r}")
+    unknown = set(item) - {"url", "events", "replay", "topic", "name"}
+    if unknown:
+        raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
+    if not isinstance(item.get("url"), str):
+        raise ConfigError(f"replica entry needs a url: {item!r}")
+    for key in ("events", "replay", "topic", "name"):
+        if item.get(key) is not None and not isinstance(item[key], str):
+            raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
+    return ReplicaConfig(
+        url=item["url"],
+        events=item.get("events"),
+        replay=item.get("replay"),
+        topic=item.get("topic") or "",
+        name=item.get("name"),
+    )
+
+
+def load_replicas_file(path: str | Path) -> list[ReplicaConfig]:
+    """Parse a replicas file; raises ConfigError (never a half-read list) when it is invalid."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read replicas file {path}: {exc}") from exc
+    if data is None:
+        return []
+    if isinstance(data, dict):
+        data = data.get("replicas") or []
+    if not isinstance(data, list):
+        raise ConfigError(f"replicas file {path} must hold a list under 'replicas'")
+    replicas = [parse_replica(item) for item in data]
+    names = [r.key for r in replicas]
+    if len(names) != len(set(names)):
+        raise ConfigError(f"replica names in {path} must be unique: {names}")
+    return replicas

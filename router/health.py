@@ -1,0 +1,105 @@
+"""Active health checks: eject a replica that stops answering, return it when it answers again.
+
+Every ``interval_s`` each replica gets ``GET /health`` and ``GET /metrics`` (the load gauges),
+and ``GET /v1/models`` when its model list is older than ``models_refresh_s``. A replica is
+routable only once its models are known, so a request is never sent to a replica that does
+not serve its model. Passive failures (refused connections while proxying) are reported to
+the same registry by the proxy, so a dead replica is ejected before the next check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+
+from router.replicas import Replica, ReplicaRegistry, parse_vllm_metrics
+
+__all__ = ["HealthChecker"]
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        registry: ReplicaRegistry,
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        models_refresh_s: float = 30.0,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout = httpx.Timeout(timeout_s)
+        self.models_refresh_s = models_refresh_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def check(self, replica: Replica) -> bool:
+        was_healthy = replica.healthy
+        try:
+            resp = await self.client.get(f"{replica.url}/health", timeout=self.timeout)
+            if resp.status_code != 200:
+                raise RuntimeError(f"/health answered {resp.status_code}")
+            now = time.monotonic()
+            if replica.models_at is None or now - replica.models_at > self.models_refresh_s:
+                resp = await self.client.get(f"{replica.url}/v1/models", timeout=self.timeout)
+                resp.raise_for_status()
+                data = resp.json().get("data")
+                if not isinstance(data, list):
+                    raise RuntimeError("/v1/models has no data list")
+                replica.models = {c["id"]: c for c in data if isinstance(c, dict) and "id" in c}
+                replica.models_at = now
+            await self._scrape(replica)
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+            self.registry.record_failure(replica, f"health check: {exc!r}")
+            if was_healthy and not replica.healthy:
+                log.warning("replica %s ejected: %s", replica.name, replica.last_error)
+            return False
+        self.registry.record_success(replica)
+        if not was_healthy and replica.healthy:
+            log.info("replica %s is healthy", replica.name)
+        return True
+
+    async def _scrape(self, replica: Replica) -> None:
+        """Load gauges; a replica without /metrics is still healthy (router counts only)."""
+        try:
+            resp = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout)
+        except httpx.HTTPError:
+            return
+        if resp.status_code != 200:
+            return
+        gauges = parse_vllm_metrics(resp.text)
+        replica.running = gauges.get("running", 0.0)
+        replica.waiting = gauges.get("waiting", 0.0)
+        replica.kv_usage = gauges.get("kv_usage", 0.0)
+        replica.scraped_at = time.monotonic()
+
+    async def check_all(self) -> None:
+        replicas = list(self.registry)
+        if replicas:
+            await asyncio.gather(*(self.check(r) for r in replicas))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health check round failed")
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="kvroute-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

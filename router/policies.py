@@ -1,0 +1,237 @@
+"""Routing policies: rank the candidate replicas of one request, best first.
+
+The ranking (not just a winner) is what the proxy walks when an attempt fails before the first
+byte. ``kvroute`` is the default; the others exist for comparison and for fleets without KV
+events. Reasons are a small fixed vocabulary (they are a Prometheus label).
+
+kvroute cost, in seconds (est. time to first token; see docs/router.md):
+    est_ttft = queue_delay + prefill_s_per_token * uncached
+               + load_s_per_token_cpu * cpu_tokens + load_s_per_token_storage * storage_tokens
+    queue_delay = queue_s_per_request * pending * (1 + pending / queue_knee)
+                  + waiting_s_per_request * waiting
+                  + kv_pressure_s * max(0, kv_usage - kv_pressure_start) / (1 - kv_pressure_start)
+The queue term is superlinear in ``pending`` so that the benefit of a cached prefix (linear in
+its length) is always overtaken by a growing queue: a hot prefix spills to other replicas
+instead of piling onto one. Matches of replicas whose event feed is not live are discounted by
+``freshness_weight``; burst hints count as GPU blocks at full weight.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from router.config import CostSettings
+
+__all__ = [
+    "POLICY_REASONS",
+    "ApproxPrefixPolicy",
+    "KvroutePolicy",
+    "LeastLoadedPolicy",
+    "Policy",
+    "ReplicaView",
+    "RoundRobinPolicy",
+    "RouteContext",
+    "SessionPolicy",
+    "make_policy",
+]
+
+POLICY_REASONS = (
+    "prefix",  # the chosen replica's cached prefix made it the cheapest
+    "hint",  # chosen for a burst hint (siblings before events arrive)
+    "spill",  # a replica with a longer match was skipped for its queue
+    "load",  # no usable match anywhere: cheapest by load
+    "tie",  # equal cost: tie broken by load, then consistent hash
+    "round_robin",
+    "session",
+    "session_new",
+    "approx_match",
+    "approx_balance",
+    "approx_load",
+)
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """One candidate as a policy sees it; also what /debug/route shows."""
+
+    name: str
+    pending: float = 0.0
+    in_flight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    freshness: str | None = None
+    freshness_reason: str | None = None
+    match_tokens: int = 0  # from the index, capped by vLLM's last-token rule
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    hint_tokens: int = 0
+    approx_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    est_ttft_s: float | None = None
+    queue_s: float | None = None
+    compute_s: float | None = None
+    load_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__slots__}
+        for key in ("est_ttft_s", "queue_s", "compute_s", "load_s"):
+            if out[key] is not None:
+                out[key] = round(out[key], 6)
+        return out
+
+
+@dataclass(slots=True)
+class RouteContext:
+    views: list[ReplicaView]
+    prompt_tokens: int | None
+    affinity: bytes  # what the consistent hash keys on (the prompt's first tokens)
+    session_id: str | None = None
+
+
+def rendezvous(affinity: bytes, name: str) -> int:
+    """Highest-random-weight hashing: the same request prefix prefers the same replica, and
+    removing a replica moves only the prefixes that preferred it."""
+    return xxhash.xxh3_64_intdigest(affinity + name.encode())
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+        """Candidates best first, and the reason for the first."""
+
+    def _by_load(self, ctx: RouteContext, views: list[ReplicaView]) -> list[ReplicaView]:
+        return sorted(views, key=lambda v: (v.pending, -rendezvous(ctx.affinity, v.name)))
+
+
+class KvroutePolicy(Policy):
+    name = "kvroute"
+
+    def __init__(self, cost: CostSettings) -> None:
+        self.cost = cost
+
+    def queue_delay(self, view: ReplicaView) -> float:
+        c = self.cost
+        pending = view.pending
+        delay = c.queue_s_per_request * pending * (1.0 + pending / c.queue_knee)
+        delay += c.waiting_s_per_request * view.waiting
+        if view.kv_usage > c.kv_pressure_start:
+            over = (view.kv_usage - c.kv_pressure_start) / max(1e-9, 1.0 - c.kv_pressure_start)
+            delay += c.kv_pressure_s * min(1.0, over)
+        return delay
+
+    def estimate(self, view: ReplicaView, prompt_tokens: int) -> None:
+        """Fill the view's est_ttft_s and its parts."""
+        c = self.cost
+        weight = 1.0 if view.freshness is None else c.freshness_weight.get(view.freshness, 0.0)
+        gpu = view.tokens_by_tier.get("GPU", 0) * weight
+        cpu = view.tokens_by_tier.get("CPU", 0) * weight
+        storage = view.tokens_by_tier.get("STORAGE", 0) * weight
+        # Hinted blocks beyond the index match: the replica is computing them right now.
+        gpu += max(0, view.hint_tokens - view.match_tokens)
+        uncached = max(0.0, prompt_tokens - gpu - cpu - storage)
+        view.queue_s = self.queue_delay(view)
+        view.compute_s = c.prefill_s_per_token * uncached
+        view.load_s = c.load_s_per_token_cpu * cpu + c.load_s_per_token_storage * storage
+        view.est_ttft_s = view.queue_s + view.compute_s + view.load_s
+
+    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+        prompt = ctx.prompt_tokens or 0
+        for view in ctx.views:
+            self.estimate(view, prompt)
+        ranked = sorted(ctx.views, key=lambda v: v.est_ttft_s or 0.0)
+        best = ranked[0].est_ttft_s or 0.0
+        tied = [v for v in ranked if (v.est_ttft_s or 0.0) <= best + self.cost.tie_epsilon_s]
+        if len(tied) > 1:
+            tied = self._by_load(ctx, tied)
+            ranked = tied + [v for v in ranked if v not in tied]
+        chosen = ranked[0]
+        longest = max(v.predicted_cached_tokens for v in ranked)
+        if chosen.predicted_cached_tokens < longest:
+            reason = "spill"
+        elif chosen.predicted_cached_tokens == 0:
+            reason = "tie" if len(tied) > 1 and len(ranked) > 1 else "load"
+        elif chosen.hint_tokens > chosen.match_tokens:
+            reason = "hint"
+        else:
+            reason = "prefix"
+        return ranked, reason
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+        views = sorted(ctx.views, key=lambda v: v.name)
+        start = next(self._counter) % len(views)
+        return views[start:] + views[:start], "round_robin"
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+        return self._by_load(ctx, ctx.views), "load"
+
+
+class SessionPolicy(Policy):
+    """Sticky by session id (consistent hash: survives replicas coming and going)."""
+
+    name = "session"
+
+    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+        if not ctx.session_id:
+            return self._by_load(ctx, ctx.views), "session_new"
+        key = ctx.session_id.encode()
+        return sorted(ctx.views, key=lambda v: -rendezvous(key, v.name)), "session"
+
+
+class ApproxPrefixPolicy(Policy):
+    """SGLang gateway's rule: balance when load is skewed, else follow the best match above a
+    threshold, else the least loaded (``approx_tokens`` comes from RoutingHistory)."""
+
+    name = "approx_prefix"
+
+    def __init__(self, match_threshold: float, balance_abs: int, balance_rel: float) -> None:
+        self.match_threshold = match_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+
+    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+        by_load = self._by_load(ctx, ctx.views)
+        lo, hi = by_load[0].pending, by_load[-1].pending
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return by_load, "approx_balance"
+        prompt = max(1, ctx.prompt_tokens or 0)
+        best = max(ctx.views, key=lambda v: (v.approx_tokens, -v.pending))
+        if best.approx_tokens / prompt >= self.match_threshold:
+            return [best] + [v for v in by_load if v is not best], "approx_match"
+        return by_load, "approx_load"
+
+
+def make_policy(name: str, settings: Any) -> Policy:
+    if name == "kvroute":
+        return KvroutePolicy(settings.cost)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "session":
+        return SessionPolicy()
+    if name == "approx_prefix":
+        return ApproxPrefixPolicy(
+            settings.approx_match_threshold,
+            settings.approx_balance_abs,
+            settings.approx_balance_rel,
+        )
+    raise ValueError(f"unknown policy {name!r}")

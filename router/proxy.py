@@ -1,0 +1,310 @@
+"""Forward one request to a replica and stream its answer back, at the ASGI level.
+
+Why raw ASGI and not a framework response: the proxy must (1) forward the client's bytes
+unchanged (no re-serialization), (2) notice a client disconnect while the replica is still
+prefilling, before any byte flows, and cancel the upstream request, and (3) keep per-request
+overhead well under a millisecond. A watcher task on ``receive`` does (2): it cancels the
+request's task, whose cleanup closes the upstream response, which closes the connection
+and makes vLLM abort the request.
+
+Retries: an attempt that fails before the response headers (connection refused, reset,
+timeout) or answers 502/503/504 moves to the next replica of the ranking. Once bytes flowed
+to the client nothing is retried; a broken stream ends with an SSE error event and
+``data: [DONE]`` so no client hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import RouterError, sse_error
+from router.replicas import Replica, ReplicaRegistry
+from router.upstream import (
+    Response,
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamUnreachable,
+)
+
+__all__ = [
+    "DisconnectWatch",
+    "Forwarder",
+    "Upstream",
+    "downstream_headers",
+    "read_body",
+    "request_id_of",
+    "upstream_headers",
+]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the proxy sets itself. Accept-Encoding is
+# dropped so replicas answer uncompressed: the router reads usage from the body.
+_DROP_UP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"accept-encoding",
+        b"x-request-id",
+        b"expect",
+    }
+)
+_DROP_DOWN = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"x-request-id",
+        b"date",
+        b"server",
+    }
+)
+_RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+def request_id_of(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and value:
+            return value.decode("latin-1")
+    return uuid.uuid4().hex
+
+
+def upstream_headers(scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_UP]
+    headers.append((b"x-request-id", request_id.encode("latin-1")))
+    return headers
+
+
+def downstream_headers(
+    raw: list[tuple[bytes, bytes]], request_id: str, content_length: int | None = None
+) -> list[tuple[bytes, bytes]]:
+    headers = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_DOWN]
+    headers.append((b"x-request-id", request_id.encode("latin-1")))
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+    return headers
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, or 413 as soon as it is known to exceed ``limit``."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise RouterError(400, "invalid Content-Length header") from None
+            if declared > limit:
+                raise RouterError(413, f"request body of {declared} bytes exceeds {limit} bytes")
+            break
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            total += len(chunk)
+            if total > limit:
+                raise RouterError(413, f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class DisconnectWatch:
+    """Cancel the current task when the client disconnects; swallow that cancellation.
+
+    The watcher task starts only after ``delay_s``: most requests finish sooner, and a task
+    per request (cancelled, with its CancelledError and traceback cycle) costs more than the
+    proxying itself. A client gone within ``delay_s`` is noticed ``delay_s`` late at most.
+    """
+
+    __slots__ = ("delay_s", "disconnected", "finished", "receive", "task", "timer", "watcher")
+
+    def __init__(self, receive: Receive, delay_s: float = 0.05) -> None:
+        self.receive = receive
+        self.delay_s = delay_s
+        self.disconnected = False
+        self.finished = False
+        self.task: asyncio.Task[Any] | None = None
+        self.watcher: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                if not self.finished and self.task is not None:
+                    self.disconnected = True
+                    self.task.cancel()
+                return
+
+    def _start(self) -> None:
+        if not self.finished:
+            self.watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def __aenter__(self) -> DisconnectWatch:
+        self.task = asyncio.current_task()
+        self.timer = asyncio.get_running_loop().call_later(self.delay_s, self._start)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+        if self.disconnected and exc_type is asyncio.CancelledError:
+            assert self.task is not None
+            self.task.uncancel()
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class Upstream:
+    """An opened upstream response (headers received, body not yet read)."""
+
+    replica: Replica
+    response: Response
+    started: float
+    attempts: int
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        return self.response.headers
+
+
+class Forwarder:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        registry: ReplicaRegistry,
+        *,
+        max_attempts: int = 3,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.registry = registry
+        self.max_attempts = max_attempts
+        self.on_retry = on_retry
+
+    async def open(
+        self,
+        ranked: list[Replica],
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        on_attempt: Callable[[Replica], None] | None = None,
+    ) -> Upstream:
+        """Send to the first replica that answers; its in-flight count stays raised until
+        ``close``. Raises RouterError 503 when every attempt failed before the first byte."""
+        errors: list[str] = []
+        tries = ranked[: self.max_attempts]
+        for attempt, replica in enumerate(tries, 1):
+            if attempt > 1 and self.on_retry is not None:
+                self.on_retry()
+            if on_attempt is not None:
+                on_attempt(replica)
+            replica.in_flight += 1
+            started = time.perf_counter()
+            try:
+                response = await self.client.request(replica.url, path, body, headers)
+            except UpstreamConnectError as exc:
+                replica.in_flight -= 1
+                refused = isinstance(exc, UpstreamUnreachable)
+                self.registry.record_failure(replica, f"proxy: {exc!r}", eject_now=refused)
+                errors.append(f"{replica.name}: {type(exc).__name__}")
+                continue
+            except BaseException:
+                replica.in_flight -= 1
+                raise
+            if response.status in _RETRY_STATUS and attempt < len(tries):
+                response.close()
+                replica.in_flight -= 1
+                errors.append(f"{replica.name}: HTTP {response.status}")
+                continue
+            return Upstream(replica, response, started, attempt)
+        raise RouterError(
+            503,
+            "no replica could take the request: " + "; ".join(errors),
+            headers={"retry-after": "1"},
+        )
+
+    @staticmethod
+    def close(upstream: Upstream, *, complete: bool) -> None:
+        """Return the connection to the pool after a complete answer; otherwise close it,
+        which is how vLLM learns that the request was abandoned."""
+        try:
+            if complete:
+                upstream.response.release()
+            else:
+                upstream.response.close()
+        finally:
+            upstream.replica.in_flight -= 1
+
+
+async def send_stream(
+    send: Send,
+    upstream: Upstream,
+    request_id: str,
+    on_first_byte: Callable[[float], None],
+    tail_bytes: int = 8192,
+) -> tuple[bytes, str | None]:
+    """Relay an SSE body chunk by chunk. Returns (last bytes of the stream, error or None)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": upstream.status,
+            "headers": downstream_headers(upstream.raw_headers, request_id),
+        }
+    )
+    tail = b""
+    first = True
+    error: str | None = None
+    try:
+        async for chunk in upstream.response.chunks():
+            if not chunk:
+                continue
+            if first:
+                on_first_byte(time.perf_counter() - upstream.started)
+                first = False
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            tail = (tail + chunk)[-tail_bytes:]
+    except UpstreamError as exc:
+        error = f"upstream stream from {upstream.replica.name} failed: {exc!r}"
+        await send({"type": "http.response.body", "body": sse_error(502, error), "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return tail, error

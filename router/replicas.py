@@ -1,0 +1,173 @@
+"""The fleet as the router sees it: each replica's health, load signals and models.
+
+Load has two sources, because each alone is wrong: the router's own in-flight counts are
+exact and instant but blind to other routers and to what the replica queued; vLLM's gauges
+(``vllm:num_requests_running/waiting``, ``vllm:kv_cache_usage_perc``) see everything but are
+a scrape interval old. ``Replica.pending`` takes the larger of the two.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.config import ReplicaConfig
+
+__all__ = ["Replica", "ReplicaRegistry", "parse_vllm_metrics"]
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # vLLM before 0.10
+}
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The load gauges from a Prometheus text page, summed over label sets (engines)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        name_end = brace if brace >= 0 else line.find(" ")
+        key = _GAUGES.get(line[:name_end])
+        if key is None:
+            continue
+        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[name_end:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if key == "kv_usage":
+            out[key] = max(out.get(key, 0.0), value)
+        else:
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    config: ReplicaConfig
+    healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_error: str | None = None
+    last_check: float | None = None
+    ejections: int = 0
+    in_flight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float | None = None
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models_at: float | None = None
+    removed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.config.key
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def pending(self) -> float:
+        """Requests ahead of a new one: ours in flight, or what vLLM reports, whichever is more."""
+        return max(float(self.in_flight), self.running + self.waiting)
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def is_lora(self, model: str) -> bool:
+        """vLLM lists LoRA adapters as models whose ``parent`` is the base model."""
+        card = self.models.get(model)
+        return bool(card and card.get("parent"))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "last_check_age_s": None
+            if self.last_check is None
+            else round(time.monotonic() - self.last_check, 3),
+            "ejections": self.ejections,
+            "in_flight": self.in_flight,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": self.kv_usage,
+            "pending": self.pending,
+            "models": sorted(self.models),
+            "events": self.config.events,
+        }
+
+
+class ReplicaRegistry:
+    """Replicas by name. Mutated only on the router's event loop, so no lock is needed."""
+
+    def __init__(self, *, unhealthy_after: int = 2, healthy_after: int = 1) -> None:
+        self.unhealthy_after = unhealthy_after
+        self.healthy_after = healthy_after
+        self._replicas: dict[str, Replica] = {}
+
+    def __iter__(self):
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, name: str) -> Replica | None:
+        return self._replicas.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._replicas)
+
+    def add(self, config: ReplicaConfig) -> Replica:
+        replica = Replica(config)
+        self._replicas[config.key] = replica
+        return replica
+
+    def remove(self, name: str) -> Replica | None:
+        replica = self._replicas.pop(name, None)
+        if replica is not None:
+            replica.removed = True
+        return replica
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.healthy]
+
+    def candidates(self, model: str) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.healthy and model in r.models]
+
+    def known_models(self, replicas: Iterable[Replica] | None = None) -> dict[str, dict[str, Any]]:
+        """The union of the replicas' model cards (first card seen for an id wins)."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in replicas if replicas is not None else self._replicas.values():
+            for model_id, card in r.models.items():
+                out.setdefault(model_id, card)
+        return out
+
+    # --- health transitions ---------------------------------------------------------------
+
+    def record_success(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        replica.consecutive_successes += 1
+        replica.last_check = time.monotonic()
+        if not replica.healthy and replica.consecutive_successes >= self.healthy_after:
+            replica.healthy = True
+            replica.last_error = None
+
+    def record_failure(self, replica: Replica, reason: str, *, eject_now: bool = False) -> None:
+        """A failed check or a failed proxy attempt; ejects after ``unhealthy_after`` in a row
+        (at once with ``eject_now``, for a refused connection: nobody is listening)."""
+        replica.consecutive_successes = 0
+        replica.consecutive_failures += 1
+        replica.last_error = reason
+        replica.last_check = time.monotonic()
+        if replica.healthy and (eject_now or replica.consecutive_failures >= self.unhealthy_after):
+            replica.healthy = False
+            replica.ejections += 1

@@ -1,0 +1,188 @@
+"""From a parsed request to a ranked list of replicas: tokens, index matches, hints, policy.
+
+Everything a policy needs is gathered into ``ReplicaView``s here, for every policy, so that
+the predicted cached tokens of the chosen replica are recorded whatever the policy (that is
+what makes predicted-vs-delivered comparable across policies) and ``/debug/route`` shows the
+same numbers the decision used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from indexer.index import InMemoryPrefixIndex
+from indexer.keys import block_keys, pack_tokens, request_extra_keys
+from indexer.subscriber import EventSubscriber
+from indexer.wire import Medium
+from router.approx import RoutingHistory
+from router.config import RouterSettings
+from router.hints import BurstHints
+from router.policies import Policy, ReplicaView, RouteContext
+from router.replicas import Replica
+from router.requests import ParsedRequest
+from router.tokenization import TokenizerBase
+
+__all__ = ["Decision", "Router", "predicted_cached_tokens"]
+
+_TIER_DROP_ORDER = (Medium.STORAGE, Medium.CPU, Medium.GPU)
+
+
+def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int) -> int:
+    """vLLM recomputes the last prompt token even on a full hit, so at most the full blocks
+    before it can be served from cache."""
+    if prompt_len <= 0 or block_size <= 0:
+        return 0
+    return min(match_tokens, ((prompt_len - 1) // block_size) * block_size)
+
+
+@dataclass(slots=True)
+class Decision:
+    policy: str
+    reason: str
+    ranked: list[Replica]
+    views: list[ReplicaView]
+    prompt_tokens: int | None
+    lora_name: str | None = None
+    keys: dict[int, list[int]] = field(default_factory=dict)
+    approx_keys: list[int] = field(default_factory=list)
+
+    def view(self, name: str) -> ReplicaView | None:
+        return next((v for v in self.views if v.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "reason": self.reason,
+            "chosen": self.ranked[0].name if self.ranked else None,
+            "ranked": [r.name for r in self.ranked],
+            "prompt_tokens": self.prompt_tokens,
+            "lora_name": self.lora_name,
+            "replicas": [v.to_dict() for v in self.views],
+        }
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        index: InMemoryPrefixIndex,
+        subscriber: EventSubscriber | None,
+        tokenizer: TokenizerBase | None,
+        policy: Policy,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.subscriber = subscriber
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.hints = BurstHints(settings.hint_ttl_s, settings.hint_max_keys)
+        self.history = RoutingHistory(settings.approx_max_keys)
+
+    async def tokens(self, req: ParsedRequest) -> list[int] | None:
+        return None if self.tokenizer is None else await self.tokenizer.encode(req)
+
+    def _freshness(self, replica: Replica) -> tuple[str | None, str | None]:
+        if replica.config.events is None or self.subscriber is None:
+            return None, "no event feed configured"
+        state, reason = self.subscriber.freshness(replica.name)
+        return str(state), reason
+
+    async def decide(
+        self, req: ParsedRequest, candidates: list[Replica], session_id: str | None = None
+    ) -> Decision:
+        tokens = await self.tokens(req)
+        lora = req.model if any(r.is_lora(req.model) for r in candidates) else None
+        views: dict[str, ReplicaView] = {}
+        for r in candidates:
+            fresh, why = self._freshness(r)
+            views[r.name] = ReplicaView(
+                name=r.name,
+                pending=r.pending,
+                in_flight=r.in_flight,
+                running=r.running,
+                waiting=r.waiting,
+                kv_usage=r.kv_usage,
+                block_size=self.index.block_size(r.name),
+                freshness=fresh,
+                freshness_reason=why,
+            )
+        decision = Decision(self.policy.name, "", [], [], None if tokens is None else len(tokens))
+        decision.lora_name = lora
+        if tokens:
+            self._match(decision, views, tokens, lora, req.cache_salt)
+        affinity = pack_tokens(tokens[:64]) if tokens else req.model.encode()
+        ctx = RouteContext(list(views.values()), decision.prompt_tokens, affinity, session_id)
+        ranked_views, reason = self.policy.rank(ctx)
+        by_name = {r.name: r for r in candidates}
+        decision.reason = reason
+        decision.views = ranked_views
+        decision.ranked = [by_name[v.name] for v in ranked_views]
+        return decision
+
+    def _match(
+        self,
+        decision: Decision,
+        views: dict[str, ReplicaView],
+        tokens: list[int],
+        lora: str | None,
+        cache_salt: str | None,
+    ) -> None:
+        packed = pack_tokens(tokens)
+        n = len(tokens)
+        groups: dict[int, list[str]] = {}
+        for view in views.values():
+            groups.setdefault(view.block_size or self.settings.default_block_size, []).append(
+                view.name
+            )
+        for bs, names in groups.items():
+            extra = request_extra_keys(n // bs, lora_name=lora, cache_salt=cache_salt)
+            keys = block_keys(packed, bs, extra_keys=extra)
+            decision.keys[bs] = keys
+            indexed = [name for name in names if views[name].block_size is not None]
+            matches = self.index.lookup_keys(keys, indexed, bs) if indexed else {}
+            hints = self.hints.match(names, keys)
+            for name in names:
+                view = views[name]
+                m = matches.get(name)
+                if m is not None and m.blocks:
+                    cap = predicted_cached_tokens(m.tokens, n, bs)
+                    tiers = {t.name: m.tokens_in(t) for t in Medium if m.tokens_in(t)}
+                    excess = m.tokens - cap
+                    for tier in _TIER_DROP_ORDER:
+                        if excess <= 0:
+                            break
+                        take = min(excess, tiers.get(tier.name, 0))
+                        if take:
+                            tiers[tier.name] -= take
+                            excess -= take
+                    view.match_tokens = cap
+                    view.tokens_by_tier = {k: v for k, v in tiers.items() if v}
+                view.hint_tokens = predicted_cached_tokens(hints.get(name, 0) * bs, n, bs)
+                view.predicted_cached_tokens = max(view.match_tokens, view.hint_tokens)
+        if self.policy.name == "approx_prefix":
+            abs_ = self.settings.approx_block_size
+            extra = request_extra_keys(n // abs_, lora_name=lora, cache_salt=cache_salt)
+            decision.approx_keys = block_keys(packed, abs_, extra_keys=extra)
+            approx = self.history.match(list(views), decision.approx_keys)
+            for name, blocks in approx.items():
+                views[name].approx_tokens = predicted_cached_tokens(blocks * abs_, n, abs_)
+                views[name].predicted_cached_tokens = max(
+                    views[name].predicted_cached_tokens, views[name].approx_tokens
+                )
+
+    def commit(self, decision: Decision, replica: Replica) -> None:
+        """The request went to ``replica``: remember it for siblings and routing history."""
+        view = decision.view(replica.name)
+        if view is None:
+            return
+        bs = view.block_size or self.settings.default_block_size
+        keys = decision.keys.get(bs)
+        if keys:
+            self.hints.record(replica.name, keys)
+        if decision.approx_keys:
+            self.history.insert(replica.name, decision.approx_keys)
+
+    def forget(self, replica: str) -> None:
+        self.hints.forget(replica)
+        self.history.forget(replica)

@@ -1,0 +1,332 @@
+"""The router's running parts and their lifecycle, in one object the HTTP layer calls.
+
+Owns: the in-process index and its event subscriber (one thread per replica feed, off the
+event loop), the replica registry with its health checker, the tokenizer, the policy, the
+pooled upstream client, metrics and accuracy counters, and the replicas-file watcher.
+Replicas from flags are fixed; replicas from the file come and go with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from indexer.index import InMemoryPrefixIndex
+from indexer.stats import collect_stats
+from indexer.subscriber import EventSource, EventSubscriber
+from router.accuracy import AccuracyTracker
+from router.config import ReplicaConfig, RouterSettings
+from router.errors import RouterError
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.proxy import Forwarder
+from router.replicas import Replica, ReplicaRegistry
+from router.routing import Router
+from router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
+from router.upstream import UpstreamClient
+from router.watcher import ReplicasFileWatcher
+
+__all__ = ["RouterService"]
+
+log = logging.getLogger(__name__)
+
+
+class RouterService:
+    def __init__(self, settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> None:
+        self.settings = settings
+        self.index = InMemoryPrefixIndex(max_entries=settings.index_max_entries)
+        self.subscriber = EventSubscriber(
+            self.index,
+            replay_timeout_s=settings.replay_timeout_s,
+            stale_clear_after_s=settings.stale_clear_after_s,
+        )
+        self.registry = ReplicaRegistry(
+            unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after
+        )
+        # Off the request path (remote tokenization, self-checks): httpx.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=settings.connect_timeout_s,
+                read=settings.read_timeout_s,
+                write=settings.write_timeout_s,
+                pool=settings.pool_timeout_s,
+            ),
+            limits=httpx.Limits(max_connections=64),
+            trust_env=False,
+        )
+        # Health checks get their own small pool so they never queue behind proxied traffic.
+        self.health_client = httpx.AsyncClient(
+            timeout=settings.health_timeout_s,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=32),
+        )
+        self.health = HealthChecker(
+            self.registry,
+            self.health_client,
+            interval_s=settings.health_interval_s,
+            timeout_s=settings.health_timeout_s,
+            models_refresh_s=settings.models_refresh_s,
+        )
+        self.metrics = RouterMetrics(self._metrics_state)
+        self.accuracy = AccuracyTracker()
+        self.upstream: UpstreamClient | None = None
+        self.forwarder: Forwarder | None = None
+        self._given_tokenizer = tokenizer
+        self.tokenizer: TokenizerBase | None = None
+        self.router = Router(
+            settings, self.index, self.subscriber, None, make_policy(settings.policy, settings)
+        )
+        self.watcher = (
+            ReplicasFileWatcher(
+                settings.replicas_file,
+                self.sync_file_replicas,
+                interval_s=settings.watch_interval_s,
+            )
+            if settings.replicas_file
+            else None
+        )
+        self._flag_names = {r.key for r in settings.replicas}
+        self._file_replicas: dict[str, ReplicaConfig] = {}
+        # Starting and stopping feed threads joins threads: never on the event loop. One
+        # worker keeps the operations in order (a changed replica is removed, then re-added).
+        self._feed_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-feeds")
+        self.tokenizer_check: dict[str, Any] | None = None
+        self._check_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # The upstream pool belongs to the loop that creates it: the app's loop.
+        s = self.settings
+        self.upstream = UpstreamClient(
+            max_connections_per_replica=s.max_connections,
+            connect_timeout_s=s.connect_timeout_s,
+            read_timeout_s=s.read_timeout_s,
+        )
+        self.forwarder = Forwarder(
+            self.upstream,
+            self.registry,
+            max_attempts=s.max_attempts,
+            on_retry=self.metrics.retries.inc,
+        )
+        for config in self.settings.replicas:
+            self.add_replica(config)
+        if self.watcher is not None:
+            self.watcher.load_now()
+        self.tokenizer = await asyncio.to_thread(self._make_tokenizer)
+        self.router.tokenizer = self.tokenizer
+        await self.health.check_all()
+        self.health.start()
+        if self.watcher is not None:
+            self.watcher.start()
+        if isinstance(self.tokenizer, LocalTokenizer) and self.settings.tokenizer_check_on_start:
+            self._check_task = asyncio.create_task(self._startup_check())
+        if self.settings.gc_freeze:
+            # Startup leaves millions of long-lived objects (transformers, the tokenizer); a
+            # full collection scanning them stalls every request for hundreds of ms.
+            gc.collect()
+            gc.freeze()
+
+    async def stop(self) -> None:
+        if self._check_task is not None:
+            self._check_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._check_task
+        await self.health.stop()
+        if self.watcher is not None:
+            await self.watcher.stop()
+        await asyncio.to_thread(self._feed_ops.shutdown, wait=True)
+        await asyncio.to_thread(self.subscriber.close)
+        await self.client.aclose()
+        await self.health_client.aclose()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    def _make_tokenizer(self) -> TokenizerBase | None:
+        s = self.settings
+        if self._given_tokenizer is not None:
+            return self._given_tokenizer
+        if s.tokenizer_mode == "local" and s.tokenizer:
+            return LocalTokenizer(
+                s.tokenizer,
+                cache_entries=s.tokenizer_cache_entries,
+                segment_cache_entries=s.tokenizer_segment_cache_entries,
+            )
+        if s.tokenizer_mode == "remote" or s.policy in ("kvroute", "approx_prefix"):
+            if s.tokenizer_mode == "local":
+                log.warning("no --tokenizer given: tokenizing with the replicas' /tokenize")
+            return RemoteTokenizer(
+                self.client, self.tokenize_url, cache_entries=s.tokenizer_cache_entries
+            )
+        return None
+
+    async def _startup_check(self) -> None:
+        try:
+            results = await self.check_tokenizer()
+        except Exception as exc:  # the check is advisory; it must never stop the router
+            log.warning("tokenizer self-check could not run: %r", exc)
+            return
+        for result in results:
+            if not result["ok"]:
+                log.error(
+                    "tokenizer self-check FAILED against %s: router ids differ from the "
+                    "replica's; prefix hits will be silently lost. %s",
+                    result["replica"],
+                    result["results"],
+                )
+
+    async def check_tokenizer(
+        self, samples: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """Compare the router's ids with each healthy replica's /tokenize (one per model)."""
+        if self.tokenizer is None:
+            raise RouterError(409, "the router runs without a tokenizer (policy needs none)")
+        results = []
+        for replica in self.registry.healthy():
+            for model in sorted(replica.models)[:1]:
+                results.append(
+                    await self_check(
+                        self.tokenizer, self.health_client, replica.url, model, samples
+                    )
+                )
+        self.tokenizer_check = {"checked_at": time.time(), "results": results}
+        return results
+
+    # --- replicas -------------------------------------------------------------------------
+
+    def add_replica(self, config: ReplicaConfig) -> Replica:
+        replica = self.registry.add(config)
+        if config.events:
+            source = EventSource(config.key, config.events, config.replay, config.topic)
+            self._feed_ops.submit(self.subscriber.add_source, source)
+        return replica
+
+    def remove_replica(self, name: str) -> None:
+        replica = self.registry.remove(name)
+        if replica is None:
+            return
+        if replica.config.events:
+            self._feed_ops.submit(self.subscriber.remove_source, name)
+        else:
+            self.index.remove_replica(name)
+        self.router.forget(name)
+        self.accuracy.forget(name)
+        self.metrics.forget(name)
+
+    def sync_file_replicas(self, replicas: list[ReplicaConfig]) -> None:
+        """Make the file's replicas the registered ones (flag replicas are never touched)."""
+        wanted = {r.key: r for r in replicas if r.key not in self._flag_names}
+        for name, old in list(self._file_replicas.items()):
+            if wanted.get(name) != old:
+                self.remove_replica(name)
+                del self._file_replicas[name]
+                log.info("replica %s removed (replicas file)", name)
+        added = []
+        for name, config in wanted.items():
+            if name not in self._file_replicas:
+                self._file_replicas[name] = config
+                added.append(self.add_replica(config))
+                log.info("replica %s added (replicas file)", name)
+        if added:
+            # Check new replicas now rather than after a full interval.
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
+                for replica in added:
+                    task = loop.create_task(self.health.check(replica))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    def candidates(self, model: str) -> list[Replica]:
+        """Healthy replicas serving ``model``; 503 or 404 in OpenAI's schema when none."""
+        found = self.registry.candidates(model)
+        if found:
+            return found
+        retry = {"retry-after": str(self.settings.retry_after_s)}
+        if not self.registry.healthy():
+            raise RouterError(503, "no healthy replica is available", headers=retry)
+        if model not in self.registry.known_models():
+            raise RouterError(404, f"The model `{model}` does not exist.", param="model")
+        raise RouterError(503, f"no healthy replica serves model `{model}`", headers=retry)
+
+    def tokenize_url(self, model: str) -> str | None:
+        pool = self.registry.candidates(model) or self.registry.healthy()
+        if not pool:
+            return None
+        return min(pool, key=lambda r: r.pending).url
+
+    # --- views ----------------------------------------------------------------------------
+
+    def _metrics_state(self) -> dict[str, Any]:
+        entries = {s.replica: s.entries_by_tier for s in self.index.summary()}
+        replicas = {}
+        for r in self.registry:
+            fresh = None
+            if r.config.events:
+                fresh = str(self.subscriber.freshness(r.name)[0])
+            replicas[r.name] = {
+                "healthy": r.healthy,
+                "in_flight": r.in_flight,
+                "pending": r.pending,
+                "freshness": fresh,
+                "entries_by_tier": entries.get(r.name),
+            }
+        return {
+            "replicas": replicas,
+            "index_bytes": self.index.estimated_bytes(),
+            "hint_keys": len(self.router.hints),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        index = collect_stats(self.index, self.subscriber).to_dict()
+        accuracy = self.accuracy.to_dict()
+        replicas: dict[str, Any] = {}
+        for r in self.registry:
+            entry = dict(
+                index["replicas"].get(r.name)
+                or {"block_size": None, "entries": 0, "entries_by_tier": {}, "feed": None}
+            )
+            if r.config.events:
+                state, reason = self.subscriber.freshness(r.name)
+                entry["freshness"], entry["freshness_reason"] = str(state), reason
+            else:
+                entry["freshness"], entry["freshness_reason"] = None, "no event feed configured"
+            acc = self.accuracy.replica(r.name)
+            entry["health"] = r.snapshot()
+            entry["load"] = {
+                "in_flight": r.in_flight,
+                "running": r.running,
+                "waiting": r.waiting,
+                "kv_cache_usage": r.kv_usage,
+                "pending": r.pending,
+            }
+            entry["accuracy"] = acc
+            entry["predicted_cached_tokens"] = acc["predicted_cached_tokens"]
+            entry["delivered_cached_tokens"] = acc["delivered_cached_tokens"]
+            replicas[r.name] = entry
+        fleet = index["fleet"]
+        fleet["healthy_replicas"] = len(self.registry.healthy())
+        fleet["in_flight"] = sum(r.in_flight for r in self.registry)
+        fleet["accuracy"] = accuracy["fleet"]
+        fleet["predicted_cached_tokens"] = accuracy["fleet"]["predicted_cached_tokens"]
+        fleet["delivered_cached_tokens"] = accuracy["fleet"]["delivered_cached_tokens"]
+        return {
+            "taken_at": index["taken_at"],
+            "policy": self.settings.policy,
+            "fleet": fleet,
+            "replicas": replicas,
+            "burst_hints": len(self.router.hints),
+            "routing_history": len(self.router.history),
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.stats(),
+            "tokenizer_check": self.tokenizer_check,
+            "replicas_file": None if self.watcher is None else self.watcher.status(),
+        }

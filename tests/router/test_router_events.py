@@ -1,0 +1,118 @@
+"""Routing follows what replicas really cache, learned from real ZMQ KV events
+(bench.publisher.EventPublisher, vLLM's wire format), and burst hints cover the gap before
+the events arrive."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+from router_fake_vllm import FakeKnobs
+from router_fleet import Fleet, make_fleet
+from router_servers import wait_until
+
+SYSTEM = (
+    "You are a meticulous research assistant. Cite sources, keep answers short, and never "
+    "invent facts about distributed caches or routers. "
+) * 20
+
+
+def _entries(fleet: Fleet, name: str) -> int:
+    return fleet.stats()["replicas"][name]["entries"]
+
+
+def _chat(question: str, model: str = "tiny") -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 3,
+    }
+
+
+def test_routing_follows_cached_prefix_from_events(local_tokenizer) -> None:
+    with make_fleet(local_tokenizer, n=3, hint_ttl_s=0.0) as fleet:
+        first = httpx.post(f"{fleet.url}/v1/chat/completions", json=_chat("What is a KV cache?"))
+        holder = first.json()["served_by"]
+        wait_until(lambda: _entries(fleet, holder) > 0)
+        decision = httpx.post(f"{fleet.url}/debug/route", json=_chat("And a radix tree?")).json()
+        assert decision["chosen"] == holder and decision["reason"] == "prefix"
+        views = {v["name"]: v for v in decision["replicas"]}
+        assert views[holder]["match_tokens"] > 300
+        assert views[holder]["tokens_by_tier"] == {"GPU": views[holder]["match_tokens"]}
+        assert all(views[n]["match_tokens"] == 0 for n in views if n != holder)
+        assert views[holder]["freshness"] == "live"
+        assert views[holder]["est_ttft_s"] < min(
+            v["est_ttft_s"] for n, v in views.items() if n != holder
+        )
+        for q in ("Why?", "How?", "Where?"):
+            resp = httpx.post(f"{fleet.url}/v1/chat/completions", json=_chat(q))
+            assert resp.json()["served_by"] == holder
+            assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+        stats = fleet.stats()
+        fleet_acc = stats["fleet"]["accuracy"]
+        assert fleet_acc["reported_requests"] == 4
+        # The index predicted exactly what the replica delivered.
+        assert (
+            stats["fleet"]["predicted_cached_tokens"] == stats["fleet"]["delivered_cached_tokens"]
+        )
+        assert stats["replicas"][holder]["delivered_cached_tokens"] > 900
+        assert fleet_acc["delivered_over_predicted"] == 1.0
+        metrics = httpx.get(f"{fleet.url}/metrics").text
+        assert f'kvroute_predicted_cached_tokens_total{{replica="{holder}"}}' in metrics
+        assert 'kvroute_routing_decisions_total{policy="kvroute",reason="prefix"} 3.0' in metrics
+        assert f'kvroute_index_freshness{{replica="{holder}",state="live"}} 1.0' in metrics
+
+
+def test_lora_and_cache_salt_keep_prefixes_apart(local_tokenizer) -> None:
+    with make_fleet(local_tokenizer, n=2, loras=["sql-lora"], hint_ttl_s=0.0) as fleet:
+        resp = httpx.post(f"{fleet.url}/v1/chat/completions", json=_chat("q", model="sql-lora"))
+        holder = resp.json()["served_by"]
+        wait_until(lambda: _entries(fleet, holder) > 0)
+        as_lora = httpx.post(f"{fleet.url}/debug/route", json=_chat("r", model="sql-lora")).json()
+        assert as_lora["lora_name"] == "sql-lora" and as_lora["chosen"] == holder
+        assert {v["name"]: v["match_tokens"] for v in as_lora["replicas"]}[holder] > 300
+        base = httpx.post(f"{fleet.url}/debug/route", json=_chat("r")).json()
+        assert base["lora_name"] is None
+        assert all(v["match_tokens"] == 0 for v in base["replicas"])
+        salted = httpx.post(
+            f"{fleet.url}/debug/route",
+            json=_chat("r", model="sql-lora") | {"cache_salt": "tenant-a"},
+        ).json()
+        assert all(v["match_tokens"] == 0 for v in salted["replicas"])
+
+
+def _burst(fleet: Fleet, n: int) -> list[str]:
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def one(i: int) -> str:
+                await asyncio.sleep(0.02 * i)  # siblings arrive within a burst, in order
+                resp = await client.post(f"{fleet.url}/v1/chat/completions", json=_chat(f"q{i}"))
+                return resp.json()["served_by"]
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return asyncio.run(go())
+
+
+def test_burst_hints(local_tokenizer) -> None:
+    knobs = [FakeKnobs(delay_s=0.6) for _ in range(3)]
+    # Events off: only the router-local hints can keep siblings together.
+    with make_fleet(local_tokenizer, n=3, events=False, knobs=knobs) as fleet:
+        placed = _burst(fleet, 4)
+        assert len(set(placed)) == 1, placed
+        reasons = httpx.get(f"{fleet.url}/metrics").text
+        assert 'reason="hint"} 3.0' in reasons
+    with make_fleet(local_tokenizer, n=3, events=False, knobs=knobs, hint_ttl_s=0.0) as fleet:
+        placed = _burst(fleet, 4)
+        assert len(set(placed)) > 1, placed  # without hints the burst scatters by load
+
+
+def test_hot_prefix_spills_instead_of_piling(local_tokenizer) -> None:
+    knobs = [FakeKnobs(delay_s=1.0) for _ in range(2)]
+    with make_fleet(local_tokenizer, n=2, events=False, knobs=knobs) as fleet:
+        placed = Counter(_burst(fleet, 16))
+        assert len(placed) == 2, placed
+        # Affinity first (hints), then the queue term pushes the excess to the other replica.
+        assert max(placed.values()) <= 12, placed

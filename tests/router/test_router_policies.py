@@ -1,0 +1,173 @@
+"""The default cost policy and the comparison policies, on synthetic replica views."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from router.config import CostSettings, RouterSettings
+from router.policies import (
+    ApproxPrefixPolicy,
+    KvroutePolicy,
+    LeastLoadedPolicy,
+    ReplicaView,
+    RoundRobinPolicy,
+    RouteContext,
+    SessionPolicy,
+    make_policy,
+)
+from router.routing import predicted_cached_tokens
+
+
+def _ctx(*views: ReplicaView, prompt: int = 4000, session: str | None = None) -> RouteContext:
+    return RouteContext(list(views), prompt, b"affinity", session)
+
+
+def _gpu(name: str, tokens: int, **kw: object) -> ReplicaView:
+    return ReplicaView(
+        name,
+        match_tokens=tokens,
+        tokens_by_tier={"GPU": tokens} if tokens else {},
+        predicted_cached_tokens=tokens,
+        freshness="live",
+        **kw,
+    )
+
+
+def test_predicted_cached_tokens_follows_vllm_last_token_rule() -> None:
+    assert predicted_cached_tokens(64, 64, 16) == 48  # full hit recomputes the last token
+    assert predicted_cached_tokens(64, 65, 16) == 64
+    assert predicted_cached_tokens(32, 100, 16) == 32
+    assert predicted_cached_tokens(16, 1, 16) == 0
+    assert predicted_cached_tokens(0, 0, 16) == 0
+
+
+def test_prefix_wins_when_load_is_equal() -> None:
+    ranked, reason = KvroutePolicy(CostSettings()).rank(_ctx(_gpu("a", 0), _gpu("b", 3200)))
+    assert [v.name for v in ranked] == ["b", "a"] and reason == "prefix"
+    assert ranked[0].est_ttft_s == pytest.approx(1e-4 * 800)
+
+
+def test_tiers_cost_more_than_gpu_less_than_recompute() -> None:
+    policy = KvroutePolicy(CostSettings())
+    views = [
+        ReplicaView("gpu", match_tokens=3200, tokens_by_tier={"GPU": 3200}, freshness="live"),
+        ReplicaView("cpu", match_tokens=3200, tokens_by_tier={"CPU": 3200}, freshness="live"),
+        ReplicaView("disk", match_tokens=3200, tokens_by_tier={"STORAGE": 3200}, freshness="live"),
+        ReplicaView("none", freshness="live"),
+    ]
+    ranked, _ = policy.rank(_ctx(*views))
+    assert [v.name for v in ranked] == ["gpu", "cpu", "disk", "none"]
+    assert ranked[1].load_s == pytest.approx(2e-5 * 3200)
+
+
+def test_stale_matches_are_discounted() -> None:
+    policy = KvroutePolicy(CostSettings())
+    stale = _gpu("stale", 3200)
+    stale.freshness = "stale"
+    live = _gpu("live", 2000)
+    ranked, _ = policy.rank(_ctx(stale, live))
+    # 3200 * 0.25 believed < 2000: the live replica's shorter match wins.
+    assert ranked[0].name == "live"
+    connecting = _gpu("connecting", 3200)
+    connecting.freshness = "connecting"
+    ranked, _ = policy.rank(_ctx(connecting, _gpu("idle", 0)))
+    assert ranked[0].est_ttft_s == ranked[1].est_ttft_s  # nothing believed: a tie
+
+
+def test_hot_prefix_spills_before_the_queue_outweighs_the_saving() -> None:
+    """Send a stream of requests sharing one prefix; every routed request adds to its
+    replica's in-flight count. The holder must take more than its share, but not all."""
+    policy = KvroutePolicy(CostSettings())
+    pending = Counter[str]()
+    for _ in range(200):
+        views = [_gpu("hot", 3600, pending=pending["hot"])]
+        # The others catch up through hints once a sibling lands there; model that too.
+        views += [_gpu(n, 3600 if pending[n] else 0, pending=pending[n]) for n in ("b", "c", "d")]
+        ranked, _ = policy.rank(_ctx(*views))
+        pending[ranked[0].name] += 1
+    assert pending["hot"] < 200 * 0.5
+    assert all(pending[n] > 0 for n in ("b", "c", "d"))
+    # And with a skewed load the queue term dominates: no pile-up on the only holder.
+    ranked, reason = policy.rank(_ctx(_gpu("hot", 3600, pending=40), _gpu("cold", 0, pending=0)))
+    assert ranked[0].name == "cold" and reason == "spill"
+
+
+def test_queue_term_is_superlinear() -> None:
+    policy = KvroutePolicy(CostSettings())
+    q = [policy.queue_delay(ReplicaView("x", pending=n)) for n in (1, 2, 4, 8, 16, 32)]
+    steps = [b - a for a, b in itertools.pairwise(q)]
+    assert all(b > 2 * a for a, b in itertools.pairwise(steps))
+
+
+def test_waiting_and_kv_pressure_add_delay() -> None:
+    policy = KvroutePolicy(CostSettings())
+    base = policy.queue_delay(ReplicaView("x", pending=2))
+    assert policy.queue_delay(ReplicaView("x", pending=2, waiting=2)) > base
+    assert policy.queue_delay(ReplicaView("x", pending=2, kv_usage=0.99)) > base
+
+
+def test_ties_break_by_load_then_consistently() -> None:
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.0, waiting_s_per_request=0.0))
+    ranked, reason = policy.rank(_ctx(_gpu("a", 0, pending=3), _gpu("b", 0, pending=1)))
+    assert ranked[0].name == "b" and reason == "tie"
+    first = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))[0][0].name
+    for _ in range(5):
+        assert policy.rank(_ctx(_gpu("c", 0), _gpu("a", 0), _gpu("b", 0)))[0][0].name == first
+
+
+def test_hint_counts_as_gpu_blocks() -> None:
+    policy = KvroutePolicy(CostSettings())
+    hinted = ReplicaView("h", hint_tokens=3200, predicted_cached_tokens=3200, pending=1)
+    ranked, reason = policy.rank(_ctx(hinted, ReplicaView("idle")))
+    assert ranked[0].name == "h" and reason == "hint"
+
+
+def test_round_robin_least_loaded_session() -> None:
+    rr = RoundRobinPolicy()
+    views = [ReplicaView("a"), ReplicaView("b"), ReplicaView("c")]
+    firsts = [rr.rank(_ctx(*views))[0][0].name for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    ll = LeastLoadedPolicy()
+    ranked, _ = ll.rank(_ctx(ReplicaView("a", pending=5), ReplicaView("b", pending=2)))
+    assert ranked[0].name == "b"
+    sp = SessionPolicy()
+    chosen = {sp.rank(_ctx(*views, session="user-1"))[0][0].name for _ in range(5)}
+    assert len(chosen) == 1
+    spread = {sp.rank(_ctx(*views, session=f"user-{i}"))[0][0].name for i in range(50)}
+    assert spread == {"a", "b", "c"}
+    assert sp.rank(_ctx(*views))[1] == "session_new"
+
+
+def test_approx_prefix_policy() -> None:
+    ap = ApproxPrefixPolicy(match_threshold=0.5, balance_abs=32, balance_rel=1.5)
+    ranked, reason = ap.rank(
+        _ctx(ReplicaView("a", approx_tokens=3000), ReplicaView("b"), prompt=4000)
+    )
+    assert ranked[0].name == "a" and reason == "approx_match"
+    ranked, reason = ap.rank(
+        _ctx(
+            ReplicaView("a", approx_tokens=1000, pending=3),
+            ReplicaView("b", pending=1),
+            prompt=4000,
+        )
+    )
+    assert ranked[0].name == "b" and reason == "approx_load"
+    ranked, reason = ap.rank(
+        _ctx(
+            ReplicaView("a", approx_tokens=4000, pending=100),
+            ReplicaView("b", pending=10),
+            prompt=4000,
+        )
+    )
+    assert ranked[0].name == "b" and reason == "approx_balance"
+
+
+def test_make_policy_names() -> None:
+    settings = RouterSettings()
+    for name in ("kvroute", "round_robin", "least_loaded", "session", "approx_prefix"):
+        assert make_policy(name, settings).name == name
+    with pytest.raises(ValueError):
+        make_policy("random", settings)
