@@ -48,11 +48,12 @@ def tier_directory(base: Path, identity_digest: str) -> Path:
     return d
 
 
-def chunk_path(directory: Path, key: bytes) -> Path:
-    return directory / file_name(key)
+def chunk_path(directory: Path | str, key: bytes) -> Path:
+    # Directories cross processes as str in the connector metadata: accept both.
+    return Path(directory) / file_name(key)
 
 
-def unlink_chunk(directory: Path, key: bytes) -> None:
+def unlink_chunk(directory: Path | str, key: bytes) -> None:
     try:
         os.unlink(chunk_path(directory, key))
     except FileNotFoundError:

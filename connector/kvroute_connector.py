@@ -157,7 +157,7 @@ class KVRouteConnector(KVConnectorBase_V1):
                     "private, non-persistent disk tier."
                 )
             self.disk_dir = str(tier_directory(base, digest))
-        disk_dir = self.disk_dir
+        disk_dir = Path(self.disk_dir) if self.disk_dir else None
         self._planner = Planner(
             block_size=self.block_size,
             blocks_per_chunk=self.bpc,
@@ -169,10 +169,10 @@ class KVRouteConnector(KVConnectorBase_V1):
             disk_policy=self.cfg.disk_policy,
             num_workers=self.num_workers,
             disk_full_retry_s=self.cfg.disk_full_retry_s,
-            unlink=(lambda key: unlink_chunk(disk_dir, key)) if disk_dir else None,  # type: ignore[arg-type]
+            unlink=(lambda key: unlink_chunk(disk_dir, key)) if disk_dir else None,
         )
         if disk_dir is not None:
-            found = scan_directory(disk_dir, self.identity)  # type: ignore[arg-type]
+            found = scan_directory(disk_dir, self.identity)
             self._planner.add_disk_entries(found)
             logger.info("kvroute: disk tier %s: %d chunk files served", disk_dir, len(found))
         logger.info(

@@ -19,7 +19,7 @@ from connector.disk_format import (
     read_chunk_header,
     write_chunk_file,
 )
-from connector.disk_tier import DiskWriter, scan_directory
+from connector.disk_tier import DiskWriter, chunk_path, scan_directory, unlink_chunk
 from connector.keys import chunk_info
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, block_hashes
 
@@ -150,3 +150,13 @@ def test_scan_serves_good_files_and_removes_bad_ones(tmp_path: Path) -> None:
     assert found[0][0] == good
     names = {x.name for x in tmp_path.iterdir()}
     assert names == {file_name(good.key), fresh_tmp.name}
+
+
+def test_unlink_accepts_the_str_directory_the_metadata_carries(tmp_path: Path) -> None:
+    """Regression: the scheduler's eviction callback passed a str and crashed the engine."""
+    key = b"\x01" * 32
+    path = chunk_path(str(tmp_path), key)
+    path.write_bytes(b"x")
+    unlink_chunk(str(tmp_path), key)
+    assert not path.exists()
+    unlink_chunk(str(tmp_path), key)  # already gone: not an error
