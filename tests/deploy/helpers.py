@@ -1,0 +1,29 @@
+"""Process checks shared by the launcher and demo tests."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def pgrep(*args: str) -> list[int]:
+    out = subprocess.run(["pgrep", *args], capture_output=True, text=True, check=False)
+    return [int(pid) for pid in out.stdout.split()]
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True  # already gone
+
+
+def leftovers(state_dir: Path, groups: list[int]) -> list[int]:
+    """Live processes of the fleet. vLLM's engine core and worker are reparented to init
+    when the API server exits first; until init reaps them they show as zombies (no code,
+    no memory, no sockets), which are not leftovers."""
+    found = set(pgrep("-f", str(state_dir)))
+    for group in groups:
+        found |= set(pgrep("-g", str(group)))
+    return sorted(pid for pid in found if not is_zombie(pid))

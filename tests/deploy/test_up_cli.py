@@ -1,0 +1,145 @@
+"""``kvroute up`` as a user runs it: a real command, real signals, and nothing left behind.
+
+The fleet is started with the real entry point (``python -m deploy.cli up``), used through the
+official ``openai`` client, then stopped with Ctrl-C (SIGINT) or SIGTERM. Afterwards no
+process of any of the fleet's process groups may exist, and none whose command line names the
+fleet's state directory (``pgrep``). The simulated engine keeps most of these fast; one test
+does the same with a real vLLM replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from deploy.vllm_server import PROJECT_ROOT
+from tests.deploy.helpers import leftovers, pgrep
+
+READY_LINE = "Ctrl-C stops everything."
+
+
+@contextmanager
+def kvroute_up(
+    state_dir: Path, *args: str, timeout: float = 120
+) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+    """Run ``kvroute up`` until it prints its ready line; always reap it afterwards."""
+    cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", "0", "--state-dir", str(state_dir)]
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if READY_LINE in line:
+                break
+        if not lines or READY_LINE not in lines[-1]:
+            proc.kill()
+            pytest.fail("kvroute up never became ready:\n" + "".join(lines))
+        manifest = json.loads((state_dir / "fleet.json").read_text())
+        yield proc, manifest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def stop(proc: subprocess.Popen[str], sig: signal.Signals) -> tuple[int, str]:
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=90)
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_up_sim_serves_then_stops_everything_on_a_signal(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    state = tmp_path / "state"
+    with kvroute_up(state, "--engine", "sim", "--replicas", "2") as (proc, manifest):
+        groups = manifest["process_groups"]
+        assert len(groups) == 2  # the simulator process and the router
+        assert len(manifest["replicas"]) == 2
+        router = manifest["routers"]["router"]
+        assert router["policy"] == "kvroute"
+        client = OpenAI(base_url=router["url"] + "/v1", api_key="x", max_retries=0, timeout=30)
+        out = client.chat.completions.create(
+            model=manifest["served_model_name"],
+            messages=[{"role": "user", "content": "hello fleet"}],
+            max_tokens=4,
+        )
+        assert out.choices[0].message.content
+        assert leftovers(state, groups)  # sanity: the probe sees the running fleet
+
+        code, output = stop(proc, sig)
+    assert code == 0, output
+    assert "stopped" in output
+    assert leftovers(state, groups) == []
+    assert not (state / "fleet.json").exists()
+
+
+def test_up_exits_when_a_fleet_process_dies(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with kvroute_up(state, "--engine", "sim", "--replicas", "1") as (proc, manifest):
+        groups = manifest["process_groups"]
+        sim_group = next(g for g in groups if g != manifest["routers"]["router"]["pid"])
+        os.killpg(sim_group, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "exited; stopping the fleet" in out
+    assert leftovers(state, groups) == []
+
+
+def test_up_refuses_bad_settings_without_starting_anything(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "up", "--state-dir", str(state),
+         "--chunk-tokens", "48"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "multiple of --block-size" in done.stderr
+    assert leftovers(state, []) == []
+
+
+@pytest.mark.vllm
+def test_up_with_a_real_vllm_replica_leaves_no_process_behind(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    args = ("--replicas", "1", "--num-gpu-blocks", "65", "--max-model-len", "2048")
+    with kvroute_up(state, *args, timeout=400) as (proc, manifest):
+        groups = manifest["process_groups"]
+        replica = manifest["replicas"][0]
+        assert replica["events"].startswith("ipc://")
+        # vLLM's API server, engine core and worker all run in the replica's process group.
+        assert len(pgrep("-g", str(groups[0]))) >= 2
+        client = OpenAI(
+            base_url=manifest["routers"]["router"]["url"] + "/v1", api_key="x", max_retries=0
+        )
+        out = client.completions.create(
+            model=manifest["served_model_name"], prompt="The quick brown fox", max_tokens=3
+        )
+        assert out.usage is not None and out.usage.completion_tokens == 3
+        code, output = stop(proc, signal.SIGTERM)
+    assert code == 0, output
+    assert leftovers(state, groups) == []
