@@ -41,7 +41,7 @@ def test_store_and_lookup_longest_prefix_per_tier() -> None:
     assert match["a"].blocks == 5 and match["a"].tokens == 20
     assert match["a"].blocks_by_tier == {Medium.GPU: 3, Medium.CPU: 2}
     assert match["b"].blocks == 1
-    assert index.lookup([1, 2, 3, 4] + DOC)["a"].blocks == 0
+    assert index.lookup([1, 2, 3, 4, *DOC])["a"].blocks == 0
 
 
 def test_duplicate_store_is_idempotent() -> None:

@@ -18,9 +18,7 @@ def test_chain_continues_from_any_parent(tokens: list[int], block_size: int, spl
     assert len(whole) == len(tokens) // block_size
     split = min(split, len(whole))
     head = block_keys(tokens[: split * block_size], block_size)
-    tail = block_keys(
-        tokens[split * block_size :], block_size, parent=head[-1] if head else None
-    )
+    tail = block_keys(tokens[split * block_size :], block_size, parent=head[-1] if head else None)
     assert head + tail == whole
 
 

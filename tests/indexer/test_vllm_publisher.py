@@ -45,7 +45,11 @@ def vllm_events():  # type: ignore[no-untyped-def]
             )
         ],
         # what a connector announces when it offloads: self-describing, medium CPU
-        [kv.BlockStored(hashes[:2], None, TOKENS[: 2 * BS], BS, None, "CPU", None, locality="LOCAL")],
+        [
+            kv.BlockStored(
+                hashes[:2], None, TOKENS[: 2 * BS], BS, None, "CPU", None, locality="LOCAL"
+            )
+        ],
         [kv.BlockRemoved([hashes[3]], "GPU"), kv.BlockRemoved([hashes[0]], "GPU")],
     ]
 
@@ -89,7 +93,7 @@ def test_vllm_publisher_stream_and_replay_are_indexed(tmp_path: Path) -> None:
     )
     index = InMemoryPrefixIndex()
     subscriber = EventSubscriber(index, replay_timeout_s=3.0)
-    hashes, batches = vllm_events()
+    _hashes, batches = vllm_events()
     try:
         # The first two batches go out before we subscribe: only vLLM's replay has them.
         for events in batches[:2]:
@@ -104,7 +108,7 @@ def test_vllm_publisher_stream_and_replay_are_indexed(tmp_path: Path) -> None:
         assert stats.events_rejected == 0 and stats.malformed_messages == 0, stats
         assert stats.events_applied == 5 and stats.replays == 1
         assert subscriber.freshness("r1")[0] is Freshness.LIVE
-        match = index.lookup(TOKENS + [1, 2, 3])["r1"]
+        match = index.lookup([*TOKENS, 1, 2, 3])["r1"]
         # block 0: CPU only now; blocks 1, 2: GPU; block 3 removed
         assert match.blocks == 3
         assert match.blocks_by_tier == {Medium.CPU: 1, Medium.GPU: 2}

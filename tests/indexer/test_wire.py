@@ -104,7 +104,9 @@ def test_positional_array_events_from_older_vllm() -> None:
 
 def test_bytes_hashes_become_their_low_64_bits() -> None:
     digest = bytes(range(32))
-    payload = enc([0.0, [stored_map(block_hashes=[digest, digest[::-1]], parent_block_hash=digest)]])
+    payload = enc(
+        [0.0, [stored_map(block_hashes=[digest, digest[::-1]], parent_block_hash=digest)]]
+    )
     (event,) = decode_batch(payload).events
     assert isinstance(event, BlockStored)
     assert event.block_hashes == [
@@ -178,7 +180,11 @@ def test_undecodable_payload_raises_wire_error(payload: bytes) -> None:
 def test_frames_round_trip_and_errors() -> None:
     frame = decode_frames(encode_frames("kv@a", 2**40 + 3, b"p"))
     assert (frame.topic, frame.seq, frame.payload) == ("kv@a", 2**40 + 3, b"p")
-    for frames in ([b"t", b"\x00" * 8], [b"t", b"\x00" * 7, b"p"], [b"\xff\xfe", b"\x00" * 8, b"p"]):
+    for frames in (
+        [b"t", b"\x00" * 8],
+        [b"t", b"\x00" * 7, b"p"],
+        [b"\xff\xfe", b"\x00" * 8, b"p"],
+    ):
         with pytest.raises(WireError):
             decode_frames(frames)
 
@@ -195,7 +201,11 @@ def test_replay_reply_and_end_marker() -> None:
 def test_encoding_matches_vllm_layout() -> None:
     """The map layout and field order vLLM 0.32's msgspec structs produce (omit_defaults)."""
     payload = encode_batch(
-        [BlockStored([1], None, [4, 5], 2, medium=Medium.CPU), BlockRemoved([1]), AllBlocksCleared()],
+        [
+            BlockStored([1], None, [4, 5], 2, medium=Medium.CPU),
+            BlockRemoved([1]),
+            AllBlocksCleared(),
+        ],
         ts=3.0,
     )
     raw = msgspec.msgpack.decode(payload)
@@ -257,8 +267,14 @@ def test_arbitrary_bytes_never_escape_as_anything_but_wire_error(data: bytes) ->
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
