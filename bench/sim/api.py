@@ -1,0 +1,464 @@
+"""A simulated replica's HTTP API: vLLM's OpenAI server as seen from outside.
+
+Endpoints and shapes follow vLLM 0.32: /v1/completions and /v1/chat/completions (JSON or SSE
+ending in ``data: [DONE]``, ``stream_options.include_usage``, ``usage.prompt_tokens_details.
+cached_tokens``), /v1/models, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
+and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``. The app is plain
+Starlette (what FastAPI runs on) with hand-written validation: sixteen of these share two cores
+with the router and the load generator, so per-request overhead matters more than schemas.
+
+Deviations, stated so nobody mistakes them for vLLM's: the generated text is a deterministic
+function of the prompt (see SimTokenizer.generate), every request generates exactly
+``max_tokens`` tokens (finish_reason "length"; default ``default_max_tokens`` when absent), and
+``n``, ``logprobs``, ``best_of`` and batched prompts are refused with a 400.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from bench.sim.replica import Generation, InjectedError, SimReplica
+from bench.sim.scheduler import ReplicaDied
+
+__all__ = ["ApiError", "create_app", "error_response"]
+
+_json = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+
+
+class ApiError(Exception):
+    """An error to answer in vLLM's schema."""
+
+    def __init__(
+        self, message: str, *, code: int = 400, type_: str | None = None, param: str | None = None
+    ):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.type = type_ or {400: "BadRequestError", 404: "NotFoundError"}.get(
+            code, "InternalServerError"
+        )
+        self.param = param
+
+
+def error_response(err: ApiError) -> Response:
+    body = {
+        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    }
+    return Response(_json.encode(body), status_code=err.code, media_type="application/json")
+
+
+def _ok(body: Any) -> Response:
+    return Response(_json.encode(body), media_type="application/json")
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = _decode.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    return body
+
+
+def _opt_int(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ApiError(f"{name} must be an integer >= {minimum}", param=name)
+    return value
+
+
+def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be a boolean", param=name)
+    return value
+
+
+class _Handlers:
+    def __init__(self, replica: SimReplica) -> None:
+        self.r = replica
+
+    @property
+    def model(self) -> str:
+        return self.r.config.model
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise ApiError(f"The model `{model}` does not exist.", code=404, param="model")
+
+    def _unsupported(self, body: dict[str, Any]) -> None:
+        n = body.get("n")
+        if n not in (None, 1):
+            raise ApiError("the simulator supports n=1 only", param="n")
+        if body.get("best_of") not in (None, 1):
+            raise ApiError("the simulator does not support best_of", param="best_of")
+        if body.get("logprobs") not in (None, False):
+            raise ApiError("the simulator does not return logprobs", param="logprobs")
+
+    def _max_tokens(self, body: dict[str, Any], *names: str) -> int:
+        for name in names:
+            value = _opt_int(body, name, minimum=1)
+            if value is not None:
+                return value
+        return self.r.config.default_max_tokens
+
+    def _cache_salt(self, body: dict[str, Any]) -> str | None:
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ApiError("cache_salt must be a non-empty string", param="cache_salt")
+        return salt
+
+    def _chat_ids(self, body: dict[str, Any], *, add_special_tokens: bool = False) -> list[int]:
+        """vLLM's chat path: render the template to text, then tokenize the text."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError("messages must be a non-empty list", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(
+                    "each message must be an object with a string role", param="messages"
+                )
+            content = m.get("content")
+            if isinstance(content, list):
+                # OpenAI content parts: the text parts, joined as vLLM does for text models.
+                texts = [
+                    p.get("text", "")
+                    for p in content
+                    if isinstance(p, dict) and p.get("type") == "text"
+                ]
+                m["content"] = "\n".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise ApiError(
+                    "message content must be a string or a list of parts", param="messages"
+                )
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError("tools must be a list", param="tools")
+        try:
+            text = self.r.tokenizer.render_chat(
+                messages,
+                add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
+                continue_final_message=_opt_bool(body, "continue_final_message", False),
+                chat_template_kwargs=kwargs,
+                tools=tools,
+            )
+        except ValueError as exc:
+            raise ApiError(str(exc), param="messages") from exc
+        return self.r.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _prompt_ids(self, body: dict[str, Any], *, add_special_tokens: bool = True) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.r.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
+            )
+        ):
+            return list(prompt)
+        raise ApiError(
+            "prompt must be a string or a non-empty list of token ids (batched prompts are not "
+            "supported by the simulator)",
+            param="prompt",
+        )
+
+    # --- endpoints ----------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        return _ok(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "vllm",
+                        "root": str(self.r.tokenizer.model_dir),
+                        "parent": None,
+                        "max_model_len": self.r.config.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(
+            self.r.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            self._check_model(body)
+            if "messages" in body:
+                # vLLM's chat tokenize defaults: add_generation_prompt=True, no special tokens.
+                ids = self._chat_ids(
+                    body, add_special_tokens=_opt_bool(body, "add_special_tokens", False)
+                )
+            else:
+                ids = self._prompt_ids(
+                    body, add_special_tokens=_opt_bool(body, "add_special_tokens", True)
+                )
+        except ApiError as err:
+            return error_response(err)
+        return _ok(
+            {
+                "count": len(ids),
+                "max_model_len": self.r.config.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens
+            ):
+                raise ApiError("tokens must be a list of token ids", param="tokens")
+        except ApiError as err:
+            return error_response(err)
+        return _ok({"prompt": self.r.tokenizer.tok.decode(tokens)})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        if not self.r.reset_prefix_cache():
+            return error_response(
+                ApiError("requests are running; the prefix cache was not reset", code=400)
+            )
+        return Response(status_code=200)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        try:
+            body = await _body(request)
+            self._check_model(body)
+            self._unsupported(body)
+            ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+            max_tokens = (
+                self._max_tokens(body, "max_completion_tokens", "max_tokens")
+                if chat
+                else self._max_tokens(body, "max_tokens")
+            )
+            too_long = self.r.check_length(len(ids), max_tokens)
+            if too_long:
+                raise ApiError(too_long)
+            salt = self._cache_salt(body)
+            stream = _opt_bool(body, "stream", False)
+            opts = body.get("stream_options") or {}
+            if not isinstance(opts, dict):
+                raise ApiError("stream_options must be an object", param="stream_options")
+        except ApiError as err:
+            return error_response(err)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        gen = self.r.generate(ids, max_tokens, cache_salt=salt)
+        if stream:
+            # Wait for the first token before answering, so errors found before any output
+            # (injected faults, a dead replica) get a status code, as in vLLM.
+            try:
+                first = await anext(gen)
+            except (InjectedError, ReplicaDied) as exc:
+                return error_response(ApiError(str(exc), code=500))
+            return StreamingResponse(
+                self._stream(
+                    gen,
+                    first,
+                    rid,
+                    created,
+                    chat,
+                    bool(opts.get("include_usage")),
+                    bool(opts.get("continuous_usage_stats")),
+                ),
+                media_type="text/event-stream",
+            )
+        state: Generation | None = None
+        try:
+            async with contextlib.aclosing(gen):
+                async for item in gen:
+                    state = item[0]
+        except (InjectedError, ReplicaDied) as exc:
+            return error_response(ApiError(str(exc), code=500))
+        assert state is not None
+        text = self.r.tokenizer.decode(state.output)
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        return _ok(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.model,
+                "choices": [choice],
+                "usage": _usage(state),
+                "system_fingerprint": None,
+                "service_tier": None,
+                "kv_transfer_params": None,
+            }
+        )
+
+    async def _stream(
+        self,
+        gen: AsyncIterator[tuple[Generation, list[int]]],
+        first: tuple[Generation, list[int]],
+        rid: str,
+        created: int,
+        chat: bool,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        decode = self.r.tokenizer.decode
+
+        def chunk(state: Generation, delta_ids: list[int], finish: str | None) -> bytes:
+            text = decode(delta_ids)
+            if chat:
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                }
+            out: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model,
+                "choices": [choice],
+            }
+            if include_usage and continuous_usage:
+                out["usage"] = _usage(state)
+            return b"data: " + _json.encode(out) + b"\n\n"
+
+        state, ids = first
+        async with contextlib.aclosing(gen):  # type: ignore[type-var]
+            if chat:
+                role = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                yield b"data: " + _json.encode(role) + b"\n\n"
+            done = len(state.output) >= state.max_tokens
+            yield chunk(state, ids, "length" if done else None)
+            try:
+                async for state, ids in gen:
+                    done = len(state.output) >= state.max_tokens
+                    yield chunk(state, ids, "length" if done else None)
+            except ReplicaDied:
+                return  # the stream just stops, without [DONE], as when a process dies
+        if include_usage:
+            tail = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model,
+                "choices": [],
+                "usage": _usage(state),
+            }
+            yield b"data: " + _json.encode(tail) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def _usage(state: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": len(state.output),
+        "total_tokens": state.prompt_tokens + len(state.output),
+        "prompt_tokens_details": {"cached_tokens": state.cached_tokens},
+    }
+
+
+def create_app(replica: SimReplica) -> Starlette:
+    h = _Handlers(replica)
+    routes = [
+        Route("/health", h.health, methods=["GET"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/detokenize", h.detokenize, methods=["POST"]),
+        Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(f"no route {request.url.path}", code=404))
+
+    app.add_exception_handler(404, not_found)
+    return app

@@ -1,0 +1,426 @@
+"""A simulated replica's prefix cache: device, CPU and STORAGE tiers with LRU and events.
+
+The rules follow vLLM's block manager where vLLM has one, and are stated here where it has not:
+- A block is cached under its chained engine digest; a request hits the longest run of its
+  full prompt blocks present in any tier, capped so that the last prompt token is computed.
+- Blocks in use by a running request (``ref > 0``) are on the device and never evicted. Freed
+  blocks join the device LRU tail-first (vLLM frees a request's blocks in reverse order), so a
+  request's later blocks are evicted before its shared head.
+- Tiers are exclusive: a block lives in exactly one tier. Device eviction demotes to CPU, CPU
+  eviction demotes to STORAGE, STORAGE eviction drops; a hit in a lower tier promotes the
+  block back to the device (a load, which the latency model charges).
+- Invariant: a cached block's parent is cached (in some tier). Dropping a block therefore
+  drops its cached descendants too. They were unreachable by any prefix lookup anyway, and
+  the invariant guarantees that every event's ``parent_block_hash`` names a block the
+  subscriber knows, as in vLLM, where stores always extend a live chain.
+- Every change is an event, in vLLM's wire classes: BlockStored for new device blocks (runs of
+  one chain in one event) and, self-describing (token ids, parent, block size), for every
+  demotion and promotion; BlockRemoved per block and tier. A store into the new tier is always
+  emitted before the removal from the old one, so no reader ever sees the block vanish.
+  Reuse of a cached block is not announced (vLLM's default).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.sim.hashing import digest_to_int
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+
+__all__ = ["Allocation", "CachedBlock", "TieredPrefixCache"]
+
+_LOWER: dict[Medium, Medium | None] = {
+    Medium.GPU: Medium.CPU,
+    Medium.CPU: Medium.STORAGE,
+    Medium.STORAGE: None,
+}
+
+
+@dataclass(eq=False, slots=True)
+class CachedBlock:
+    """One cached block. ``tier`` None means dropped (a stale reference)."""
+
+    digest: bytes
+    hash: int
+    parent: CachedBlock | None
+    tokens: tuple[int, ...]
+    extra: tuple[Any, ...] | None
+    tier: Medium | None
+    ref: int = 0
+    kids: set[CachedBlock] = field(default_factory=set)
+    # The request still computing this block (vLLM caches blocks when it schedules them, so
+    # others can hit them before they are computed; the scheduler makes those wait).
+    owner: object | None = None
+
+
+@dataclass(slots=True)
+class Allocation:
+    """A running request's hold on the device: its chain of cached blocks and private blocks.
+
+    ``hit_tiers`` says where each hit block was found (the latency model charges loads from
+    CPU and STORAGE); ``private`` counts device blocks held for tokens not cached yet.
+    """
+
+    blocks: list[CachedBlock]
+    private: int
+    hit_tiers: list[Medium]
+
+    @property
+    def hit_blocks(self) -> int:
+        return len(self.hit_tiers)
+
+    def hit_blocks_in(self, tier: Medium) -> int:
+        return sum(1 for t in self.hit_tiers if t == tier)
+
+
+class TieredPrefixCache:
+    """The prefix cache of one simulated replica (pure state: no I/O, no clock).
+
+    Events accumulate in order and are handed over by ``take_events`` once per engine step, as
+    vLLM publishes one batch per step.
+    """
+
+    def __init__(
+        self, block_size: int, gpu_blocks: int, cpu_blocks: int = 0, storage_blocks: int = 0
+    ) -> None:
+        if block_size <= 0 or gpu_blocks <= 0 or cpu_blocks < 0 or storage_blocks < 0:
+            raise ValueError("block_size and gpu_blocks must be positive, other tiers >= 0")
+        self.block_size = block_size
+        self.capacity = {
+            Medium.GPU: gpu_blocks,
+            Medium.CPU: cpu_blocks,
+            Medium.STORAGE: storage_blocks,
+        }
+        self._blocks: dict[bytes, CachedBlock] = {}
+        # GPU: only evictable (ref == 0) blocks; CPU and STORAGE: every block of the tier.
+        self._lru: dict[Medium, OrderedDict[bytes, CachedBlock]] = {
+            t: OrderedDict() for t in Medium
+        }
+        self._gpu_cached = 0
+        self._private = 0
+        self._events: list[Event] = []
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def match(self, digests: Sequence[bytes]) -> list[CachedBlock]:
+        """The longest run of ``digests`` (a request's chain) cached in any tier."""
+        out: list[CachedBlock] = []
+        for d in digests:
+            block = self._blocks.get(d)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def max_hit_blocks(self, prompt_len: int) -> int:
+        """vLLM always computes the last prompt token: a hit covers at most prompt_len - 1."""
+        return max(0, prompt_len - 1) // self.block_size
+
+    def free_gpu_blocks(self) -> int:
+        """Device blocks a new request could get (evictable cached blocks count as free)."""
+        return (
+            self.capacity[Medium.GPU]
+            - self._gpu_cached
+            - self._private
+            + len(self._lru[Medium.GPU])
+        )
+
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: blocks in use over all device blocks (0..1)."""
+        used = self._gpu_cached - len(self._lru[Medium.GPU]) + self._private
+        return used / self.capacity[Medium.GPU]
+
+    def tier_of(self, digest: bytes) -> Medium | None:
+        block = self._blocks.get(digest)
+        return None if block is None else block.tier
+
+    def contents(self) -> dict[Medium, set[int]]:
+        """Engine int hashes per tier (what an index fed by the events must hold)."""
+        out: dict[Medium, set[int]] = {t: set() for t in Medium}
+        for block in self._blocks.values():
+            assert block.tier is not None
+            out[block.tier].add(block.hash)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def in_use_blocks(self) -> int:
+        return sum(1 for b in self._blocks.values() if b.ref > 0)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by the tests)."""
+        gpu = [b for b in self._blocks.values() if b.tier is Medium.GPU]
+        assert len(gpu) == self._gpu_cached, "device count drifted"
+        assert self._gpu_cached + self._private <= self.capacity[Medium.GPU], "device overfull"
+        for tier in (Medium.CPU, Medium.STORAGE):
+            assert len(self._lru[tier]) <= self.capacity[tier], f"{tier.name} overfull"
+            assert all(b.tier is tier for b in self._lru[tier].values())
+        for d, b in self._blocks.items():
+            assert b.digest == d and b.tier is not None
+            assert b.parent is None or self._blocks.get(b.parent.digest) is b.parent, "orphan"
+            assert b.ref == 0 or b.tier is Medium.GPU, "in-use block off the device"
+            if b.tier is Medium.GPU:
+                assert (b.ref == 0) == (d in self._lru[Medium.GPU]), "device LRU out of sync"
+            if b.ref > 0 and b.parent is not None:
+                assert b.parent.ref > 0, "in-use block with a free parent"
+
+    # --- request lifecycle --------------------------------------------------------------------
+
+    def allocate(
+        self, digests: Sequence[bytes], prompt_len: int, total_blocks: int
+    ) -> Allocation | None:
+        """Admit a request needing ``total_blocks`` device blocks over its life, or return None.
+
+        Hits are pinned (device) or promoted (lower tiers); the rest are private blocks that
+        ``commit`` turns into cached blocks as their tokens are computed.
+        """
+        hits = self.match(digests[: self.max_hit_blocks(prompt_len)])
+        total_blocks = max(total_blocks, len(hits))
+        on_gpu = sum(1 for b in hits if b.tier is Medium.GPU)
+        evictable_hits = sum(1 for b in hits if b.tier is Medium.GPU and b.ref == 0)
+        need = total_blocks - on_gpu
+        if need > self.free_gpu_blocks() - evictable_hits:
+            return None
+        tiers: list[Medium] = [b.tier for b in hits if b.tier is not None]
+        promoted: list[CachedBlock] = []
+        for b in hits:
+            if b.tier is Medium.GPU:
+                if b.ref == 0:
+                    del self._lru[Medium.GPU][b.digest]
+                b.ref += 1
+            else:
+                assert b.tier is not None
+                del self._lru[b.tier][b.digest]
+                promoted.append(b)
+        self._make_gpu_room(need)
+        run: list[CachedBlock] = []
+        for b in promoted:
+            old = b.tier
+            assert old is not None and old is not Medium.GPU
+            b.tier = Medium.GPU
+            b.ref += 1
+            self._gpu_cached += 1
+            run.append(b)
+        self._emit_store(run, Medium.GPU)
+        for b, old in zip(promoted, (t for t in tiers if t is not Medium.GPU), strict=True):
+            self._events.append(BlockRemoved(block_hashes=[b.hash], medium=old))
+        self._private += total_blocks - len(hits)
+        return Allocation(
+            blocks=list(hits), private=total_blocks - len(hits), hit_tiers=list(tiers)
+        )
+
+    def commit(
+        self,
+        alloc: Allocation,
+        tokens: Sequence[int],
+        digests: Sequence[bytes],
+        extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+    ) -> list[CachedBlock]:
+        """The request computes ``tokens``: cache its full blocks past those it already holds.
+
+        ``digests`` is the chain of ``tokens``' full blocks. A block another request cached
+        meanwhile is shared (our private block goes back); new ones are announced as one
+        BlockStored per run, on the device. Returns the blocks this call created.
+        """
+        bs = self.block_size
+        run: list[CachedBlock] = []
+        created: list[CachedBlock] = []
+        for i in range(len(alloc.blocks), len(digests)):
+            if alloc.private <= 0:
+                break
+            d = digests[i]
+            parent = alloc.blocks[-1] if alloc.blocks else None
+            block = self._blocks.get(d)
+            if block is not None and block.tier is Medium.GPU:
+                self._emit_store(run, Medium.GPU)
+                run = []
+                if block.ref == 0:
+                    del self._lru[Medium.GPU][d]
+                block.ref += 1
+                self._private -= 1
+            elif block is not None:
+                # Cached meanwhile in a lower tier: our freshly computed copy promotes it.
+                self._emit_store(run, Medium.GPU)
+                run = []
+                old = block.tier
+                assert old is not None
+                del self._lru[old][d]
+                block.tier = Medium.GPU
+                block.ref += 1
+                self._private -= 1
+                self._gpu_cached += 1
+                self._emit_store([block], Medium.GPU)
+                self._events.append(BlockRemoved(block_hashes=[block.hash], medium=old))
+            else:
+                extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+                block = CachedBlock(
+                    digest=d,
+                    hash=digest_to_int(d),
+                    parent=parent,
+                    tokens=tuple(tokens[i * bs : (i + 1) * bs]),
+                    extra=extra,
+                    tier=Medium.GPU,
+                    ref=1,
+                )
+                self._blocks[d] = block
+                if parent is not None:
+                    parent.kids.add(block)
+                self._private -= 1
+                self._gpu_cached += 1
+                run.append(block)
+                created.append(block)
+            alloc.private -= 1
+            alloc.blocks.append(block)
+        self._emit_store(run, Medium.GPU)
+        return created
+
+    def release(self, alloc: Allocation) -> None:
+        """The request finished: its blocks become evictable, tail first (vLLM's order)."""
+        lru = self._lru[Medium.GPU]
+        for block in reversed(alloc.blocks):
+            block.ref -= 1
+            if block.ref == 0 and block.tier is Medium.GPU:
+                lru[block.digest] = block
+        self._private -= alloc.private
+        alloc.blocks = []
+        alloc.private = 0
+
+    # --- events -------------------------------------------------------------------------------
+
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def _emit_store(self, blocks: list[CachedBlock], tier: Medium) -> None:
+        """One self-describing BlockStored per run of consecutive chain blocks."""
+        start = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i].parent is not blocks[i - 1]:
+                self._store_event(blocks[start:i], tier)
+                start = i
+
+    def _store_event(self, run: list[CachedBlock], tier: Medium) -> None:
+        if not run:
+            return
+        tokens: list[int] = []
+        for b in run:
+            tokens.extend(b.tokens)
+        extra = [b.extra for b in run]
+        parent = run[0].parent
+        self._events.append(
+            BlockStored(
+                block_hashes=[b.hash for b in run],
+                parent_block_hash=None if parent is None else parent.hash,
+                token_ids=tokens,
+                block_size=self.block_size,
+                medium=tier,
+                extra_keys=extra if any(e is not None for e in extra) else None,
+            )
+        )
+
+    # --- eviction -----------------------------------------------------------------------------
+
+    def _make_gpu_room(self, n: int) -> None:
+        lru = self._lru[Medium.GPU]
+        while self.capacity[Medium.GPU] - self._gpu_cached - self._private < n:
+            _, victim = lru.popitem(last=False)
+            self._move_down(victim)
+
+    def _move_down(self, block: CachedBlock) -> None:
+        """Demote an evicted (already unlinked from its LRU) block one tier, or drop it."""
+        src = block.tier
+        assert src is not None
+        dst = _LOWER[src]
+        while dst is not None and self.capacity[dst] == 0:
+            dst = _LOWER[dst]
+        if dst is None:
+            self._drop(block)
+            return
+        lru = self._lru[dst]
+        while len(lru) >= self.capacity[dst]:
+            _, victim = lru.popitem(last=False)
+            self._move_down(victim)
+            if block.tier is None:
+                return  # dropped with an ancestor while making room
+        if src is Medium.GPU:
+            self._gpu_cached -= 1
+        block.tier = dst
+        lru[block.digest] = block
+        self._store_event([block], dst)
+        self._events.append(BlockRemoved(block_hashes=[block.hash], medium=src))
+
+    def _drop(self, block: CachedBlock) -> None:
+        """Remove a block that no request uses, and its cached descendants (see module doc)."""
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            assert b.ref == 0, "dropping a block in use"
+            stack.extend(b.kids)
+            b.kids = set()
+            tier = b.tier
+            assert tier is not None
+            self._lru[tier].pop(b.digest, None)
+            if tier is Medium.GPU:
+                self._gpu_cached -= 1
+            del self._blocks[b.digest]
+            if b.parent is not None:
+                b.parent.kids.discard(b)
+            b.tier = None
+            self._events.append(BlockRemoved(block_hashes=[b.hash], medium=tier))
+
+    # --- whole-cache operations ---------------------------------------------------------------
+
+    def reset(self) -> bool:
+        """Drop every tier (vLLM's /reset_prefix_cache); refused while requests hold blocks."""
+        if self._private or any(b.ref for b in self._blocks.values()):
+            return False
+        for b in self._blocks.values():
+            b.tier = None
+            b.kids = set()
+        self._blocks.clear()
+        for lru in self._lru.values():
+            lru.clear()
+        self._gpu_cached = 0
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def restart(self) -> list[CachedBlock]:
+        """The process died: device and CPU contents are gone, STORAGE survives.
+
+        Pending events die with the process. STORAGE blocks whose parent was not in STORAGE
+        are unreachable and go too. Returns the survivors parents-first, for re-announcement.
+        """
+        self._events = []
+        survivors: dict[bytes, CachedBlock] = {}
+        for b in self._blocks.values():  # insertion order is parents-first
+            if b.tier is Medium.STORAGE and (b.parent is None or b.parent.digest in survivors):
+                survivors[b.digest] = b
+        for b in self._blocks.values():
+            if b.digest not in survivors:
+                b.tier = None
+        for b in survivors.values():
+            b.kids = {k for k in b.kids if k.digest in survivors}
+            b.ref = 0
+        self._blocks = survivors
+        self._lru[Medium.GPU].clear()
+        self._lru[Medium.CPU].clear()
+        storage = OrderedDict(
+            (d, b) for d, b in self._lru[Medium.STORAGE].items() if d in survivors
+        )
+        self._lru[Medium.STORAGE] = storage
+        self._gpu_cached = 0
+        self._private = 0
+        return list(survivors.values())
+
+    def announce(self, blocks: Sequence[CachedBlock]) -> None:
+        """Self-describing stores of existing blocks in their tier (parents first)."""
+        for b in blocks:
+            assert b.tier is not None
+            self._store_event([b], b.tier)
+
+    def iter_blocks(self) -> Iterator[CachedBlock]:
+        return iter(self._blocks.values())

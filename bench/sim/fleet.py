@@ -1,0 +1,494 @@
+"""A fleet of simulated replicas in one process, and the handle that starts it as a subprocess.
+
+Sixteen replicas plus a router plus a load generator must share two cores, so the whole fleet
+runs on one asyncio loop: one uvicorn server, one PUB and one replay socket per replica, and a
+control server for what a test or benchmark does to a fleet (kill, restart, reset caches,
+inject faults, read cache contents). ``python -m bench.sim.fleet --replicas 16`` prints one
+JSON line when every replica listens (``ready``), then serves until SIGINT/SIGTERM.
+
+``SimFleet`` runs that command as a child process and talks to its control server, so the
+fleet never competes with the caller's event loop or GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.sim.latency import LatencyModel
+from bench.sim.replica import SimReplicaConfig
+
+__all__ = ["FleetConfig", "FleetReplica", "SimFleet", "add_arguments", "main", "serve_fleet"]
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """A fleet of identical replicas (``hash_seeds``: per-replica engine hash seeds)."""
+
+    replicas: int = 4
+    model: str = "kvroute-sim"
+    model_dir: str | None = None
+    block_size: int = 16
+    gpu_blocks: int = 8192
+    cpu_blocks: int = 0
+    storage_blocks: int = 0
+    max_num_seqs: int = 64
+    max_model_len: int = 32768
+    default_max_tokens: int = 16
+    stream_interval_s: float = 0.02
+    error_rate: float = 0.0
+    drop_event_rate: float = 0.0
+    hash_seeds: bool = False
+    seed: int = 0
+    host: str = "127.0.0.1"
+    latency: LatencyModel = field(default_factory=LatencyModel)
+
+    def replica_config(self, i: int) -> SimReplicaConfig:
+        return SimReplicaConfig(
+            name=f"sim-{i}",
+            model=self.model,
+            block_size=self.block_size,
+            gpu_blocks=self.gpu_blocks,
+            cpu_blocks=self.cpu_blocks,
+            storage_blocks=self.storage_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            latency=self.latency,
+            hash_seed=f"seed-{self.seed}-{i}" if self.hash_seeds else None,
+            default_max_tokens=self.default_max_tokens,
+            stream_interval_s=self.stream_interval_s,
+            error_rate=self.error_rate,
+            drop_event_rate=self.drop_event_rate,
+            seed=self.seed,
+        )
+
+    def to_argv(self) -> list[str]:
+        """Command-line flags that rebuild this config in ``main``."""
+        argv: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "latency":
+                for lf in fields(LatencyModel):
+                    argv += [f"--{lf.name.replace('_', '-')}", repr(getattr(value, lf.name))]
+            elif isinstance(value, bool):
+                if value:
+                    argv.append(f"--{f.name.replace('_', '-')}")
+            elif value is not None:
+                argv += [f"--{f.name.replace('_', '-')}", str(value)]
+        return argv
+
+
+@dataclass(frozen=True, slots=True)
+class FleetReplica:
+    """Where one replica listens: what a router's replica list needs."""
+
+    name: str
+    url: str
+    events: str
+    replay: str
+    topic: str
+
+
+# --- the fleet process -----------------------------------------------------------------------
+
+
+async def serve_fleet(
+    config: FleetConfig,
+    *,
+    ready: Any = None,
+    replicas_file: Path | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the fleet until ``stop`` is set (or SIGINT/SIGTERM). ``ready(info)`` is called once
+    every replica and the control server listen."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from bench.sim.replica import SimReplica, _Server
+    from bench.sim.tokenizer import SimTokenizer, ensure_model_dir
+
+    model_dir = ensure_model_dir(
+        Path(config.model_dir) if config.model_dir else None, max_model_len=config.max_model_len
+    )
+    tokenizer = SimTokenizer(model_dir)
+    replicas = [SimReplica(config.replica_config(i), tokenizer) for i in range(config.replicas)]
+    by_name = {r.config.name: r for r in replicas}
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+    def replica_of(request: Request) -> SimReplica:
+        name = request.path_params["name"]
+        if name not in by_name:
+            raise KeyError(name)
+        return by_name[name]
+
+    def err(message: str, code: int) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"message": message, "type": "BadRequestError", "param": None, "code": code}},
+            code,
+        )
+
+    async def describe(request: Request) -> Response:
+        return JSONResponse(
+            {"replicas": [r.describe() for r in replicas], "model_dir": str(model_dir)}
+        )
+
+    async def kill(request: Request) -> Response:
+        try:
+            r = replica_of(request)
+        except KeyError as exc:
+            return err(f"no replica {exc}", 404)
+        if r.alive:
+            await r.kill()
+        return JSONResponse(r.describe())
+
+    async def restart(request: Request) -> Response:
+        try:
+            r = replica_of(request)
+        except KeyError as exc:
+            return err(f"no replica {exc}", 404)
+        await r.restart()
+        return JSONResponse(r.describe())
+
+    async def faults(request: Request) -> Response:
+        try:
+            r = replica_of(request)
+            body = await request.json()
+            for key in ("error_rate", "drop_event_rate"):
+                if key in body:
+                    value = float(body[key])
+                    if not 0.0 <= value <= 1.0:
+                        return err(f"{key} must be in [0, 1]", 400)
+                    setattr(r.config, key, value)
+        except KeyError as exc:
+            return err(f"no replica {exc}", 404)
+        except (ValueError, TypeError) as exc:
+            return err(f"bad fault settings: {exc}", 400)
+        return JSONResponse(
+            {"error_rate": r.config.error_rate, "drop_event_rate": r.config.drop_event_rate}
+        )
+
+    async def cache(request: Request) -> Response:
+        """Engine hashes per tier, and per block its tokens' chain position (for tests)."""
+        try:
+            r = replica_of(request)
+        except KeyError as exc:
+            return err(f"no replica {exc}", 404)
+        return JSONResponse(
+            {t.name: sorted(h) for t, h in r.cache.contents().items()}
+            | {
+                "in_use": r.cache.in_use_blocks(),
+                "batches_published": r.publisher.seq if r.publisher else 0,
+                "batches_dropped": r.batches_dropped,
+            }
+        )
+
+    async def reset(request: Request) -> Response:
+        """Reset every live replica's cache once it is idle (benchmarks, between runs)."""
+        deadline = time.monotonic() + 30
+        pending = [r for r in replicas if r.alive]
+        while pending:
+            pending = [r for r in pending if not r.reset_prefix_cache()]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                return err(f"replicas still busy: {[r.config.name for r in pending]}", 409)
+            await asyncio.sleep(0.05)
+        return JSONResponse({"reset": [r.config.name for r in replicas if r.alive]})
+
+    async def stats(request: Request) -> Response:
+        out = {}
+        for r in replicas:
+            st = r.scheduler.stats
+            out[r.config.name] = {
+                "alive": r.alive,
+                "running": r.scheduler.num_running,
+                "waiting": r.scheduler.num_waiting,
+                "kv_usage": r.cache.usage(),
+                "prefix_queries": st.prefix_queries,
+                "prefix_hits": st.prefix_hits,
+                "external_hits": st.external_hits,
+                "requests_finished": st.requests_finished,
+                "requests_failed": st.requests_failed,
+                "cached_blocks": len(r.cache),
+            }
+        return JSONResponse(out)
+
+    async def shutdown(request: Request) -> Response:
+        stop.set()
+        return JSONResponse({"stopping": True})
+
+    control_app = Starlette(
+        routes=[
+            Route("/fleet", describe, methods=["GET"]),
+            Route("/stats", stats, methods=["GET"]),
+            Route("/reset", reset, methods=["POST"]),
+            Route("/shutdown", shutdown, methods=["POST"]),
+            Route("/replicas/{name}/kill", kill, methods=["POST"]),
+            Route("/replicas/{name}/restart", restart, methods=["POST"]),
+            Route("/replicas/{name}/faults", faults, methods=["POST"]),
+            Route("/replicas/{name}/cache", cache, methods=["GET"]),
+        ]
+    )
+    for r in replicas:
+        await r.start(config.host)
+    control = _Server(
+        uvicorn.Config(
+            control_app,
+            host=config.host,
+            port=0,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+    )
+    control_task = loop.create_task(control.serve())
+    while not control.started:
+        if control_task.done():
+            control_task.result()
+        await asyncio.sleep(0.01)
+    port = control.servers[0].sockets[0].getsockname()[1]
+    info = {
+        "ready": True,
+        "control": f"http://{config.host}:{port}",
+        "model": config.model,
+        "model_dir": str(model_dir),
+        "replicas": [r.describe() for r in replicas],
+    }
+    if replicas_file is not None:
+        import yaml
+
+        entries = [
+            {k: r.describe()[k] for k in ("name", "url", "events", "replay", "topic")}
+            for r in replicas
+        ]
+        # Written whole, then renamed: a launcher polling the file never reads half of it.
+        tmp = replicas_file.with_name(replicas_file.name + ".tmp")
+        tmp.write_text(yaml.safe_dump({"replicas": entries}, sort_keys=False))
+        os.replace(tmp, replicas_file)
+    if ready is not None:
+        ready(info)
+    try:
+        await stop.wait()
+    finally:
+        control.should_exit = True
+        for r in replicas:
+            await r.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(control_task, 5)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = FleetConfig()
+    parser.add_argument("--replicas", type=int, default=d.replicas, help="number of replicas")
+    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument(
+        "--model-dir", default=None, help="tokenizer/model directory (built if absent)"
+    )
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument(
+        "--gpu-blocks", type=int, default=d.gpu_blocks, help="device KV blocks per replica"
+    )
+    parser.add_argument(
+        "--cpu-blocks", type=int, default=d.cpu_blocks, help="CPU-tier blocks per replica"
+    )
+    parser.add_argument(
+        "--storage-blocks",
+        type=int,
+        default=d.storage_blocks,
+        help="STORAGE-tier blocks per replica",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    parser.add_argument(
+        "--stream-interval-s",
+        type=float,
+        default=d.stream_interval_s,
+        help="minimum wall seconds between streamed chunks",
+    )
+    parser.add_argument(
+        "--error-rate", type=float, default=d.error_rate, help="fraction of requests failed"
+    )
+    parser.add_argument(
+        "--drop-event-rate",
+        type=float,
+        default=d.drop_event_rate,
+        help="fraction of event batches not sent (kept for replay)",
+    )
+    parser.add_argument(
+        "--hash-seeds", action="store_true", help="a different engine hash seed per replica"
+    )
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--host", default=d.host)
+    lat = LatencyModel()
+    for f in fields(LatencyModel):
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", type=float, default=getattr(lat, f.name)
+        )
+    parser.add_argument(
+        "--replicas-file",
+        type=Path,
+        default=None,
+        help="write the router's replica list (YAML) here once ready",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> FleetConfig:
+    latency = LatencyModel(**{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
+    kwargs = {f.name: getattr(args, f.name) for f in fields(FleetConfig) if f.name != "latency"}
+    return FleetConfig(latency=latency, **kwargs)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve a fleet until interrupted; prints one JSON line (``ready``) on stdout."""
+    config = config_from_args(args)
+
+    def ready(info: dict[str, Any]) -> None:
+        print(json.dumps(info), flush=True)
+
+    asyncio.run(serve_fleet(config, ready=ready, replicas_file=args.replicas_file))
+    return 0
+
+
+# --- the handle ------------------------------------------------------------------------------
+
+
+class SimFleet:
+    """Start a fleet subprocess, wait until it listens, and control it.
+
+    Use as a context manager; ``stop`` always terminates the child (then kills it if it does
+    not exit within a few seconds).
+    """
+
+    def __init__(
+        self, config: FleetConfig | None = None, *, start_timeout_s: float = 120.0
+    ) -> None:
+        self.config = config or FleetConfig()
+        self.start_timeout_s = start_timeout_s
+        self.replicas: list[FleetReplica] = []
+        self.control = ""
+        self.model_dir = ""
+        self._proc: subprocess.Popen[str] | None = None
+        self._client = httpx.Client(timeout=60.0)
+
+    def start(self) -> SimFleet:
+        cmd = [sys.executable, "-m", "bench.sim.fleet", *self.config.to_argv()]
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=os.environ.copy()
+        )
+        line = self._read_ready()
+        info = json.loads(line)
+        self.control = info["control"]
+        self.model_dir = info["model_dir"]
+        self.replicas = [
+            FleetReplica(r["name"], r["url"], r["events"], r["replay"], r["topic"])
+            for r in info["replicas"]
+        ]
+        return self
+
+    def _read_ready(self) -> str:
+        assert self._proc is not None and self._proc.stdout is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self._proc.stdout, selectors.EVENT_READ)
+        try:
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=0.5):
+                    if self._proc.poll() is not None:
+                        raise RuntimeError(
+                            f"fleet exited with {self._proc.returncode} before ready"
+                        )
+                    continue
+                line = self._proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"fleet exited with {self._proc.wait()} before ready")
+                if line.startswith("{") and '"ready"' in line:
+                    return line
+        finally:
+            sel.close()
+        self.stop()
+        raise TimeoutError(f"fleet not ready within {self.start_timeout_s} s")
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        resp = self._client.post(self.control + path, json=body or {})
+        resp.raise_for_status()
+        return resp.json()
+
+    def _get(self, path: str) -> dict[str, Any]:
+        resp = self._client.get(self.control + path)
+        resp.raise_for_status()
+        return resp.json()
+
+    def kill(self, name: str) -> None:
+        self._post(f"/replicas/{name}/kill")
+
+    def restart(self, name: str) -> None:
+        self._post(f"/replicas/{name}/restart")
+
+    def set_faults(
+        self, name: str, *, error_rate: float | None = None, drop_event_rate: float | None = None
+    ) -> None:
+        body = {
+            k: v
+            for k, v in (("error_rate", error_rate), ("drop_event_rate", drop_event_rate))
+            if v is not None
+        }
+        self._post(f"/replicas/{name}/faults", body)
+
+    def reset_caches(self) -> None:
+        self._post("/reset")
+
+    def cache_contents(self, name: str) -> dict[str, Any]:
+        return self._get(f"/replicas/{name}/cache")
+
+    def stats(self) -> dict[str, Any]:
+        return self._get("/stats")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+        self._client.close()
+
+    def __enter__(self) -> SimFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description="Serve a fleet of simulated vLLM replicas.")
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))

@@ -1,0 +1,305 @@
+"""One simulated vLLM replica: engine (cache + scheduler + events) and its lifecycle.
+
+The HTTP layer (bench.sim.api) calls ``generate``; the fleet calls ``start``, ``kill``,
+``restart``. A killed replica behaves like a dead process: its port refuses connections, its
+event publisher is gone, in-flight requests fail, device and CPU caches are lost. A restart
+binds the same ports again with a new publisher (sequence numbers from 0, an empty replay
+buffer) and keeps the STORAGE tier, which it re-announces in its first batch, as a storage
+connector that indexes its store at start-up would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from bench.publisher import EventPublisher
+from bench.sim.cache import TieredPrefixCache
+from bench.sim.hashing import EngineHasher
+from bench.sim.latency import LatencyModel
+from bench.sim.metrics import ReplicaMetrics
+from bench.sim.scheduler import ReplicaDied, Scheduler, SimRequest
+from bench.sim.tokenizer import SimTokenizer
+from indexer.keys import request_extra_keys
+from indexer.wire import Event
+
+__all__ = ["InjectedError", "SimReplica", "SimReplicaConfig"]
+
+
+class InjectedError(RuntimeError):
+    """A failure the fault injection chose for this request."""
+
+
+@dataclass(slots=True)
+class SimReplicaConfig:
+    """Everything that shapes one replica. Capacities are in blocks of ``block_size`` tokens."""
+
+    name: str
+    model: str = "kvroute-sim"
+    block_size: int = 16
+    gpu_blocks: int = 8192
+    cpu_blocks: int = 0
+    storage_blocks: int = 0
+    max_num_seqs: int = 64
+    max_model_len: int = 32768
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    hash_seed: str | None = None
+    default_max_tokens: int = 16
+    stream_interval_s: float = 0.02
+    error_rate: float = 0.0
+    drop_event_rate: float = 0.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the HTTP layer needs of a running request, filled in as it progresses."""
+
+    prompt_tokens: int
+    max_tokens: int
+    cached_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: many servers share one loop; the fleet owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class SimReplica:
+    """A replica of the simulated fleet; every method runs on the fleet's asyncio loop."""
+
+    def __init__(self, config: SimReplicaConfig, tokenizer: SimTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.hasher = EngineHasher(config.hash_seed)
+        self.cache = TieredPrefixCache(
+            config.block_size, config.gpu_blocks, config.cpu_blocks, config.storage_blocks
+        )
+        self.rng = random.Random(f"{config.seed}/{config.name}")
+        self.scheduler = self._new_scheduler()
+        self.metrics = ReplicaMetrics(self.scheduler, config.model)
+        self.publisher: EventPublisher | None = None
+        self.alive = False
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.events_endpoint = ""
+        self.replay_endpoint = ""
+        self.batches_dropped = 0
+        self._server: _Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._pending_events: list[Event] = []
+        self._sock: socket.socket | None = None
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(
+            self.cache,
+            self.config.latency,
+            max_num_seqs=self.config.max_num_seqs,
+            publish=self._publish,
+            hasher=self.hasher,
+        )
+
+    # --- identity -----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def topic(self) -> str:
+        """vLLM's recommended topic: ``kv@<host:port>@<model>``."""
+        return f"kv@{self.host}:{self.port}@{self.config.model}"
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.config.name,
+            "url": self.url,
+            "events": self.events_endpoint,
+            "replay": self.replay_endpoint,
+            "topic": self.topic,
+            "alive": self.alive,
+            "block_size": self.config.block_size,
+            "gpu_blocks": self.config.gpu_blocks,
+            "cpu_blocks": self.config.cpu_blocks,
+            "storage_blocks": self.config.storage_blocks,
+        }
+
+    # --- events -------------------------------------------------------------------------------
+
+    def _publish(self, events: list[Event]) -> None:
+        if self.publisher is None:
+            return
+        drop = self.config.drop_event_rate > 0 and self.rng.random() < self.config.drop_event_rate
+        if drop:
+            self.batches_dropped += 1
+        self.publisher.publish(events, drop=drop)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Bind HTTP, PUB and replay sockets (port 0: free ports, kept across restarts)."""
+        from bench.sim.api import create_app
+
+        self.host = host
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        self.publisher = EventPublisher(
+            self.events_endpoint or f"tcp://{host}:0",
+            replay_endpoint=self.replay_endpoint or f"tcp://{host}:0",
+            topic=self.topic,
+            bind=True,
+        )
+        self.events_endpoint = self.publisher.endpoint
+        self.replay_endpoint = self.publisher.replay_endpoint or ""
+        self.scheduler.start()
+        config = uvicorn.Config(
+            create_app(self),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=1,
+        )
+        self._server = _Server(config)
+        self._sock = sock  # uvicorn serves on this very socket; closed on shutdown
+        self._server_task = asyncio.get_running_loop().create_task(
+            self._server.serve(sockets=[sock])
+        )
+        while not self._server.started:
+            if self._server_task.done():
+                self._server_task.result()
+                raise RuntimeError(f"replica {self.config.name} failed to start")
+            await asyncio.sleep(0.01)
+        self.alive = True
+        if self._pending_events:
+            self._publish(self._pending_events)
+            self._pending_events = []
+
+    async def stop(self) -> None:
+        """Shut down cleanly (the fleet is exiting)."""
+        await self._shutdown(force=False)
+
+    async def kill(self) -> None:
+        """Die like a crashed process: connections drop, device and CPU caches are lost."""
+        await self._shutdown(force=True)
+        survivors = self.cache.restart()
+        self.cache.announce(survivors)
+        self._pending_events = self.cache.take_events()
+
+    async def restart(self) -> None:
+        """Come back on the same ports with a fresh publisher (seq from 0)."""
+        if self.alive:
+            await self.kill()
+        self.scheduler = self._new_scheduler()
+        self.metrics = ReplicaMetrics(self.scheduler, self.config.model)
+        await self.start(self.host, self.port)
+
+    async def _shutdown(self, *, force: bool) -> None:
+        self.alive = False
+        await self.scheduler.stop()
+        if self._server is not None:
+            self._server.should_exit = True
+            self._server.force_exit = force
+            if self._server_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._server_task, 5)
+        self._server = None
+        self._server_task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's POST /reset_prefix_cache: every tier dropped, AllBlocksCleared published."""
+        ok = self.cache.reset()
+        if ok:
+            self._publish(self.cache.take_events())
+        return ok
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """vLLM's length errors, as its message words them (None: the request fits)."""
+        total = prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            return (
+                f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                f"However, you requested {total} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion."
+            )
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.config.gpu_blocks:
+            return (
+                f"The request needs {blocks} KV cache blocks but the replica has only "
+                f"{self.config.gpu_blocks}. Please reduce the length of the messages or completion."
+            )
+        return None
+
+    async def generate(
+        self, prompt: list[int], max_tokens: int, *, cache_salt: str | None = None
+    ) -> AsyncIterator[tuple[Generation, list[int]]]:
+        """Run one request; yields (state, new token ids) after prefill and per decode chunk.
+
+        Raises InjectedError (fault injection) or ReplicaDied. Always releases the request's
+        blocks, also when the consumer stops early (client disconnect).
+        """
+        if self.config.error_rate > 0 and self.rng.random() < self.config.error_rate:
+            raise InjectedError("injected failure (simulated engine error)")
+        bs = self.config.block_size
+        extra = request_extra_keys(len(prompt) // bs, cache_salt=cache_salt)
+        req = SimRequest(
+            prompt=prompt,
+            digests=self.hasher.chain(prompt, bs, extra_keys=extra),
+            extra_keys=extra,
+            max_tokens=max_tokens,
+        )
+        gen = Generation(prompt_tokens=len(prompt), max_tokens=max_tokens)
+        sched = self.scheduler
+        lat = self.config.latency
+        finished = False
+        try:
+            t_first = await sched.prefill(req)
+            gen.cached_tokens = req.cached_tokens
+            self.metrics.observe_ttft(t_first - req.arrival)
+            output = self.tokenizer.generate(prompt, max_tokens)
+            gen.output = output[:1]
+            yield gen, output[:1]
+            progress = 0.0
+            last = sched.now()
+            while len(gen.output) < max_tokens:
+                step = lat.decode_step(sched.num_running)
+                await asyncio.sleep(max(self.config.stream_interval_s, step * lat.time_scale))
+                if sched is not self.scheduler or not self.alive:
+                    raise ReplicaDied("replica died")
+                now = sched.now()
+                progress += (now - last) / step
+                last = now
+                n = min(int(progress), max_tokens - len(gen.output))
+                if n <= 0:
+                    continue
+                progress -= n
+                new = output[len(gen.output) : len(gen.output) + n]
+                gen.output.extend(new)
+                yield gen, new
+            finished = True
+            sched.finish(req, gen.output)
+            self.metrics.observe_e2e(sched.now() - req.arrival)
+        finally:
+            if not finished:
+                sched.abort(req)

@@ -1,0 +1,146 @@
+"""Run the real router (``router.app.create_app``) under uvicorn in a child process.
+
+The routing benchmark must measure the router users run, not a re-implementation of its
+policies, and must not let the load generator's event loop share a GIL with it. This module
+is that child: ``python -m bench.sim.router_proc SETTINGS.json`` serves the router on a free
+loopback port and prints one ``{"ready": true, "url": ...}`` line; ``RouterProcess`` starts it,
+waits until the router reports healthy replicas, and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["RouterProcess", "settings_from_dict"]
+
+
+def settings_from_dict(data: dict[str, Any]) -> Any:
+    """RouterSettings from JSON-able data (``replicas``: dicts; ``cost``: a dict of knobs)."""
+    from router.config import CostSettings, ReplicaConfig, RouterSettings
+
+    data = dict(data)
+    replicas = [ReplicaConfig(**r) for r in data.pop("replicas", [])]
+    cost = CostSettings(**data.pop("cost", {}))
+    return RouterSettings(replicas=replicas, cost=cost, **data)
+
+
+async def _serve(settings_path: Path) -> None:
+    import uvicorn
+
+    from router.app import create_app
+
+    settings = settings_from_dict(json.loads(settings_path.read_text()))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, 0))
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=60,
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("router exited before it started")
+        await asyncio.sleep(0.02)
+    print(
+        json.dumps({"ready": True, "url": f"http://{settings.host}:{sock.getsockname()[1]}"}),
+        flush=True,
+    )
+    await task
+    sock.close()
+
+
+class RouterProcess:
+    """A router child process for one benchmark run (a context manager)."""
+
+    def __init__(self, settings: dict[str, Any], *, start_timeout_s: float = 90.0) -> None:
+        self.settings = settings
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+        self._proc: subprocess.Popen[str] | None = None
+        self._tmp = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)  # noqa: SIM115
+
+    def start(self) -> RouterProcess:
+        json.dump(self.settings, self._tmp)
+        self._tmp.close()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.sim.router_proc", self._tmp.name],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        assert self._proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stdout, selectors.EVENT_READ)
+            while not self.url:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError("router did not start in time")
+                if not sel.select(timeout=0.5):
+                    if self._proc.poll() is not None:
+                        raise RuntimeError(f"router exited with {self._proc.returncode}")
+                    continue
+                line = self._proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"router exited with {self._proc.wait()}")
+                if line.startswith("{") and '"ready"' in line:
+                    self.url = json.loads(line)["url"]
+        self._wait_healthy(deadline)
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        """Until every replica is healthy in the router's eyes (its /health counts them)."""
+        want = len(self.settings.get("replicas", []))
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    body = client.get(self.url + "/health").json()
+                    if body.get("healthy_replicas", 0) >= want:
+                        return
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError("router never saw every replica healthy")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        Path(self._tmp.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> RouterProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(Path(sys.argv[1])))

@@ -1,0 +1,95 @@
+"""The routing benchmark end to end: quick preset, real router processes, simulated fleet.
+
+Runs two policies on the shared-prefix workload (about a minute) and checks the JSON's shape
+and sanity; the full comparison is ``kvroute bench routing`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import routing_bench
+
+KEYS = {
+    "workload",
+    "policy",
+    "hit_rate",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "throughput_rps",
+    "upper_bound_hit_rate",
+}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    routing_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_unknown_policy_or_workload_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        routing_bench.run(
+            _args("--preset", "quick", "--policies", "random", "--out-dir", str(tmp_path))
+        )
+    with pytest.raises(ValueError, match="unknown"):
+        routing_bench.run(
+            _args("--preset", "quick", "--workloads", "nope", "--out-dir", str(tmp_path))
+        )
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert routing_bench.percentile(values, 50) == 50.0
+    assert routing_bench.percentile(values, 90) == 90.0
+    assert routing_bench.percentile(values, 99) == 99.0
+    assert math.isnan(routing_bench.percentile([], 50))
+
+
+@pytest.mark.timeout(240)
+def test_quick_run_end_to_end(tmp_path: Path) -> None:
+    result = routing_bench.run(
+        _args(
+            "--preset",
+            "quick",
+            "--workloads",
+            "shared_prefix",
+            "--policies",
+            "round_robin,kvroute",
+            "--out",
+            str(tmp_path),
+        )
+    )
+    rows = result["results"]
+    assert [(r["workload"], r["policy"]) for r in rows] == [
+        ("shared_prefix", "round_robin"),
+        ("shared_prefix", "kvroute"),
+    ]
+    assert json.loads((tmp_path / "routing.json").read_text()) == rows
+    for r in rows:
+        assert r.keys() >= KEYS
+        assert r["completed"] == r["requests"] > 0, r["errors"]
+        assert r["token_mismatches"] == 0  # router, replicas and client agree on token ids
+        assert 0 <= r["hit_rate"] <= r["upper_bound_hit_rate"] + 0.02 <= 1.02
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"]
+        assert r["throughput_rps"] > 0
+        # The preset's premise: the working set does not fit the fleet's device cache.
+        assert r["working_set_tokens"] > r["fleet_device_tokens"]
+    rr, kv = rows
+    assert kv["upper_bound_hit_rate"] == pytest.approx(rr["upper_bound_hit_rate"], abs=0.05)
+    assert kv["hit_rate"] > rr["hit_rate"] + 0.2
+    assert kv["ttft_p90_s"] < rr["ttft_p90_s"]
+    for path in result["plots"]:
+        assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {Path(p).name for p in result["plots"]} == {
+        "routing_ttft_cdf.png",
+        "routing_hit_rate.png",
+    }
+    target = result["targets"][0]
+    assert target["workload"] == "shared_prefix" and target["ttft_p90_vs_round_robin"] > 1

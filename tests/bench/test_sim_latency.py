@@ -1,0 +1,160 @@
+"""The latency model and the scheduler, in-process on a fast clock (no HTTP).
+
+Assertions are about the model's structure (cached tokens are cheaper, concurrent prefills
+share the engine, the running limit queues requests), with wide margins: they check what the
+simulator computes, not how fast this machine runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.sim.cache import TieredPrefixCache
+from bench.sim.hashing import EngineHasher
+from bench.sim.latency import LatencyModel
+from bench.sim.scheduler import Scheduler, SimRequest
+from indexer.wire import Event
+
+BS = 16
+HASHER = EngineHasher()
+# 1e-3 simulated s per prefill token; time runs 20x faster than the wall clock.
+LAT = LatencyModel(
+    prefill_s_per_token=1e-3,
+    load_cpu_s_per_token=1e-4,
+    load_storage_s_per_token=4e-4,
+    time_scale=0.05,
+)
+
+
+def _scheduler(
+    *, gpu: int = 256, cpu: int = 0, max_num_seqs: int = 8
+) -> tuple[Scheduler, list[list[Event]]]:
+    published: list[list[Event]] = []
+    cache = TieredPrefixCache(BS, gpu, cpu)
+    return Scheduler(
+        cache, LAT, max_num_seqs=max_num_seqs, publish=published.append, hasher=HASHER
+    ), published
+
+
+def _request(tokens: list[int], max_tokens: int = 1) -> SimRequest:
+    return SimRequest(
+        prompt=tokens, digests=HASHER.chain(tokens, BS), extra_keys=None, max_tokens=max_tokens
+    )
+
+
+async def _serve(s: Scheduler, req: SimRequest) -> float:
+    """Run a request through prefill; returns its simulated TTFT."""
+    end = await s.prefill(req)
+    s.finish(req, [7] * req.max_tokens)
+    return end - req.arrival
+
+
+def test_prefill_cost_follows_uncached_tokens() -> None:
+    async def main() -> tuple[float, float, int]:
+        s, _ = _scheduler()
+        s.start()
+        tokens = list(range(1000, 1000 + 20 * BS + 1))
+        cold = await _serve(s, _request(tokens))
+        warm_req = _request(tokens)
+        warm = await _serve(s, warm_req)
+        await s.stop()
+        return cold, warm, warm_req.cached_tokens
+
+    cold, warm, cached = asyncio.run(main())
+    assert cached == 20 * BS
+    assert cold == pytest.approx(321 * 1e-3, rel=0.25)
+    assert warm < cold / 5
+
+
+def test_cpu_hits_pay_load_time() -> None:
+    async def main() -> tuple[float, float]:
+        s, _ = _scheduler(gpu=24, cpu=64)
+        s.start()
+        a = list(range(20 * BS + 1))
+        await _serve(s, _request(a))
+        await _serve(s, _request(list(range(5000, 5000 + 20 * BS + 1))))  # pushes a to CPU
+        req = _request(a)
+        ttft = await _serve(s, req)
+        await s.stop()
+        return ttft, req.cached_by_tier and sum(req.cached_by_tier.values())
+
+    ttft, cached = asyncio.run(main())
+    assert cached == 20 * BS
+    # 320 tokens loaded at 1e-4 + 1 computed at 1e-3, versus 0.321 s to recompute.
+    assert 0.02 < ttft < 0.15
+
+
+def test_concurrent_prefills_share_the_engine() -> None:
+    async def main() -> tuple[float, list[float]]:
+        s, _ = _scheduler()
+        s.start()
+        alone = await _serve(s, _request(list(range(10_000, 10_000 + 200))))
+        together = await asyncio.gather(
+            *(
+                _serve(s, _request(list(range(20_000 * (i + 1), 20_000 * (i + 1) + 200))))
+                for i in range(4)
+            )
+        )
+        await s.stop()
+        return alone, list(together)
+
+    alone, together = asyncio.run(main())
+    # Four equal prefills started together all finish after about four times one alone.
+    assert all(3 * alone < t < 6 * alone for t in together), (alone, together)
+
+
+def test_running_limit_queues_requests() -> None:
+    async def main() -> tuple[int, int]:
+        s, _ = _scheduler(max_num_seqs=2)
+        s.start()
+        reqs = [_request(list(range(30_000 * (i + 1), 30_000 * (i + 1) + 100))) for i in range(5)]
+        tasks = [asyncio.create_task(s.prefill(r)) for r in reqs]
+        await asyncio.sleep(0.001)
+        running, waiting = s.num_running, s.num_waiting
+        await asyncio.gather(*tasks[:2])
+        for r in reqs:
+            s.abort(r)
+        await s.stop()
+        return running, waiting
+
+    running, waiting = asyncio.run(main())
+    assert (running, waiting) == (2, 3)
+
+
+def test_sibling_hit_waits_for_blocks_being_computed() -> None:
+    """vLLM caches blocks when it schedules them; a request that hits blocks still being
+    computed cannot finish its prefill before them."""
+
+    async def main() -> tuple[float, float, int]:
+        s, _ = _scheduler()
+        s.start()
+        tokens = list(range(40_000, 40_000 + 30 * BS + 1))
+        first, second = _request(tokens), _request(tokens)
+        t1 = asyncio.create_task(s.prefill(first))
+        await asyncio.sleep(0.002)
+        end2 = await s.prefill(second)
+        end1 = await t1
+        s.finish(first, [1])
+        s.finish(second, [1])
+        await s.stop()
+        return end1, end2, second.cached_tokens
+
+    end1, end2, cached = asyncio.run(main())
+    assert cached == 30 * BS
+    assert end2 >= end1 - 1e-6
+
+
+def test_events_published_per_step() -> None:
+    async def main() -> list[list[Event]]:
+        s, published = _scheduler()
+        s.start()
+        await _serve(s, _request(list(range(3 * BS + 1)), max_tokens=BS))
+        await s.stop()
+        return published
+
+    batches = asyncio.run(main())
+    # Admission caches the prompt's blocks; finish caches the block the output completed.
+    assert len(batches) == 2
+    assert [len(b[0].block_hashes) for b in batches] == [3, 1]
