@@ -10,12 +10,12 @@ the same registry by the proxy, so a dead replica is ejected before the next che
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 import httpx
 
+from router.periodic import PeriodicTask
 from router.replicas import Replica, ReplicaRegistry, parse_vllm_metrics
 
 __all__ = ["HealthChecker"]
@@ -38,7 +38,7 @@ class HealthChecker:
         self.interval_s = interval_s
         self.timeout = httpx.Timeout(timeout_s)
         self.models_refresh_s = models_refresh_s
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = PeriodicTask("kvroute-health", interval_s, self.check_all)
 
     async def check(self, replica: Replica) -> bool:
         was_healthy = replica.healthy
@@ -85,21 +85,8 @@ class HealthChecker:
         if replicas:
             await asyncio.gather(*(self.check(r) for r in replicas))
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.check_all()
-            except Exception:  # a bug here must not stop health checking for good
-                log.exception("health check round failed")
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="kvroute-health")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._periodic.stop()

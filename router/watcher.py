@@ -8,14 +8,13 @@ fleet keeps its last good list, so a half-saved edit never drops every replica.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from router.config import ConfigError, ReplicaConfig, load_replicas_file
+from router.periodic import PeriodicTask
 
 __all__ = ["ReplicasFileWatcher"]
 
@@ -36,7 +35,7 @@ class ReplicasFileWatcher:
         self.last_error: str | None = None
         self.loads = 0
         self._stamp: tuple[int, int, int] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = PeriodicTask("kvroute-replicas-file", interval_s, self._poll_round)
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
@@ -75,24 +74,14 @@ class ReplicasFileWatcher:
         self.last_error = None
         return True
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.poll()
-            except Exception:
-                log.exception("replicas file watcher failed")
+    async def _poll_round(self) -> None:
+        self.poll()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="kvroute-replicas-file")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._periodic.stop()
 
     def status(self) -> dict[str, object]:
         return {"path": str(self.path), "loads": self.loads, "last_error": self.last_error}
