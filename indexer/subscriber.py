@@ -190,6 +190,9 @@ class ReplicaFeed:
                 self._catch_up(0, frame, f"joined at seq {seq}: replaying 0..{seq - 1}")
             return
         if seq == expected:
+            # SUB delivers in order: once the next live batch is here, nothing a replay
+            # already delivered can arrive again, and a later lower seq means a restart.
+            self._replayed = None
             self._apply(frame)
             if self.stats.freshness in (Freshness.SYNCING, Freshness.STALE):
                 self._set(Freshness.LIVE, "in sync")

@@ -231,3 +231,20 @@ def test_subscriber_never_blocks_on_a_dead_replay_socket(index: InMemoryPrefixIn
     finally:
         sub.close()
         silent.close(linger=0)
+
+
+def test_restart_after_a_replay_is_a_reset_not_duplicates() -> None:
+    """Regression: seqs of a restarted replica fell in an old replayed range and were skipped."""
+    index = InMemoryPrefixIndex()
+    payloads = [encode_batch([stored(DOC, i, 1)], ts=0.0) for i in range(4)]
+    frames = [Frame(TOPIC, i, p) for i, p in enumerate(payloads)]
+    feed = ReplicaFeed(
+        EventSource("r", "tcp://unused"), index, replay=lambda start: frames[start:3]
+    )
+    feed.handle(frames[2])  # joined late: replays 0..2
+    feed.handle(frames[3])  # live again
+    assert index.lookup(DOC)["r"].blocks == 4
+    # The replica restarts: a new process publishes seq 0 with an empty cache.
+    feed.handle(Frame(TOPIC, 0, encode_batch([stored(DOC, 0, 1)], ts=0.0)))
+    assert feed.stats.resets == 1 and feed.stats.duplicates == 0
+    assert index.lookup(DOC)["r"].blocks == 1
