@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -42,6 +43,7 @@ from indexer.wire import encode_replay_request as _replay_request
 __all__ = ["EventSource", "EventSubscriber", "FeedStats", "Freshness", "ReplicaFeed"]
 
 log = logging.getLogger(__name__)
+_digest = xxhash.xxh3_64_intdigest
 
 
 class Freshness(enum.StrEnum):
@@ -136,6 +138,7 @@ class ReplicaFeed:
         self.stats = FeedStats()
         self.expected: int | None = None
         self._replayed: tuple[int, int] | None = None  # seqs [lo, hi) obtained by replay
+        self._last_digest: int | None = None  # of the last applied payload (restart check)
         self.lock = threading.Lock()
 
     # --- state transitions --------------------------------------------------------------------
@@ -156,10 +159,57 @@ class ReplicaFeed:
             if self.stats.freshness is not Freshness.CONNECTING:
                 self._set(Freshness.STALE, "publisher disconnected; entries kept until it returns")
 
-    def mark_connected(self) -> None:
+    def mark_connected(self) -> bool:
+        """Returns True when this is a reconnect after the publisher was gone."""
         with self.lock:
             if self.stats.freshness is Freshness.STALE:
                 self._set(Freshness.SYNCING, "publisher reconnected; waiting for the next batch")
+                return True
+            return False
+
+    def resync(self) -> None:
+        """After a reconnect, ask the replay socket what happened while we were away.
+
+        A restarted replica may publish its first batches before our SUB socket reconnects
+        and then stay idle: waiting for the next live batch would keep the dead process's
+        entries indefinitely. The batch we applied last tells: if the replay still holds it
+        unchanged, the publisher is the same process (apply what we missed); if not, it is a
+        new process (reset, then replay its history from 0).
+        """
+        with self.lock:
+            if self.expected is None or self.replay is None:
+                return
+            last = self.expected - 1
+            frames = self.replay(last)
+            if frames is None:
+                return  # cannot tell now: the next live batch decides
+            self.stats.replays += 1
+            frames = sorted(frames, key=lambda f: f.seq)
+            if frames and frames[0].seq == last and _digest(frames[0].payload) == self._last_digest:
+                for frame in frames[1:]:
+                    if frame.seq == self.expected:
+                        self._apply(frame)
+                self._replayed = (last, self.expected)
+                self._set(Freshness.LIVE, "publisher reconnected; caught up from replay")
+                return
+            self.stats.resets += 1
+            self.index.clear_replica(self.source.replica)
+            self.stats.clears += 1
+            self.expected = None
+            self._replayed = None
+            history = self.replay(0)
+            if history is None:
+                self._set(
+                    Freshness.REBUILDING, "replica restarted; its new history is not replayable"
+                )
+                return
+            self.stats.replays += 1
+            for frame in sorted(history, key=lambda f: f.seq):
+                if frame.seq == (self.expected or 0):
+                    self._apply(frame)
+            if self.expected is not None:
+                self._replayed = (0, self.expected)
+            self._set(Freshness.LIVE, "replica restarted (found on reconnect); index rebuilt")
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -249,6 +299,7 @@ class ReplicaFeed:
 
     def _apply(self, frame: Frame) -> None:
         self.expected = frame.seq + 1
+        self._last_digest = _digest(frame.payload)
         self.stats.last_seq = frame.seq
         self.stats.batches += 1
         try:
@@ -346,7 +397,8 @@ class _FeedThread(threading.Thread):
                         self.feed.mark_disconnected()
                         stale_since = time.monotonic()
                     elif event["event"] == zmq.EVENT_CONNECTED:
-                        self.feed.mark_connected()
+                        if self.feed.mark_connected():
+                            self.feed.resync()
                         stale_since = None
                 if sub in ready:
                     # Drain what is queued before polling again: bursts arrive together.

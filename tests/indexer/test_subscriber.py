@@ -142,11 +142,13 @@ def test_sequence_reset_clears_and_rebuilds(
     # The replica restarts on the same ports: a new process, seq from 0, an empty cache.
     pub = EventPublisher(port_pub, replay_endpoint=port_replay, topic=TOPIC, bind=True)
     try:
-        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.SYNCING)
+        # Found on reconnect (the replay no longer holds our last batch) or by the first
+        # live batch, whichever comes first: either way exactly one reset.
         time.sleep(0.3)
         pub.publish([stored(DOC, 0, 1)])
         wait_for(lambda: subscriber.feed_stats()["r1"].resets == 1)
         wait_for(lambda: blocks(index) == 1)
+        assert subscriber.feed_stats()["r1"].resets == 1
         assert subscriber.freshness("r1")[0] is Freshness.LIVE
     finally:
         pub.close()
@@ -248,3 +250,43 @@ def test_restart_after_a_replay_is_a_reset_not_duplicates() -> None:
     feed.handle(Frame(TOPIC, 0, encode_batch([stored(DOC, 0, 1)], ts=0.0)))
     assert feed.stats.resets == 1 and feed.stats.duplicates == 0
     assert index.lookup(DOC)["r"].blocks == 1
+
+
+def test_restart_that_goes_idle_before_we_reconnect_is_found_by_replay(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    """A restarted replica publishes its first batches before our SUB reconnects, then idles:
+    the reconnect itself must find the restart through the replay socket."""
+    pub = publisher()
+    endpoints = pub.endpoint, pub.replay_endpoint
+    connect(subscriber, pub)
+    time.sleep(0.3)
+    for i in range(4):
+        pub.publish([stored(DOC, 2 * i, 2)])
+    wait_for(lambda: blocks(index) == 8)
+    pub.close()
+    wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.STALE)
+    pub = EventPublisher(endpoints[0], replay_endpoint=endpoints[1], topic=TOPIC, bind=True)
+    try:
+        pub.publish([stored(DOC, 0, 1)])  # published at once, then nothing more
+        wait_for(lambda: subscriber.feed_stats()["r1"].resets == 1)
+        wait_for(lambda: blocks(index) == 1)
+        assert subscriber.freshness("r1")[0] is Freshness.LIVE
+    finally:
+        pub.close()
+
+
+def test_reconnect_to_the_same_process_catches_up_without_reset() -> None:
+    index = InMemoryPrefixIndex()
+    payloads = [encode_batch([stored(DOC, i, 1)], ts=0.0) for i in range(4)]
+    frames = [Frame(TOPIC, i, p) for i, p in enumerate(payloads)]
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[s:])
+    feed.handle(frames[0])
+    feed.handle(frames[1])
+    feed.mark_disconnected()
+    assert feed.mark_connected()
+    feed.resync()  # batches 2 and 3 went out while we were away
+    assert feed.stats.resets == 0 and feed.expected == 4
+    assert index.lookup(DOC)["r"].blocks == 4
+    feed.handle(frames[3])  # the same batch again, live: a duplicate
+    assert feed.stats.duplicates == 1 and index.lookup(DOC)["r"].blocks == 4
