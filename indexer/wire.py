@@ -312,12 +312,92 @@ def _decode_event(raw: object) -> Event:
     raise ValueError(f"unknown event type {tag!r}")
 
 
+class _StoredWire(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class _RemovedWire(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ClearedWire(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    medium: str | None = None
+
+
+class _BatchWire(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StoredWire | _RemovedWire | _ClearedWire]
+    data_parallel_rank: int | None = None
+
+
+_typed_decoder = msgspec.msgpack.Decoder(_BatchWire)
+
+
+def _fast_hashes(values: list[int | bytes]) -> list[int]:
+    try:
+        if min(values) >= 0:  # type: ignore[type-var]
+            return values  # type: ignore[return-value]
+    except TypeError:  # bytes among them
+        pass
+    return _hash_list(values)
+
+
+def _from_wire(wire: _StoredWire | _RemovedWire | _ClearedWire) -> Event:
+    """Typed wire struct -> event, with the checks msgspec's types cannot express."""
+    if type(wire) is _RemovedWire:
+        return BlockRemoved(
+            _fast_hashes(wire.block_hashes), normalize_medium(wire.medium), wire.group_idx or 0
+        )
+    if type(wire) is _StoredWire:
+        n = len(wire.block_hashes)
+        tokens, bs = wire.token_ids, wire.block_size
+        extra = wire.extra_keys
+        if not n or bs < 0 or (tokens and len(tokens) != n * bs) or (extra and len(extra) != n):
+            raise ValueError("inconsistent BlockStored")  # the slow path says exactly why
+        parent = wire.parent_block_hash
+        return BlockStored(
+            block_hashes=_fast_hashes(wire.block_hashes),
+            parent_block_hash=None if parent is None else _block_hash(parent),
+            token_ids=tokens,
+            block_size=bs,
+            medium=normalize_medium(wire.medium),
+            lora_name=wire.lora_name,
+            lora_id=wire.lora_id,
+            extra_keys=extra,
+            group_idx=wire.group_idx or 0,
+            locality=wire.locality,
+        )
+    assert type(wire) is _ClearedWire
+    return AllBlocksCleared(None if wire.medium is None else normalize_medium(wire.medium))
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack payload.
 
     Raises WireError when the payload is not a batch at all. Individual events that are
     malformed are left out and described in ``EventBatch.rejected``.
+
+    Well-formed vLLM 0.32/0.33 batches take a typed path decoded in C; anything else (old
+    positional events, a malformed event) takes the generic path, which also says why an
+    event was rejected.
     """
+    try:
+        wire = _typed_decoder.decode(payload)
+        events = [_from_wire(e) for e in wire.events]
+        return EventBatch(wire.ts, events, wire.data_parallel_rank)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
+        pass
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
