@@ -23,6 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.sim.fleet import FleetConfig, SimFleet
 from bench.sim.latency import LatencyModel
 from bench.sim.router_proc import RouterProcess
@@ -116,13 +118,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                 rate=11.0,
             ),
             "chat": dict(
-                users=150,
-                rounds=6,
+                users=100,
+                rounds=12,
                 system_tokens=1000,
+                history_tokens=3000,
                 question_tokens=100,
-                answer_tokens=128,
-                user_rate=10.0,
-                think_s=5.0,
+                answer_tokens=32,
+                user_rate=1.25,
+                think_s=1.0,
             ),
             "doc_qa": dict(
                 documents=24,
@@ -230,11 +233,13 @@ def _router_settings(fleet: SimFleet, policy: str, config: FleetConfig) -> dict[
         "tokenizer_mode": "local",
         "default_block_size": config.block_size,
         "health_interval_s": 0.5,
-        # An operator sets the cost model to the hardware; here the hardware is the simulator.
+        # An operator sets the cost model to the hardware; here the hardware is the simulator,
+        # whose simulated seconds last time_scale wall seconds (the router lives in wall time
+        # and learns its queue term from wall-clock first bytes).
         "cost": {
-            "prefill_s_per_token": lat.prefill_s_per_token,
-            "load_s_per_token_cpu": lat.load_cpu_s_per_token,
-            "load_s_per_token_storage": lat.load_storage_s_per_token,
+            "prefill_s_per_token": lat.prefill_s_per_token * lat.time_scale,
+            "load_s_per_token_cpu": lat.load_cpu_s_per_token * lat.time_scale,
+            "load_s_per_token_storage": lat.load_storage_s_per_token * lat.time_scale,
         },
     }
 
@@ -278,6 +283,22 @@ def _row(
         "wall_s": wall_s,
         "ttfts_s": ttfts,
     }
+
+
+def _decision_reasons(router_url: str) -> dict[str, float]:
+    """The router's own count of routing decisions by reason (its /metrics), so a row says
+    why a policy placed requests where it did (e.g. how often kvroute spilled)."""
+    try:
+        text = httpx.get(f"{router_url}/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvroute_routing_decisions_total{"):
+            labels, _, value = line.partition("} ")
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
 
 
 def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -382,6 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # reset before every run, and the AllBlocksCleared events empty the router's index.
         for policy in policies:
             with RouterProcess(_router_settings(fleet, policy, config)) as router:
+                seen: dict[str, float] = {}
                 for w in workloads:
                     fleet.reset_caches()
                     time.sleep(0.3)  # let the router apply the clears before traffic starts
@@ -397,6 +419,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row = _row(
                         w, policy, records, wall, config.latency.time_scale, tokenizer, config
                     )
+                    reasons = _decision_reasons(router.url)
+                    row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
+                    seen = reasons
                     rows.append(row)
                     print(
                         f"routing bench: {w}/{policy}: hit {row['hit_rate']:.3f} "

@@ -82,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--load-s-per-token-cpu", type=float, default=c.load_s_per_token_cpu)
     cost.add_argument("--load-s-per-token-storage", type=float, default=c.load_s_per_token_storage)
     cost.add_argument("--queue-s-per-request", type=float, default=c.queue_s_per_request)
+    cost.add_argument(
+        "--no-learn-queue-delay",
+        action="store_true",
+        help="keep --queue-s-per-request fixed instead of learning it per replica",
+    )
     cost.add_argument("--queue-knee", type=float, default=c.queue_knee)
     cost.add_argument("--waiting-s-per-request", type=float, default=c.waiting_s_per_request)
     proxy = parser.add_argument_group("proxy")
@@ -103,6 +108,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         load_s_per_token_cpu=args.load_s_per_token_cpu,
         load_s_per_token_storage=args.load_s_per_token_storage,
         queue_s_per_request=args.queue_s_per_request,
+        learn_queue_delay=not args.no_learn_queue_delay,
         queue_knee=args.queue_knee,
         waiting_s_per_request=args.waiting_s_per_request,
     )

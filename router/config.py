@@ -63,30 +63,64 @@ class CostSettings:
 
     est_ttft = queue_delay + prefill_s_per_token * uncached
                + load_s_per_token_cpu * cpu_tokens + load_s_per_token_storage * storage_tokens
-    queue_delay = queue_s_per_request * pending * (1 + pending / queue_knee)
+    queue_delay = q * pending * (1 + pending / queue_knee)
                   + waiting_s_per_request * waiting + kv_pressure_s * pressure
-    See docs/router.md for what each term models and how to set it.
+    q is learned per replica from streamed first bytes (``learn_queue_delay``), starting
+    from and relaxing back to ``queue_s_per_request``. See docs/router.md for what each
+    term models and how to set it.
     """
 
     prefill_s_per_token: float = 1e-4
     load_s_per_token_cpu: float = 2e-5
     load_s_per_token_storage: float = 5e-5
     queue_s_per_request: float = 0.02
+    # Learn seconds per pending request from each replica's streamed first bytes
+    # (router/queue_model.py); queue_s_per_request is then the prior.
+    learn_queue_delay: bool = True
+    queue_learn_weight: float = 0.1
+    queue_learn_half_life_s: float = 30.0
+    queue_s_per_request_max: float = 10.0
     queue_knee: float = 16.0
     waiting_s_per_request: float = 0.05
     kv_pressure_s: float = 0.5
     kv_pressure_start: float = 0.9
+    # Rank by est_ttft + weight * (this request's prefill + loads) * pending requests there:
+    # the delay it adds to the requests it joins (0: rank by its own est_ttft alone).
+    delay_to_others_weight: float = 1.0
     tie_epsilon_s: float = 1e-3
     # How much of a replica's match we believe, by the freshness of its event feed.
     freshness_weight: dict[str, float] = field(
         default_factory=lambda: {
             "live": 1.0,
             "syncing": 0.8,
-            "rebuilding": 0.5,
+            # Rebuilding entries were all stored after the clear and their removals are seen:
+            # the index may lack blocks, never hold false ones. Believe what it has.
+            "rebuilding": 1.0,
             "stale": 0.25,
             "connecting": 0.0,
         }
     )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prefill_s_per_token",
+            "load_s_per_token_cpu",
+            "load_s_per_token_storage",
+            "queue_s_per_request",
+            "waiting_s_per_request",
+            "kv_pressure_s",
+            "delay_to_others_weight",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cost.{name} must be >= 0")
+        if self.queue_knee <= 0:
+            raise ConfigError("cost.queue_knee must be > 0")
+        if not 0.0 < self.queue_learn_weight <= 1.0:
+            raise ConfigError("cost.queue_learn_weight must be in (0, 1]")
+        if self.queue_learn_half_life_s <= 0:
+            raise ConfigError("cost.queue_learn_half_life_s must be > 0")
+        if self.queue_s_per_request_max < self.queue_s_per_request:
+            raise ConfigError("cost.queue_s_per_request_max must be >= queue_s_per_request")
 
 
 @dataclass(slots=True)

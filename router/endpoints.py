@@ -144,9 +144,13 @@ class ProxyEndpoint:
             complete = False
             try:
                 if stream and upstream.status == 200:
-                    tail, error = await send_stream(
-                        send, upstream, request_id, lambda s: metrics.first_byte(self.label, s)
-                    )
+
+                    def on_first_byte(seconds: float, replica: Replica = upstream.replica) -> None:
+                        metrics.first_byte(self.label, seconds)
+                        if decision is not None:
+                            service.router.first_byte(decision, replica, seconds)
+
+                    tail, error = await send_stream(send, upstream, request_id, on_first_byte)
                     delivered = cached_tokens_from_sse(tail)
                     outcome = "midstream_error" if error else "ok"
                     complete = error is None

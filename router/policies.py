@@ -7,12 +7,14 @@ events. Reasons are a small fixed vocabulary (they are a Prometheus label).
 kvroute cost, in seconds (est. time to first token; see docs/router.md):
     est_ttft = queue_delay + prefill_s_per_token * uncached
                + load_s_per_token_cpu * cpu_tokens + load_s_per_token_storage * storage_tokens
-    queue_delay = queue_s_per_request * pending * (1 + pending / queue_knee)
+    queue_delay = q * pending * (1 + pending / queue_knee)
                   + waiting_s_per_request * waiting
                   + kv_pressure_s * max(0, kv_usage - kv_pressure_start) / (1 - kv_pressure_start)
-The queue term is superlinear in ``pending`` so that the benefit of a cached prefix (linear in
-its length) is always overtaken by a growing queue: a hot prefix spills to other replicas
-instead of piling onto one. Matches of replicas whose event feed is not live are discounted by
+``q`` is the replica's learned seconds per pending request (router/queue_model.py), or
+``queue_s_per_request`` when learning is off. The queue term is superlinear in ``pending`` so
+that the benefit of a cached prefix (linear in its length) is always overtaken by a growing
+queue: a hot prefix spills to other replicas instead of piling onto one.
+Matches of replicas whose event feed is not live are discounted by
 ``freshness_weight``; burst hints count as GPU blocks at full weight.
 """
 
@@ -73,14 +75,25 @@ class ReplicaView:
     hint_tokens: int = 0
     approx_tokens: int = 0
     predicted_cached_tokens: int = 0
+    queue_s_per_request: float | None = None  # learned; None: the configured constant
     est_ttft_s: float | None = None
+    delay_to_others_s: float | None = None  # what its uncached prefill costs the queue it joins
+    cost_s: float | None = None  # what kvroute ranks by: est_ttft_s + delay_to_others_s
     queue_s: float | None = None
     compute_s: float | None = None
     load_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__slots__}
-        for key in ("est_ttft_s", "queue_s", "compute_s", "load_s"):
+        for key in (
+            "queue_s_per_request",
+            "est_ttft_s",
+            "delay_to_others_s",
+            "cost_s",
+            "queue_s",
+            "compute_s",
+            "load_s",
+        ):
             if out[key] is not None:
                 out[key] = round(out[key], 6)
         return out
@@ -120,7 +133,10 @@ class KvroutePolicy(Policy):
     def queue_delay(self, view: ReplicaView) -> float:
         c = self.cost
         pending = view.pending
-        delay = c.queue_s_per_request * pending * (1.0 + pending / c.queue_knee)
+        per_request = (
+            c.queue_s_per_request if view.queue_s_per_request is None else view.queue_s_per_request
+        )
+        delay = per_request * pending * (1.0 + pending / c.queue_knee)
         delay += c.waiting_s_per_request * view.waiting
         if view.kv_usage > c.kv_pressure_start:
             over = (view.kv_usage - c.kv_pressure_start) / max(1e-9, 1.0 - c.kv_pressure_start)
@@ -141,14 +157,24 @@ class KvroutePolicy(Policy):
         view.compute_s = c.prefill_s_per_token * uncached
         view.load_s = c.load_s_per_token_cpu * cpu + c.load_s_per_token_storage * storage
         view.est_ttft_s = view.queue_s + view.compute_s + view.load_s
+        # Prefill shares the engine (chunked prefill batches it with the others' steps): the
+        # requests already pending there are slowed by about this request's prefill. A spill
+        # recomputes a prefix the holder would have served from cache; charging that to the
+        # fleet keeps a passing queue difference from scattering a returning user's history.
+        view.delay_to_others_s = (
+            c.delay_to_others_weight
+            * (view.compute_s + view.load_s)
+            * min(view.pending, c.queue_knee)
+        )
+        view.cost_s = view.est_ttft_s + view.delay_to_others_s
 
     def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
         prompt = ctx.prompt_tokens or 0
         for view in ctx.views:
             self.estimate(view, prompt)
-        ranked = sorted(ctx.views, key=lambda v: v.est_ttft_s or 0.0)
-        best = ranked[0].est_ttft_s or 0.0
-        tied = [v for v in ranked if (v.est_ttft_s or 0.0) <= best + self.cost.tie_epsilon_s]
+        ranked = sorted(ctx.views, key=lambda v: v.cost_s or 0.0)
+        best = ranked[0].cost_s or 0.0
+        tied = [v for v in ranked if (v.cost_s or 0.0) <= best + self.cost.tie_epsilon_s]
         if len(tied) > 1:
             tied = self._by_load(ctx, tied)
             ranked = tied + [v for v in ranked if v not in tied]

@@ -19,6 +19,7 @@ from router.approx import RoutingHistory
 from router.config import RouterSettings
 from router.hints import BurstHints
 from router.policies import Policy, ReplicaView, RouteContext
+from router.queue_model import LearnedQueueDelay
 from router.replicas import Replica
 from router.requests import ParsedRequest
 from router.tokenization import TokenizerBase
@@ -78,6 +79,17 @@ class Router:
         self.policy = policy
         self.hints = BurstHints(settings.hint_ttl_s, settings.hint_max_keys)
         self.history = RoutingHistory(settings.approx_max_keys)
+        c = settings.cost
+        self.queue_delay = (
+            LearnedQueueDelay(
+                c.queue_s_per_request,
+                weight=c.queue_learn_weight,
+                half_life_s=c.queue_learn_half_life_s,
+                max_s=c.queue_s_per_request_max,
+            )
+            if c.learn_queue_delay
+            else None
+        )
 
     async def tokens(self, req: ParsedRequest) -> list[int] | None:
         return None if self.tokenizer is None else await self.tokenizer.encode(req)
@@ -103,6 +115,9 @@ class Router:
                 running=r.running,
                 waiting=r.waiting,
                 kv_usage=r.kv_usage,
+                queue_s_per_request=None
+                if self.queue_delay is None
+                else self.queue_delay.per_request_s(r.name),
                 block_size=self.index.block_size(r.name),
                 freshness=fresh,
                 freshness_reason=why,
@@ -183,6 +198,20 @@ class Router:
         if decision.approx_keys:
             self.history.insert(replica.name, decision.approx_keys)
 
+    def first_byte(self, decision: Decision, replica: Replica, seconds: float) -> None:
+        """A streamed response's first byte came ``seconds`` after it was sent to
+        ``replica``: what the cost model did not explain is queueing, learned per replica."""
+        view = decision.view(replica.name)
+        if self.queue_delay is None or view is None:
+            return
+        explained = (view.compute_s or 0.0) + (view.load_s or 0.0)
+        if view.compute_s is None:  # a policy that does not estimate: price it like kvroute
+            uncached = max(0, (decision.prompt_tokens or 0) - view.predicted_cached_tokens)
+            explained = self.settings.cost.prefill_s_per_token * uncached
+        self.queue_delay.observe(replica.name, view.pending, explained, seconds)
+
     def forget(self, replica: str) -> None:
         self.hints.forget(replica)
         self.history.forget(replica)
+        if self.queue_delay is not None:
+            self.queue_delay.forget(replica)

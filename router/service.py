@@ -308,6 +308,9 @@ class RouterService:
                 "waiting": r.waiting,
                 "kv_cache_usage": r.kv_usage,
                 "pending": r.pending,
+                "queue_s_per_request": None
+                if self.router.queue_delay is None
+                else round(self.router.queue_delay.per_request_s(r.name), 6),
             }
             entry["accuracy"] = acc
             entry["predicted_cached_tokens"] = acc["predicted_cached_tokens"]

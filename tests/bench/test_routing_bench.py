@@ -82,6 +82,10 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         # The preset's premise: the working set does not fit the fleet's device cache.
         assert r["working_set_tokens"] > r["fleet_device_tokens"]
     rr, kv = rows
+    # Each row says why the router placed its requests (its own /metrics, this run only).
+    assert rr["route_reasons"] == {"round_robin": rr["requests"]}
+    assert sum(kv["route_reasons"].values()) == kv["requests"]
+    assert set(kv["route_reasons"]) <= {"prefix", "hint", "spill", "load", "tie"}
     assert kv["upper_bound_hit_rate"] == pytest.approx(rr["upper_bound_hit_rate"], abs=0.05)
     assert kv["hit_rate"] > rr["hit_rate"] + 0.2
     assert kv["ttft_p90_s"] < rr["ttft_p90_s"]

@@ -98,3 +98,21 @@ def test_model_dir_is_reused(tmp_path: Path) -> None:
     stamp = (first / "kvroute_build.json").stat().st_mtime_ns
     assert ensure_model_dir(tmp_path / "m", max_model_len=2048) == first
     assert (first / "kvroute_build.json").stat().st_mtime_ns == stamp
+
+
+def test_chat_user_history_is_private_and_opens_the_conversation(tokenizer: SimTokenizer) -> None:
+    """production-stack's --user-history-prompt: each user's own context, in the first turn
+    only (later turns carry it as history), never shared between users."""
+    count = lambda s: len(tokenizer.encode(s))  # noqa: E731
+    plain = BUILDERS["chat"](TextSource(3, count_tokens=count), seed=3, users=3, rounds=2)
+    rich = BUILDERS["chat"](
+        TextSource(3, count_tokens=count), seed=3, users=3, rounds=2, history_tokens=800
+    )
+    assert rich.params["history_tokens"] == 800
+    firsts = [s.turns[0].content for s in rich.sessions]
+    heads = {c.split("\n\n")[0] for c in firsts}
+    assert len(heads) == 3  # private to each user
+    assert all(700 < count(h) < 900 for h in heads)
+    assert all("\n\n" not in t.content for s in rich.sessions for t in s.turns[1:])
+    assert all("\n\n" not in s.turns[0].content for s in plain.sessions)
+    assert [s.start_s for s in plain.sessions] == [s.start_s for s in rich.sessions]

@@ -77,6 +77,19 @@ def test_stale_matches_are_discounted() -> None:
     assert ranked[0].est_ttft_s == ranked[1].est_ttft_s  # nothing believed: a tie
 
 
+def test_a_rebuilding_feed_is_believed_in_full() -> None:
+    """A router that joined a replica whose history is older than the replay buffer stays
+    ``rebuilding``: its entries are all from live events (possibly too few, never false).
+    Discounting them made a late-joining router scatter returning users (benchmarks.md)."""
+    policy = KvroutePolicy(CostSettings())
+    rebuilding = _gpu("rebuilding", 3200)
+    rebuilding.freshness = "rebuilding"
+    ranked, reason = policy.rank(_ctx(rebuilding, _gpu("live", 3200)))
+    assert ranked[0].est_ttft_s == ranked[1].est_ttft_s
+    ranked, reason = policy.rank(_ctx(rebuilding, _gpu("live", 2000)))
+    assert ranked[0].name == "rebuilding" and reason == "prefix"
+
+
 def test_hot_prefix_spills_before_the_queue_outweighs_the_saving() -> None:
     """Send a stream of requests sharing one prefix; every routed request adds to its
     replica's in-flight count. The holder must take more than its share, but not all."""
@@ -110,7 +123,9 @@ def test_waiting_and_kv_pressure_add_delay() -> None:
 
 
 def test_ties_break_by_load_then_consistently() -> None:
-    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.0, waiting_s_per_request=0.0))
+    policy = KvroutePolicy(
+        CostSettings(queue_s_per_request=0.0, waiting_s_per_request=0.0, delay_to_others_weight=0.0)
+    )
     ranked, reason = policy.rank(_ctx(_gpu("a", 0, pending=3), _gpu("b", 0, pending=1)))
     assert ranked[0].name == "b" and reason == "tie"
     first = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))[0][0].name
@@ -171,3 +186,36 @@ def test_make_policy_names() -> None:
         assert make_policy(name, settings).name == name
     with pytest.raises(ValueError):
         make_policy("random", settings)
+
+
+def test_learned_queue_delay_replaces_the_constant() -> None:
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.02))
+    fixed = policy.queue_delay(ReplicaView("x", pending=4))
+    learned = policy.queue_delay(ReplicaView("x", pending=4, queue_s_per_request=0.5))
+    assert learned == pytest.approx(fixed * 25)
+    # A slow replica (learned) loses a request with no cache advantage to a fast one.
+    ranked, _ = policy.rank(
+        _ctx(_gpu("slow", 0, pending=2, queue_s_per_request=0.5), _gpu("fast", 0, pending=3))
+    )
+    assert ranked[0].name == "fast"
+
+
+def test_a_spill_is_charged_for_the_queue_it_joins() -> None:
+    """A returning user's history on a replica with a somewhat longer queue: by its own
+    TTFT alone the request would leave and recompute 4,000 tokens where three requests wait,
+    slowing each of them by that prefill; counted, the holder keeps it. A queue far longer
+    than the recompute still spills."""
+    q = 0.3  # learned: each pending request costs 0.3 s here
+    holder = _gpu("holder", 3900, pending=5, queue_s_per_request=q)
+    other = _gpu("other", 0, pending=3, queue_s_per_request=q)
+    own_only = KvroutePolicy(CostSettings(delay_to_others_weight=0.0))
+    assert own_only.rank(_ctx(holder, other))[0][0].name == "other"
+    counted = KvroutePolicy(CostSettings())
+    ranked, reason = counted.rank(_ctx(holder, other))
+    assert ranked[0].name == "holder" and reason == "prefix"
+    assert ranked[1].delay_to_others_s == pytest.approx(1e-4 * 4000 * 3)
+    assert ranked[0].delay_to_others_s == pytest.approx(1e-4 * 100 * 5)
+    jammed = _gpu("holder", 3900, pending=16, queue_s_per_request=q)
+    idle = _gpu("other", 0, pending=0, queue_s_per_request=q)
+    ranked, reason = counted.rank(_ctx(jammed, idle))
+    assert ranked[0].name == "other" and reason == "spill"

@@ -221,3 +221,34 @@ def test_ejection_and_return(local_tokenizer) -> None:
             assert fleet.stats()["replicas"]["r0"]["health"]["ejections"] == 1
         finally:
             back.stop()
+
+
+def test_queue_delay_is_learned_from_streamed_first_bytes(local_tokenizer) -> None:
+    """r0 takes 0.4 s to its first byte, r1 answers at once: once concurrent streams have
+    queued behind each other on both, the router's learned seconds per pending request
+    (/index/stats) is far higher for r0 than for r1 and than the 0.02 s prior."""
+    knobs = [FakeKnobs(delay_s=0.4), FakeKnobs()]
+    with make_fleet(local_tokenizer, knobs=knobs, policy="round_robin") as fleet:
+
+        async def one(client: httpx.AsyncClient, i: int) -> None:
+            body = {"model": "tiny", "prompt": f"{i} {LONG}", "max_tokens": 2, "stream": True}
+            async with client.stream("POST", f"{fleet.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+
+        async def burst() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                for wave in range(3):
+                    await asyncio.gather(*(one(client, 10 * wave + i) for i in range(8)))
+
+        asyncio.run(burst())
+        load = {
+            n: e["load"]
+            for n, e in httpx.get(f"{fleet.url}/index/stats").json()["replicas"].items()
+        }
+        learned = fleet.service.router.queue_delay.to_dict()
+        assert learned["r0"]["samples"] > 0 and learned["r1"]["samples"] > 0
+        assert load["r0"]["queue_s_per_request"] > 0.05
+        assert load["r1"]["queue_s_per_request"] < 0.02
+        assert load["r0"]["queue_s_per_request"] > 5 * load["r1"]["queue_s_per_request"]

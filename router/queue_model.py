@@ -1,0 +1,97 @@
+"""What one request ahead in a replica's queue costs a new request, learned from the replica.
+
+The cost model's queue term is ``seconds per pending request x pending``. A fixed constant
+cannot be right for every fleet: behind a request that decodes 32 tokens in a replica whose
+KV cache holds two running prompts, a new request waits most of a second; behind short
+chat turns on a large GPU it waits milliseconds. A constant that is too small makes a
+shared system prompt attract every new user to the replica that cached it first, and a
+returning user stay on a replica whose queue has grown longer than recomputing their whole
+history elsewhere would take (measured in docs/benchmarks.md).
+
+So the router learns it from what it sees: for each streamed response it knows the queue it
+sent the request into (``pending``), the prefill and load time its cost model predicted,
+and when the first byte came back. The time not explained by prefill and loads, divided by
+the requests that were ahead, is one sample of the per-request delay; an exponentially
+weighted average per replica follows changes in load. Without fresh samples an estimate
+relaxes back to the configured prior (half-life ``half_life_s``), so a replica that was
+congested once is not shunned forever. Requests sent into an empty queue carry no
+information about queueing and are not samples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["LearnedQueueDelay"]
+
+
+@dataclass(slots=True)
+class _Estimate:
+    value: float
+    at: float
+    samples: int = 0
+
+
+class LearnedQueueDelay:
+    """Per-replica seconds per pending request: prior, learned average, decay to the prior."""
+
+    def __init__(
+        self,
+        prior_s: float,
+        *,
+        weight: float = 0.1,
+        half_life_s: float = 30.0,
+        max_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if prior_s < 0 or max_s < prior_s:
+            raise ValueError("need 0 <= prior_s <= max_s")
+        if not 0.0 < weight <= 1.0:
+            raise ValueError("weight must be in (0, 1]")
+        if half_life_s <= 0:
+            raise ValueError("half_life_s must be > 0")
+        self.prior_s = prior_s
+        self.weight = weight
+        self.half_life_s = half_life_s
+        self.max_s = max_s
+        self._clock = clock
+        self._by_replica: dict[str, _Estimate] = {}
+
+    def _relaxed(self, est: _Estimate, now: float) -> float:
+        keep = math.exp(-math.log(2.0) * max(0.0, now - est.at) / self.half_life_s)
+        return self.prior_s + (est.value - self.prior_s) * keep
+
+    def per_request_s(self, replica: str) -> float:
+        est = self._by_replica.get(replica)
+        return self.prior_s if est is None else self._relaxed(est, self._clock())
+
+    def observe(
+        self, replica: str, pending: float, explained_s: float, first_byte_s: float
+    ) -> None:
+        """One streamed response: sent into ``pending`` requests, ``explained_s`` of its
+        time to first byte predicted for prefill and loads, first byte after
+        ``first_byte_s``."""
+        if pending < 1.0 or not math.isfinite(first_byte_s) or first_byte_s < 0:
+            return
+        sample = min(self.max_s, max(0.0, first_byte_s - max(0.0, explained_s)) / pending)
+        now = self._clock()
+        est = self._by_replica.get(replica)
+        if est is None:
+            est = self._by_replica[replica] = _Estimate(self.prior_s, now)
+        current = self._relaxed(est, now)
+        est.value = current + self.weight * (sample - current)
+        est.at = now
+        est.samples += 1
+
+    def forget(self, replica: str) -> None:
+        self._by_replica.pop(replica, None)
+
+    def to_dict(self) -> dict[str, dict[str, float | int]]:
+        now = self._clock()
+        return {
+            name: {"queue_s_per_request": round(self._relaxed(e, now), 6), "samples": e.samples}
+            for name, e in self._by_replica.items()
+        }
