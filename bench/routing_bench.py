@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim.fleet import FleetConfig, SimFleet
 from bench.sim.latency import LatencyModel
@@ -293,11 +294,11 @@ def _decision_reasons(router_url: str) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvroute_routing_decisions_total{"):
-            labels, _, value = line.partition("} ")
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvroute_routing_decisions_total":
+                reason = sample.labels["reason"]
+                out[reason] = out.get(reason, 0.0) + sample.value
     return out
 
 
