@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -195,6 +196,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="wall-clock cap of one (workload, policy) run",
     )
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes sharing the traffic (an HA deployment; requests spread by "
+        "session and turn)",
+    )
+    parser.add_argument(
+        "--router-option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override a router setting for every policy, e.g. hint_ttl_s=0 or "
+        "cost.delay_to_others_weight=2 (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--out-dir",
@@ -245,6 +261,45 @@ def _router_settings(fleet: SimFleet, policy: str, config: FleetConfig) -> dict[
     }
 
 
+def _wait_feeds_settled(router_urls: list[str], timeout_s: float = 60.0) -> None:
+    """Until no router is still joining or replaying an event feed (measured from traffic's
+    start, a router that is catching up on the fleet's history would be timed, not its
+    routing). The reset's AllBlocksCleared batches are what a fresh router joins on."""
+    time.sleep(0.3)
+    deadline = time.monotonic() + timeout_s
+    unsettled = ("connecting", "syncing")
+    with httpx.Client(timeout=5.0) as client:
+        for url in router_urls:
+            while time.monotonic() < deadline:
+                try:
+                    stats = client.get(f"{url}/index/stats").json()
+                except (httpx.HTTPError, ValueError):
+                    time.sleep(0.2)
+                    continue
+                states = [e.get("freshness") for e in stats.get("replicas", {}).values()]
+                if not any(s in unsettled for s in states):
+                    break
+                time.sleep(0.2)
+
+
+def _apply_router_options(settings: dict[str, Any], options: list[str]) -> None:
+    """``KEY=JSON`` overrides (``cost.NAME`` for a cost knob); a typo fails before any run
+    when the router process validates its settings."""
+    for option in options:
+        key, sep, raw = option.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--router-option wants KEY=JSON, got {option!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare string
+        target = settings
+        *parents, leaf = key.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[leaf] = value
+
+
 def _row(
     workload: str,
     policy: str,
@@ -286,19 +341,20 @@ def _row(
     }
 
 
-def _decision_reasons(router_url: str) -> dict[str, float]:
-    """The router's own count of routing decisions by reason (its /metrics), so a row says
-    why a policy placed requests where it did (e.g. how often kvroute spilled)."""
-    try:
-        text = httpx.get(f"{router_url}/metrics", timeout=5.0).text
-    except httpx.HTTPError:
-        return {}
+def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
+    """The routers' own count of routing decisions by reason (their /metrics, summed), so a
+    row says why a policy placed requests where it did (e.g. how often kvroute spilled)."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kvroute_routing_decisions_total":
-                reason = sample.labels["reason"]
-                out[reason] = out.get(reason, 0.0) + sample.value
+    for url in router_urls:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "kvroute_routing_decisions_total":
+                    reason = sample.labels["reason"]
+                    out[reason] = out.get(reason, 0.0) + sample.value
     return out
 
 
@@ -383,6 +439,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     if unknown:
         raise ValueError(f"unknown workloads or policies: {unknown}")
+    if args.routers < 1:
+        raise ValueError("--routers must be >= 1")
     config = _fleet_config(args, preset)
     deadline = args.deadline_s or preset["deadline_s"]
     out = Path(args.out_dir)
@@ -403,15 +461,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # One router process per policy (its start-up costs seconds); the fleet's caches are
         # reset before every run, and the AllBlocksCleared events empty the router's index.
         for policy in policies:
-            with RouterProcess(_router_settings(fleet, policy, config)) as router:
+            with contextlib.ExitStack() as stack:
+                settings = _router_settings(fleet, policy, config)
+                _apply_router_options(settings, args.router_option)
+                routers = [
+                    stack.enter_context(RouterProcess(settings)) for _ in range(args.routers)
+                ]
+                urls = [r.url for r in routers]
                 seen: dict[str, float] = {}
                 for w in workloads:
                     fleet.reset_caches()
-                    time.sleep(0.3)  # let the router apply the clears before traffic starts
+                    _wait_feeds_settled(urls)
                     records, wall = asyncio.run(
                         run_workload(
                             built[w],
-                            router.url,
+                            urls,
                             model=config.model,
                             time_scale=config.latency.time_scale,
                             deadline_s=deadline,
@@ -420,7 +484,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row = _row(
                         w, policy, records, wall, config.latency.time_scale, tokenizer, config
                     )
-                    reasons = _decision_reasons(router.url)
+                    reasons = _decision_reasons(urls)
+                    row["routers"] = len(urls)
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
                     rows.append(row)
@@ -451,6 +516,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fleet": fleet_desc,
         "workload_sizes": {w: preset["sizes"][w] for w in workloads},
         "rate_scale": args.rate_scale,
+        "routers": args.routers,
         "preset": args.preset,
         "json": str(out / "routing.json"),
         "plots": plots,

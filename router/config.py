@@ -77,7 +77,7 @@ class CostSettings:
     # Learn seconds per pending request from each replica's streamed first bytes
     # (router/queue_model.py); queue_s_per_request is then the prior.
     learn_queue_delay: bool = True
-    queue_learn_weight: float = 0.1
+    queue_learn_weight: float = 0.03
     queue_learn_half_life_s: float = 30.0
     queue_s_per_request_max: float = 10.0
     queue_knee: float = 16.0

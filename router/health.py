@@ -75,10 +75,9 @@ class HealthChecker:
         if resp.status_code != 200:
             return
         gauges = parse_vllm_metrics(resp.text)
-        replica.running = gauges.get("running", 0.0)
-        replica.waiting = gauges.get("waiting", 0.0)
-        replica.kv_usage = gauges.get("kv_usage", 0.0)
-        replica.scraped_at = time.monotonic()
+        replica.set_gauges(
+            gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
+        )
 
     async def check_all(self) -> None:
         replicas = list(self.registry)

@@ -197,6 +197,7 @@ class Upstream:
     response: Response
     started: float
     attempts: int
+    epoch: int = 0  # the replica's scrape epoch when sent (Replica.end_request)
 
     @property
     def status(self) -> int:
@@ -238,25 +239,25 @@ class Forwarder:
                 self.on_retry()
             if on_attempt is not None:
                 on_attempt(replica)
-            replica.in_flight += 1
+            epoch = replica.begin_request()
             started = time.perf_counter()
             try:
                 response = await self.client.request(replica.url, path, body, headers)
             except UpstreamConnectError as exc:
-                replica.in_flight -= 1
+                replica.end_request(epoch)
                 refused = isinstance(exc, UpstreamUnreachable)
                 self.registry.record_failure(replica, f"proxy: {exc!r}", eject_now=refused)
                 errors.append(f"{replica.name}: {type(exc).__name__}")
                 continue
             except BaseException:
-                replica.in_flight -= 1
+                replica.end_request(epoch)
                 raise
             if response.status in _RETRY_STATUS and attempt < len(tries):
                 response.close()
-                replica.in_flight -= 1
+                replica.end_request(epoch)
                 errors.append(f"{replica.name}: HTTP {response.status}")
                 continue
-            return Upstream(replica, response, started, attempt)
+            return Upstream(replica, response, started, attempt, epoch)
         raise RouterError(
             503,
             "no replica could take the request: " + "; ".join(errors),
@@ -273,7 +274,7 @@ class Forwarder:
             else:
                 upstream.response.close()
         finally:
-            upstream.replica.in_flight -= 1
+            upstream.replica.end_request(upstream.epoch)
 
 
 async def send_stream(

@@ -3,7 +3,10 @@
 Load has two sources, because each alone is wrong: the router's own in-flight counts are
 exact and instant but blind to other routers and to what the replica queued; vLLM's gauges
 (``vllm:num_requests_running/waiting``, ``vllm:kv_cache_usage_perc``) see everything but are
-a scrape interval old. ``Replica.pending`` takes the larger of the two.
+a scrape interval old. ``Replica.pending`` combines them: the gauges plus the requests this
+router sent since that scrape and still has in flight (which the gauges cannot hold yet), or
+the router's own count if that is larger. Without the second term, a router behind several
+others, or a burst inside one scrape interval, would see a replica as idle as its last page.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ class Replica:
     waiting: float = 0.0
     kv_usage: float = 0.0
     scraped_at: float | None = None
+    # Requests sent after the last scrape and still in flight; ``scrape_epoch`` tells a
+    # finishing request whether it was one of them.
+    sent_since_scrape: int = 0
+    scrape_epoch: int = 0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     models_at: float | None = None
     removed: bool = False
@@ -76,8 +83,27 @@ class Replica:
 
     @property
     def pending(self) -> float:
-        """Requests ahead of a new one: ours in flight, or what vLLM reports, whichever is more."""
-        return max(float(self.in_flight), self.running + self.waiting)
+        """Requests ahead of a new one: vLLM's last gauges plus what this router sent since,
+        or ours in flight, whichever is more."""
+        return max(float(self.in_flight), self.running + self.waiting + self.sent_since_scrape)
+
+    def begin_request(self) -> int:
+        """A request goes out: count it; returns the epoch to give ``end_request``."""
+        self.in_flight += 1
+        self.sent_since_scrape += 1
+        return self.scrape_epoch
+
+    def end_request(self, epoch: int) -> None:
+        self.in_flight -= 1
+        if epoch == self.scrape_epoch and self.sent_since_scrape > 0:
+            self.sent_since_scrape -= 1
+
+    def set_gauges(self, running: float, waiting: float, kv_usage: float) -> None:
+        """A fresh metrics page: it counts every request the replica had by now."""
+        self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
+        self.scraped_at = time.monotonic()
+        self.scrape_epoch += 1
+        self.sent_since_scrape = 0
 
     def serves(self, model: str) -> bool:
         return model in self.models

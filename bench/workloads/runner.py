@@ -6,6 +6,11 @@ final usage chunk. Every session is a coroutine on one loop (httpx, no per-reque
 the run is bounded by ``deadline_s`` of wall time, after which unfinished sessions are
 cancelled and their requests counted as not completed.
 
+Several routers (an HA deployment behind a Service or an L7 balancer): each request goes to
+one of ``base_url``'s routers, chosen by a hash of (session, turn), so every policy sees the
+same requests at the same routers and a conversation's turns spread over all of them, as a
+per-request load balancer spreads them.
+
 Times: the fleet's clock runs ``time_scale`` wall seconds per simulated second, so the
 workload's think times and arrivals are scaled into wall time, and latencies are scaled back.
 """
@@ -16,6 +21,8 @@ import asyncio
 import contextlib
 import json
 import time
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +30,7 @@ import httpx
 
 from bench.workloads.base import Session, Workload
 
-__all__ = ["RequestRecord", "run_workload"]
+__all__ = ["RequestRecord", "pick_router", "run_workload"]
 
 
 @dataclass(slots=True)
@@ -102,9 +109,14 @@ async def _one(
         rec.error = f"{type(exc).__name__}: {exc}"
 
 
+def pick_router(urls: Sequence[str], session: str, turn: int) -> str:
+    """The router a request goes to: stable across runs and policies, spread evenly."""
+    return urls[zlib.crc32(f"{session}/{turn}".encode()) % len(urls)]
+
+
 async def _session(
     client: httpx.AsyncClient,
-    url: str,
+    urls: Sequence[str],
     model: str,
     session: Session,
     time_scale: float,
@@ -129,7 +141,7 @@ async def _session(
             sent=time.monotonic() - t0,
         )
         records.append(rec)
-        await _one(client, url, model, rec, t0, headers)
+        await _one(client, pick_router(urls, session.id, i), model, rec, t0, headers)
         if rec.ok:
             history.append({"role": "assistant", "content": rec.reply})
         else:
@@ -138,24 +150,28 @@ async def _session(
 
 async def run_workload(
     workload: Workload,
-    base_url: str,
+    base_url: str | Sequence[str],
     *,
     model: str,
     time_scale: float,
     deadline_s: float,
     session_header: str = "x-session-id",
 ) -> tuple[list[RequestRecord], float]:
-    """Run every session; returns the records (in send order) and the run's wall duration."""
+    """Run every session; returns the records (in send order) and the run's wall duration.
+    ``base_url``: one router, or several that share the traffic (see ``pick_router``)."""
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
     records: list[RequestRecord] = []
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    bases = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not bases:
+        raise ValueError("run_workload needs at least one base URL")
+    urls = [b.rstrip("/") + "/v1/chat/completions" for b in bases]
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(deadline_s, connect=10.0), limits=limits
     ) as client:
         t0 = time.monotonic()
         tasks = [
             asyncio.create_task(
-                _session(client, url, model, s, time_scale, t0, records, session_header)
+                _session(client, urls, model, s, time_scale, t0, records, session_header)
             )
             for s in workload.sessions
         ]

@@ -1,7 +1,9 @@
 """The routing benchmark end to end: quick preset, real router processes, simulated fleet.
 
-Runs two policies on the shared-prefix workload (about a minute) and checks the JSON's shape
-and sanity; the full comparison is ``kvroute bench routing`` (docs/benchmarks.md).
+Runs two policies on the shared-prefix workload (about a minute) behind two router processes
+sharing the traffic (the HA deployment; one router is the same code with one URL) and checks
+the JSON's shape and sanity; the full comparison is ``kvroute bench routing``
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench import routing_bench
+from bench.workloads.runner import pick_router
 
 KEYS = {
     "workload",
@@ -44,6 +47,41 @@ def test_unknown_policy_or_workload_is_refused(tmp_path: Path) -> None:
         )
 
 
+def test_router_count_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--routers"):
+        routing_bench.run(_args("--preset", "quick", "--routers", "0", "--out-dir", str(tmp_path)))
+
+
+def test_router_options_override_settings_and_cost_knobs() -> None:
+    settings: dict = {"policy": "kvroute", "cost": {"prefill_s_per_token": 1e-4}}
+    routing_bench._apply_router_options(
+        settings,
+        ["hint_ttl_s=0", "cost.delay_to_others_weight=2.5", "cost.learn_queue_delay=false"],
+    )
+    assert settings["hint_ttl_s"] == 0
+    assert settings["cost"] == {
+        "prefill_s_per_token": 1e-4,
+        "delay_to_others_weight": 2.5,
+        "learn_queue_delay": False,
+    }
+    routing_bench._apply_router_options(settings, ["tokenizer_mode=remote"])  # bare string
+    assert settings["tokenizer_mode"] == "remote"
+    with pytest.raises(ValueError, match="KEY=JSON"):
+        routing_bench._apply_router_options(settings, ["hint_ttl_s"])
+
+
+def test_requests_spread_over_routers_stably() -> None:
+    urls = ["http://a", "http://b", "http://c"]
+    picks = [pick_router(urls, f"user-{u}", t) for u in range(100) for t in range(6)]
+    counts = {u: picks.count(u) for u in urls}
+    assert all(150 <= n <= 250 for n in counts.values()), counts  # about 200 each
+    # The same request goes to the same router in every run (every policy sees the same split),
+    # and one conversation's turns reach several routers, as behind a per-request balancer.
+    assert picks == [pick_router(urls, f"user-{u}", t) for u in range(100) for t in range(6)]
+    assert len({pick_router(urls, "user-7", t) for t in range(6)}) > 1
+    assert pick_router(["http://only"], "s", 3) == "http://only"
+
+
 def test_percentile_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert routing_bench.percentile(values, 50) == 50.0
@@ -62,10 +100,13 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
             "shared_prefix",
             "--policies",
             "round_robin,kvroute",
+            "--routers",
+            "2",
             "--out",
             str(tmp_path),
         )
     )
+    assert result["routers"] == 2
     rows = result["results"]
     assert [(r["workload"], r["policy"]) for r in rows] == [
         ("shared_prefix", "round_robin"),
@@ -74,6 +115,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "routing.json").read_text()) == rows
     for r in rows:
         assert r.keys() >= KEYS
+        assert r["routers"] == 2
         assert r["completed"] == r["requests"] > 0, r["errors"]
         assert r["token_mismatches"] == 0  # router, replicas and client agree on token ids
         assert 0 <= r["hit_rate"] <= r["upper_bound_hit_rate"] + 0.02 <= 1.02
@@ -82,7 +124,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         # The preset's premise: the working set does not fit the fleet's device cache.
         assert r["working_set_tokens"] > r["fleet_device_tokens"]
     rr, kv = rows
-    # Each row says why the router placed its requests (its own /metrics, this run only).
+    # Each row says why the routers placed its requests (their /metrics summed, this run only).
     assert rr["route_reasons"] == {"round_robin": rr["requests"]}
     assert sum(kv["route_reasons"].values()) == kv["requests"]
     assert set(kv["route_reasons"]) <= {"prefix", "hint", "spill", "load", "tie"}
