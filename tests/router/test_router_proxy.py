@@ -14,6 +14,8 @@ from router_fake_vllm import FakeKnobs
 from router_fleet import Fleet, make_fleet
 from router_servers import ServerThread, wait_until
 
+from router.config import CostSettings
+
 LONG = "You are a careful assistant that answers questions about caches. " * 12
 
 
@@ -226,9 +228,11 @@ def test_ejection_and_return(local_tokenizer) -> None:
 def test_queue_delay_is_learned_from_streamed_first_bytes(local_tokenizer) -> None:
     """r0 takes 0.4 s to its first byte, r1 answers at once: once concurrent streams have
     queued behind each other on both, the router's learned seconds per pending request
-    (/index/stats) is far higher for r0 than for r1 and than the 0.02 s prior."""
+    (/index/stats) is far higher for r0 than for r1 and than the 0.02 s prior. The learning
+    weight is raised from the default 0.03 so that two dozen samples show it."""
     knobs = [FakeKnobs(delay_s=0.4), FakeKnobs()]
-    with make_fleet(local_tokenizer, knobs=knobs, policy="round_robin") as fleet:
+    cost = CostSettings(queue_learn_weight=0.1)
+    with make_fleet(local_tokenizer, knobs=knobs, policy="round_robin", cost=cost) as fleet:
 
         async def one(client: httpx.AsyncClient, i: int) -> None:
             body = {"model": "tiny", "prompt": f"{i} {LONG}", "max_tokens": 2, "stream": True}
