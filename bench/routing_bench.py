@@ -261,27 +261,6 @@ def _router_settings(fleet: SimFleet, policy: str, config: FleetConfig) -> dict[
     }
 
 
-def _wait_feeds_settled(router_urls: list[str], timeout_s: float = 60.0) -> None:
-    """Until no router is still joining or replaying an event feed (measured from traffic's
-    start, a router that is catching up on the fleet's history would be timed, not its
-    routing). The reset's AllBlocksCleared batches are what a fresh router joins on."""
-    time.sleep(0.3)
-    deadline = time.monotonic() + timeout_s
-    unsettled = ("connecting", "syncing")
-    with httpx.Client(timeout=5.0) as client:
-        for url in router_urls:
-            while time.monotonic() < deadline:
-                try:
-                    stats = client.get(f"{url}/index/stats").json()
-                except (httpx.HTTPError, ValueError):
-                    time.sleep(0.2)
-                    continue
-                states = [e.get("freshness") for e in stats.get("replicas", {}).values()]
-                if not any(s in unsettled for s in states):
-                    break
-                time.sleep(0.2)
-
-
 def _apply_router_options(settings: dict[str, Any], options: list[str]) -> None:
     """``KEY=JSON`` overrides (``cost.NAME`` for a cost knob); a typo fails before any run
     when the router process validates its settings."""
@@ -471,7 +450,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seen: dict[str, float] = {}
                 for w in workloads:
                     fleet.reset_caches()
-                    _wait_feeds_settled(urls)
+                    # The clears are what a fresh router joins the feeds on; traffic waits
+                    # until every router has caught up.
+                    time.sleep(0.3)
+                    for router in routers:
+                        router.wait_feeds_settled()
                     records, wall = asyncio.run(
                         run_workload(
                             built[w],

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,18 +108,36 @@ class RouterProcess:
         self._wait_healthy(deadline)
         return self
 
-    def _wait_healthy(self, deadline: float) -> None:
-        """Until every replica is healthy in the router's eyes (its /health counts them)."""
-        want = len(self.settings.get("replicas", []))
+    def _poll(
+        self, path: str, done: Callable[[dict[str, Any]], bool], deadline: float, every_s: float
+    ) -> bool:
+        """GET ``path`` until ``done(body)`` or ``deadline``; whether it got there."""
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError, ValueError):
-                    body = client.get(self.url + "/health").json()
-                    if body.get("healthy_replicas", 0) >= want:
-                        return
-                time.sleep(0.1)
-        self.stop()
-        raise TimeoutError("router never saw every replica healthy")
+                    if done(client.get(self.url + path).json()):
+                        return True
+                time.sleep(every_s)
+        return False
+
+    def _wait_healthy(self, deadline: float) -> None:
+        """Until every replica is healthy in the router's eyes (its /health counts them)."""
+        want = len(self.settings.get("replicas", []))
+        if not self._poll("/health", lambda b: b.get("healthy_replicas", 0) >= want, deadline, 0.1):
+            self.stop()
+            raise TimeoutError("router never saw every replica healthy")
+
+    def wait_feeds_settled(self, timeout_s: float = 60.0) -> bool:
+        """Until no event feed is still joining or replaying (``/index/stats`` freshness): a
+        run timed while the router catches up on the fleet's history would time that, not its
+        routing. False when ``timeout_s`` passed first."""
+        unsettled = ("connecting", "syncing")
+
+        def settled(stats: dict[str, Any]) -> bool:
+            states = [e.get("freshness") for e in stats.get("replicas", {}).values()]
+            return not any(s in unsettled for s in states)
+
+        return self._poll("/index/stats", settled, time.monotonic() + timeout_s, 0.2)
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

@@ -35,6 +35,12 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def _quick_shared_prefix(out: Path, *argv: str) -> dict:
+    return routing_bench.run(
+        _args("--preset", "quick", "--workloads", "shared_prefix", "--out", str(out), *argv)
+    )
+
+
 def test_unknown_policy_or_workload_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown"):
         routing_bench.run(
@@ -91,18 +97,7 @@ def test_percentile_nearest_rank() -> None:
 
 @pytest.mark.timeout(240)
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
-    result = routing_bench.run(
-        _args(
-            "--preset",
-            "quick",
-            "--workloads",
-            "shared_prefix",
-            "--policies",
-            "round_robin,kvroute",
-            "--out",
-            str(tmp_path),
-        )
-    )
+    result = _quick_shared_prefix(tmp_path, "--policies", "round_robin,kvroute")
     assert result["routers"] == 1
     rows = result["results"]
     assert [(r["workload"], r["policy"]) for r in rows] == [
@@ -144,20 +139,8 @@ def test_two_routers_share_the_traffic(tmp_path: Path) -> None:
     decision counts read and summed. round_robin, because a 3-second quick run is too short
     to judge routing quality across routers (the full preset's four-router figures are in
     docs/benchmarks.md)."""
-    result = routing_bench.run(
-        _args(
-            "--preset",
-            "quick",
-            "--workloads",
-            "shared_prefix",
-            "--policies",
-            "round_robin",
-            "--routers",
-            "2",
-            "--no-plots",
-            "--out",
-            str(tmp_path),
-        )
+    result = _quick_shared_prefix(
+        tmp_path, "--policies", "round_robin", "--routers", "2", "--no-plots"
     )
     assert result["routers"] == 2
     (row,) = result["results"]
