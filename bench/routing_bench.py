@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim.fleet import FleetConfig, SimFleet
 from bench.sim.latency import LatencyModel
+from bench.sim.looplag import LoopLagMonitor
 from bench.sim.router_proc import RouterProcess
 from bench.sim.tokenizer import SimTokenizer
 from bench.workloads import BUILDERS, TextSource
@@ -194,7 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deadline-s",
         type=float,
         default=None,
-        help="wall-clock cap of one (workload, policy) run",
+        help="wall-clock cap of one (workload, policy) run (default: the preset's, scaled "
+        "by --time-scale over the preset's time scale)",
     )
     parser.add_argument(
         "--routers",
@@ -277,6 +280,20 @@ def _apply_router_options(settings: dict[str, Any], options: list[str]) -> None:
         for part in parents:
             target = target.setdefault(part, {})
         target[leaf] = value
+
+
+async def _run_measured(
+    workload_run: Coroutine[Any, Any, tuple[list[RequestRecord], float]],
+) -> tuple[list[RequestRecord], float, dict[str, Any]]:
+    """Run the load generator with a LoopLagMonitor beside it: its timestamps are only as
+    good as its loop's punctuality."""
+    monitor = LoopLagMonitor()
+    monitor.start()
+    try:
+        records, wall = await workload_run
+    finally:
+        await monitor.stop()
+    return records, wall, monitor.snapshot()
 
 
 def _row(
@@ -421,7 +438,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.routers < 1:
         raise ValueError("--routers must be >= 1")
     config = _fleet_config(args, preset)
-    deadline = args.deadline_s or preset["deadline_s"]
+    # The preset's deadline is wall time at its own clock: a slower clock needs longer.
+    deadline = args.deadline_s or preset["deadline_s"] * (
+        config.latency.time_scale / preset["time_scale"]
+    )
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -455,13 +475,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.3)
                     for router in routers:
                         router.wait_feeds_settled()
-                    records, wall = asyncio.run(
-                        run_workload(
-                            built[w],
-                            urls,
-                            model=config.model,
-                            time_scale=config.latency.time_scale,
-                            deadline_s=deadline,
+                    records, wall, client_lag = asyncio.run(
+                        _run_measured(
+                            run_workload(
+                                built[w],
+                                urls,
+                                model=config.model,
+                                time_scale=config.latency.time_scale,
+                                deadline_s=deadline,
+                            )
                         )
                     )
                     row = _row(
@@ -469,6 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     reasons = _decision_reasons(urls)
                     row["routers"] = len(urls)
+                    row["loop_lag_ms"] = {"fleet": fleet.loop_lag(), "client": client_lag}
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
                     rows.append(row)

@@ -45,15 +45,15 @@ class CachedBlock:
 
     digest: bytes
     hash: int
-    parent: CachedBlock | None
+    parent: CachedBlock | None = field(repr=False)
     tokens: tuple[int, ...]
     extra: tuple[Any, ...] | None
     tier: Medium | None
     ref: int = 0
-    kids: set[CachedBlock] = field(default_factory=set)
+    kids: set[CachedBlock] = field(default_factory=set, repr=False)
     # The request still computing this block (vLLM caches blocks when it schedules them, so
     # others can hit them before they are computed; the scheduler makes those wait).
-    owner: object | None = None
+    owner: object | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)

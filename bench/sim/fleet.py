@@ -119,6 +119,7 @@ async def serve_fleet(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    from bench.sim.looplag import LoopLagMonitor
     from bench.sim.replica import SimReplica, _Server
     from bench.sim.tokenizer import SimTokenizer, ensure_model_dir
 
@@ -128,6 +129,7 @@ async def serve_fleet(
     tokenizer = SimTokenizer(model_dir)
     replicas = [SimReplica(config.replica_config(i), tokenizer) for i in range(config.replicas)]
     by_name = {r.config.name: r for r in replicas}
+    lag = LoopLagMonitor()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -212,6 +214,7 @@ async def serve_fleet(
             if time.monotonic() > deadline:
                 return err(f"replicas still busy: {[r.config.name for r in pending]}", 409)
             await asyncio.sleep(0.05)
+        lag.reset()
         return JSONResponse({"reset": [r.config.name for r in replicas if r.alive]})
 
     async def stats(request: Request) -> Response:
@@ -232,6 +235,10 @@ async def serve_fleet(
             }
         return JSONResponse(out)
 
+    async def loop_lag(request: Request) -> Response:
+        """How late the fleet's loop (its simulated clock) ran timers since the last reset."""
+        return JSONResponse(lag.snapshot())
+
     async def shutdown(request: Request) -> Response:
         stop.set()
         return JSONResponse({"stopping": True})
@@ -240,6 +247,7 @@ async def serve_fleet(
         routes=[
             Route("/fleet", describe, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
+            Route("/lag", loop_lag, methods=["GET"]),
             Route("/reset", reset, methods=["POST"]),
             Route("/shutdown", shutdown, methods=["POST"]),
             Route("/replicas/{name}/kill", kill, methods=["POST"]),
@@ -250,6 +258,7 @@ async def serve_fleet(
     )
     for r in replicas:
         await r.start(config.host)
+    lag.start()
     control = _Server(
         uvicorn.Config(
             control_app,
@@ -290,6 +299,7 @@ async def serve_fleet(
         await stop.wait()
     finally:
         control.should_exit = True
+        await lag.stop()
         for r in replicas:
             await r.stop()
         with contextlib.suppress(Exception):
@@ -467,6 +477,10 @@ class SimFleet:
 
     def stats(self) -> dict[str, Any]:
         return self._get("/stats")
+
+    def loop_lag(self) -> dict[str, Any]:
+        """The fleet loop's timer lag since the last ``reset_caches`` (LoopLagMonitor)."""
+        return self._get("/lag")
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

@@ -40,9 +40,13 @@ class ReplicaDied(RuntimeError):
     """The replica was killed while the request was queued or running."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SimRequest:
-    """A request as the engine sees it: token ids, their block digests, and its futures."""
+    """A request as the engine sees it: token ids, their block digests, and its futures.
+
+    Compared by identity (``eq=False``): two requests with the same prompt are still two
+    requests, and a field-wise comparison would walk ``deps`` into other requests.
+    """
 
     prompt: list[int]
     digests: list[bytes]
@@ -55,8 +59,8 @@ class SimRequest:
     cached_by_tier: dict[Medium, int] = field(default_factory=dict)
     work_left: float = 0.0
     prefilled: asyncio.Future[float] | None = None
-    owned: list[CachedBlock] = field(default_factory=list)
-    deps: list[SimRequest] = field(default_factory=list)
+    owned: list[CachedBlock] = field(default_factory=list, repr=False)
+    deps: list[SimRequest] = field(default_factory=list, repr=False)
     settled: bool = False  # its prompt blocks are computed (or it was aborted)
 
 
@@ -164,10 +168,9 @@ class Scheduler:
 
     def abort(self, req: SimRequest) -> None:
         """The client went away (or decoding failed): free whatever the request holds."""
-        try:
+        # Membership first: deque.remove's "not in deque" error formats the request's repr.
+        if req in self._waiting:
             self._waiting.remove(req)
-        except ValueError:
-            pass
         self._prefilling.pop(req.id, None)
         self._blocked.pop(req.id, None)
         self._settle(req)

@@ -115,6 +115,11 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         assert r["throughput_rps"] > 0
         # The preset's premise: the working set does not fit the fleet's device cache.
         assert r["working_set_tokens"] > r["fleet_device_tokens"]
+        # How punctual the fleet's clock and the load generator were during this run.
+        for side in ("fleet", "client"):
+            lag = r["loop_lag_ms"][side]
+            assert lag["samples"] > 0
+            assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
     rr, kv = rows
     # Each row says why the router placed its requests (its own /metrics, this run only).
     assert rr["route_reasons"] == {"round_robin": rr["requests"]}

@@ -158,3 +158,27 @@ def test_events_published_per_step() -> None:
     # Admission caches the prompt's blocks; finish caches the block the output completed.
     assert len(batches) == 2
     assert [len(b[0].block_hashes) for b in batches] == [3, 1]
+
+
+def test_abort_of_a_running_long_request_frees_it() -> None:
+    """A client that goes away mid-stream (a deadline, a timeout) aborts a request that is
+    already running: its blocks must be freed. A long prompt is a long chain of parent
+    blocks; once, the abort formatted the request's repr through that chain and died of
+    RecursionError, leaving the replica busy forever."""
+
+    async def main() -> tuple[int, int, int]:
+        s, _ = _scheduler(gpu=1024)
+        s.start()
+        req = _request(list(range(50_000, 50_000 + 600 * BS + 1)))
+        await s.prefill(req)
+        running = s.num_running
+        s.abort(req)
+        s.abort(req)  # twice (the decode loop and the disconnect may both abort): harmless
+        after = s.num_running
+        used = s.cache.usage()
+        await s.stop()
+        return running, after, used
+
+    running, after, used = asyncio.run(main())
+    assert (running, after) == (1, 0)
+    assert used == 0
