@@ -13,6 +13,11 @@ Sequence handling (vLLM numbers batches from 0 in every process, +1 per batch):
 - behind: a batch we already have from a replay (skipped), or the replica restarted (a reset:
   clear, then replay the new process's history from 0).
 A first message with seq > 0 (we joined late) is a gap from 0.
+
+A replay may hold thousands of batches (vLLM buffers 10,000). Batches before the last one
+that clears the whole replica (``AllBlocksCleared`` without a medium) cannot change what the
+index holds once that clear is applied, so they only advance the sequence (``moot_batches``):
+a router joining a busy fleet whose caches were reset does not re-key their history.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -31,6 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from indexer.index import PrefixIndex
 from indexer.wire import (
+    AllBlocksCleared,
     EventBatch,
     Frame,
     WireError,
@@ -40,10 +46,39 @@ from indexer.wire import (
 )
 from indexer.wire import encode_replay_request as _replay_request
 
-__all__ = ["EventSource", "EventSubscriber", "FeedStats", "Freshness", "ReplicaFeed"]
+__all__ = [
+    "EventSource",
+    "EventSubscriber",
+    "FeedStats",
+    "Freshness",
+    "ReplicaFeed",
+    "last_full_clear",
+]
 
 log = logging.getLogger(__name__)
 _digest = xxhash.xxh3_64_intdigest
+# The event's tag as msgpack carries it: a payload without these bytes holds no clear, so a
+# replay is scanned without decoding every batch (a false positive only costs a decode).
+_CLEAR_TAG = b"AllBlocksCleared"
+
+
+def last_full_clear(frames: Sequence[Frame]) -> tuple[int, int]:
+    """Where the last event that clears the whole replica is: (position in ``frames``, in
+    sequence order; position in that batch's events); (0, 0) when there is none. Every
+    event before it is moot once it is applied."""
+    for i in range(len(frames) - 1, -1, -1):
+        payload = frames[i].payload
+        if _CLEAR_TAG not in payload:
+            continue
+        try:
+            events = decode_batch(payload).events
+        except WireError:
+            continue  # applied in turn, and counted as malformed there
+        for j in range(len(events) - 1, -1, -1):
+            event = events[j]
+            if isinstance(event, AllBlocksCleared) and event.medium is None:
+                return i, j
+    return 0, 0
 
 
 class Freshness(enum.StrEnum):
@@ -86,6 +121,7 @@ class FeedStats:
     replay_failures: int = 0
     resets: int = 0
     clears: int = 0
+    moot_batches: int = 0
     last_seq: int | None = None
     last_event_wall: float | None = None
     last_event_ts: float | None = None
@@ -112,6 +148,7 @@ class FeedStats:
             "replay_failures": self.replay_failures,
             "resets": self.resets,
             "clears": self.clears,
+            "moot_batches": self.moot_batches,
             "last_seq": self.last_seq,
             "last_event_age_s": None
             if self.last_event_wall is None
@@ -204,9 +241,11 @@ class ReplicaFeed:
                 )
                 return
             self.stats.replays += 1
+            ordered: list[Frame] = []
             for frame in sorted(history, key=lambda f: f.seq):
-                if frame.seq == (self.expected or 0):
-                    self._apply(frame)
+                if frame.seq == len(ordered):
+                    ordered.append(frame)
+            self._apply_history(ordered)
             if self.expected is not None:
                 self._replayed = (0, self.expected)
             self._set(Freshness.LIVE, "replica restarted (found on reconnect); index rebuilt")
@@ -275,9 +314,7 @@ class ReplicaFeed:
             self.stats.replays += 1
             by_seq = {f.seq: f for f in frames if start <= f.seq}
             if all(s in by_seq for s in range(start, frame.seq)):
-                for s in range(start, frame.seq):
-                    self._apply(by_seq[s])
-                self._apply(frame)
+                self._apply_history([*(by_seq[s] for s in range(start, frame.seq)), frame])
                 # Later batches the replay already delivered arrive again live: skip those.
                 extra = [s for s in by_seq if s > frame.seq]
                 for s in sorted(extra):
@@ -297,11 +334,25 @@ class ReplicaFeed:
         self.clear(f"{why}: cleared, rebuilding from live events")
         self._apply(frame)
 
-    def _apply(self, frame: Frame) -> None:
+    def _apply_history(self, frames: Sequence[Frame]) -> None:
+        """Apply consecutive batches, skipping what a later full clear makes moot."""
+        cut, first_event = last_full_clear(frames)
+        for frame in frames[:cut]:
+            self._advance(frame)
+            self.stats.moot_batches += 1
+        for k, frame in enumerate(frames[cut:]):
+            self._apply(frame, first_event if k == 0 else 0)
+
+    def _advance(self, frame: Frame) -> None:
+        """Take ``frame`` as the latest batch in sequence (applied or moot)."""
         self.expected = frame.seq + 1
         self._last_digest = _digest(frame.payload)
         self.stats.last_seq = frame.seq
         self.stats.batches += 1
+
+    def _apply(self, frame: Frame, first_event: int = 0) -> None:
+        """Apply the batch's events from ``first_event`` on (earlier ones are moot)."""
+        self._advance(frame)
         try:
             batch: EventBatch = decode_batch(frame.payload)
         except WireError as exc:
@@ -311,7 +362,8 @@ class ReplicaFeed:
         for reason in batch.rejected:
             self.stats.rejected_reasons[reason] += 1
         self.stats.events_rejected += len(batch.rejected)
-        result = self.index.apply(self.source.replica, batch.events)
+        events = batch.events[first_event:] if first_event else batch.events
+        result = self.index.apply(self.source.replica, events)
         self.stats.events_applied += result.applied
         self.stats.events_rejected += len(result.rejected)
         for reason in result.rejected:

@@ -8,13 +8,30 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.publisher import EventPublisher
 from indexer.index import InMemoryPrefixIndex
 from indexer.stats import collect_stats
-from indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaFeed
-from indexer.wire import BlockRemoved, BlockStored, Frame, Medium, encode_batch
-from tests.indexer.test_index import DOC, removed, stored
+from indexer.subscriber import (
+    EventSource,
+    EventSubscriber,
+    Freshness,
+    ReplicaFeed,
+    last_full_clear,
+)
+from indexer.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Frame,
+    Medium,
+    decode_batch,
+    encode_batch,
+)
+from tests.indexer.test_index import DOC, DOCS, operation, removed, stored
 
 TOPIC = "kv@127.0.0.1:8000@tiny"
 
@@ -290,3 +307,92 @@ def test_reconnect_to_the_same_process_catches_up_without_reset() -> None:
     assert index.lookup(DOC)["r"].blocks == 4
     feed.handle(frames[3])  # the same batch again, live: a duplicate
     assert feed.stats.duplicates == 1 and index.lookup(DOC)["r"].blocks == 4
+
+
+OTHER = list(range(900, 932))  # 8 blocks, unrelated to DOC
+
+
+def _frames(batches: list[list[Event]], positional: bool = False) -> list[Frame]:
+    return [
+        Frame(TOPIC, i, encode_batch(events, ts=0.0, positional=positional))
+        for i, events in enumerate(batches)
+    ]
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_join_skips_history_before_the_last_full_clear(positional: bool) -> None:
+    """A router joining a replica whose cache was reset does not re-key the history the
+    reset made moot: those batches only advance the sequence."""
+    batches: list[list[Event]] = [[stored(DOC, i, 1)] for i in range(6)]
+    batches.append([stored(DOC, 6, 1), AllBlocksCleared(), stored(OTHER, 0, 1)])
+    batches += [[stored(OTHER, 1, 1)], [stored(OTHER, 2, 1)]]
+    frames = _frames(batches, positional)
+    assert last_full_clear(frames) == (6, 1)
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[s:])
+    feed.handle(frames[-1])  # joined late: replays 0..7, then applies 8
+    assert feed.stats.freshness is Freshness.LIVE
+    assert feed.expected == 9 and feed.stats.batches == 9
+    assert feed.stats.moot_batches == 6
+    assert feed.stats.blocks_stored == 3  # OTHER 0..2; nothing before the clear
+    assert feed.stats.events_rejected == 0  # DOC block 6's parent was moot, not missed
+    assert "r" not in index.lookup(DOC) or index.lookup(DOC)["r"].blocks == 0
+    assert index.lookup(OTHER)["r"].blocks == 3
+    feed.handle(frames[8])  # the live copy of a replayed batch: a duplicate, not a restart
+    assert feed.stats.duplicates == 1 and feed.stats.resets == 0
+
+
+def test_a_clear_of_one_tier_does_not_make_history_moot() -> None:
+    batches: list[list[Event]] = [
+        [stored(DOC, 0, 2)],
+        [stored(DOC, 0, 2, Medium.CPU)],
+        [AllBlocksCleared(Medium.GPU)],
+        [stored(OTHER, 0, 1)],
+    ]
+    frames = _frames(batches)
+    assert last_full_clear(frames) == (0, 0)
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[s:])
+    feed.handle(frames[-1])
+    assert feed.stats.moot_batches == 0
+    match = index.lookup(DOC)["r"]
+    assert match.blocks == 2 and match.blocks_by_tier == {Medium.CPU: 2}
+
+
+def test_a_malformed_batch_is_never_taken_for_a_clear() -> None:
+    frames = _frames([[stored(DOC, 0, 1)], [stored(DOC, 1, 1)]])
+    frames.append(Frame(TOPIC, 2, b"\xc1AllBlocksCleared"))  # the tag's bytes, not msgpack
+    assert last_full_clear(frames) == (0, 0)
+
+
+event_batches = st.lists(
+    st.lists(operation().map(lambda op: op[1]), min_size=1, max_size=4), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(event_batches, st.booleans())
+def test_joining_with_moot_history_skipped_equals_applying_everything(
+    batches: list[list[Event]], positional: bool
+) -> None:
+    """Whatever the history (stores, removals, one-tier and full clears), a feed that joins
+    at the last batch ends with the index that applying every batch in order gives."""
+    frames = _frames(batches, positional)
+    direct = InMemoryPrefixIndex()
+    direct.add_replica("r")
+    for frame in frames:
+        direct.apply("r", decode_batch(frame.payload).events)
+    joined = InMemoryPrefixIndex()
+    joined.add_replica("r")
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), joined, replay=lambda s: frames[s:])
+    feed.handle(frames[-1])
+    assert feed.expected == len(frames)
+    assert feed.stats.moot_batches == last_full_clear(frames)[0]
+    for doc in DOCS:
+        for length in (len(doc), 9, 4):
+            want, got = direct.lookup(doc[:length]), joined.lookup(doc[:length])
+            assert got["r"].blocks == want["r"].blocks
+            assert got["r"].blocks_by_tier == want["r"].blocks_by_tier
+    assert [(s.entries, s.entries_by_tier) for s in joined.summary()] == [
+        (s.entries, s.entries_by_tier) for s in direct.summary()
+    ]
