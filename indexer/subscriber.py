@@ -12,7 +12,15 @@ Sequence handling (vLLM numbers batches from 0 in every process, +1 per batch):
   ``rebuilding``), rather than trusting a view with holes in it.
 - behind: a batch we already have from a replay (skipped), or the replica restarted (a reset:
   clear, then replay the new process's history from 0).
-A first message with seq > 0 (we joined late) is a gap from 0.
+Joining: on first connecting, the feed asks the replay socket for everything from 0 at once
+(``bootstrap``) rather than waiting for the replica's next batch, so a router started while the
+fleet is idle knows its caches before the first request. A first live message with seq > 0 (the
+join replay was not answered) is a gap from 0.
+
+When the replay no longer holds the start of a hole, the batches it still holds up to the live
+one are applied to the cleared replica (their blocks are true; chains that began in the lost
+part stay unresolved), and the feed is ``rebuilding``, unless those batches include a full
+clear, after which nothing was lost.
 
 A replay may hold thousands of batches (vLLM buffers 10,000). Batches before the last one
 that clears the whole replica (``AllBlocksCleared`` without a medium) cannot change what the
@@ -62,10 +70,10 @@ _digest = xxhash.xxh3_64_intdigest
 _CLEAR_TAG = b"AllBlocksCleared"
 
 
-def last_full_clear(frames: Sequence[Frame]) -> tuple[int, int]:
+def last_full_clear(frames: Sequence[Frame]) -> tuple[int, int] | None:
     """Where the last event that clears the whole replica is: (position in ``frames``, in
-    sequence order; position in that batch's events); (0, 0) when there is none. Every
-    event before it is moot once it is applied."""
+    sequence order; position in that batch's events); None when there is none. Every event
+    before it is moot once it is applied."""
     for i in range(len(frames) - 1, -1, -1):
         payload = frames[i].payload
         if _CLEAR_TAG not in payload:
@@ -78,7 +86,16 @@ def last_full_clear(frames: Sequence[Frame]) -> tuple[int, int]:
             event = events[j]
             if isinstance(event, AllBlocksCleared) and event.medium is None:
                 return i, j
-    return 0, 0
+    return None
+
+
+def _run_to(by_seq: dict[int, Frame], start: int, end: int) -> list[Frame]:
+    """The batches of ``by_seq`` that run without a hole up to ``end`` (inclusive), no
+    further back than ``start``: the part of a replay that can be applied in order."""
+    lo = end
+    while lo > start and lo - 1 in by_seq:
+        lo -= 1
+    return [by_seq[s] for s in range(lo, end + 1)]
 
 
 class Freshness(enum.StrEnum):
@@ -250,6 +267,37 @@ class ReplicaFeed:
                 self._replayed = (0, self.expected)
             self._set(Freshness.LIVE, "replica restarted (found on reconnect); index rebuilt")
 
+    def bootstrap(self) -> None:
+        """On first connecting, take the replica's history from the replay socket now.
+
+        Waiting for the replica's next batch instead would leave a router that starts while
+        the fleet is idle (a restart at night, one more router in an HA set) knowing no
+        replica's cache, every feed ``connecting``, until each replica next stores or evicts.
+        """
+        with self.lock:
+            if (
+                self.replay is None
+                or self.expected is not None
+                or self.stats.freshness is not Freshness.CONNECTING
+            ):
+                return
+            self._set(Freshness.SYNCING, "joining: replaying the replica's history")
+            frames = self.replay(0)
+            if frames is None:
+                self.stats.replay_failures += 1
+                self._set(
+                    Freshness.CONNECTING,
+                    "the join replay was not answered; waiting for the first event batch",
+                )
+                return
+            self.stats.replays += 1
+            if not frames:
+                self._set(Freshness.LIVE, "in sync: the replica has published nothing yet")
+                return
+            by_seq = {f.seq: f for f in frames if f.seq >= 0}
+            newest = max(by_seq)
+            self._take_history(0, _run_to(by_seq, 0, newest), f"joined at seq {newest}")
+
     # --- messages ---------------------------------------------------------------------------------
 
     def handle_frames(self, frames: list[bytes]) -> None:
@@ -310,33 +358,45 @@ class ReplicaFeed:
         """Fill [start, frame.seq) from the replay socket, then apply ``frame``."""
         self._set(Freshness.SYNCING, why)
         frames = self.replay(start) if self.replay is not None else None
-        if frames is not None:
-            self.stats.replays += 1
-            by_seq = {f.seq: f for f in frames if start <= f.seq}
-            if all(s in by_seq for s in range(start, frame.seq)):
-                self._apply_history([*(by_seq[s] for s in range(start, frame.seq)), frame])
-                # Later batches the replay already delivered arrive again live: skip those.
-                extra = [s for s in by_seq if s > frame.seq]
-                for s in sorted(extra):
-                    if s == self.expected:
-                        self._apply(by_seq[s])
-                self._replayed = (start, self.expected or 0)
-                self._set(Freshness.LIVE, f"in sync after replaying {frame.seq - start} batches")
-                return
-            missing = next(s for s in range(start, frame.seq) if s not in by_seq)
-            why = f"{why}; replay no longer holds batch {missing}"
-        else:
+        if frames is None:
             self.stats.replay_failures += 1
             why = f"{why}; " + (
                 "no replay endpoint" if self.replay is None else "replay failed or timed out"
             )
-        self.stats.missed_batches += frame.seq - start
-        self.clear(f"{why}: cleared, rebuilding from live events")
-        self._apply(frame)
+            self.stats.missed_batches += frame.seq - start
+            self.clear(f"{why}: cleared, rebuilding from live events")
+            self._apply(frame)
+            return
+        self.stats.replays += 1
+        by_seq = {f.seq: f for f in frames if start <= f.seq}
+        by_seq[frame.seq] = frame
+        newest = frame.seq
+        while newest + 1 in by_seq:  # later batches the replay already delivered
+            newest += 1
+        self._take_history(start, _run_to(by_seq, start, newest), why)
+
+    def _take_history(self, start: int, run: list[Frame], why: str) -> None:
+        """Apply ``run``, consecutive replayed batches up to the newest, as everything since
+        ``start``. If the replay lost batches before it, the replica is cleared and ``run``
+        refills it (``rebuilding``), unless ``run`` holds a full clear: nothing before that
+        clear mattered."""
+        first = run[0].seq
+        complete = first == start or last_full_clear(run) is not None
+        if not complete:
+            self.stats.missed_batches += first - start
+            self.clear(
+                f"{why}; replay no longer holds batch {start}: cleared, rebuilding from "
+                f"batches {first}..{run[-1].seq} and live events"
+            )
+        self._apply_history(run)
+        # Those batches arrive again live (SUB queued them meanwhile): skip them then.
+        self._replayed = (first, self.expected or 0)
+        if complete:
+            self._set(Freshness.LIVE, f"{why}: in sync after replaying {len(run)} batches")
 
     def _apply_history(self, frames: Sequence[Frame]) -> None:
         """Apply consecutive batches, skipping what a later full clear makes moot."""
-        cut, first_event = last_full_clear(frames)
+        cut, first_event = last_full_clear(frames) or (0, 0)
         for frame in frames[:cut]:
             self._advance(frame)
             self.stats.moot_batches += 1
@@ -451,6 +511,8 @@ class _FeedThread(threading.Thread):
                     elif event["event"] == zmq.EVENT_CONNECTED:
                         if self.feed.mark_connected():
                             self.feed.resync()
+                        else:
+                            self.feed.bootstrap()
                         stale_since = None
                 if sub in ready:
                     # Drain what is queued before polling again: bursts arrive together.

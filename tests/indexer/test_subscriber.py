@@ -95,6 +95,36 @@ def test_live_events_are_indexed_in_order_and_late_join_replays(
         wait_for(lambda: blocks(index) == 4)
 
 
+def test_joining_an_idle_replica_takes_its_history_without_waiting_for_a_batch(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    """A router started while the fleet is idle knows the replica's cache at once."""
+    with publisher() as pub:
+        pub.publish([stored(DOC, 0, 2)])
+        pub.publish([stored(DOC, 2, 3, Medium.CPU)])
+        connect(subscriber, pub)  # and nothing is published from here on
+        wait_for(lambda: blocks(index) == 5)
+        state, reason = subscriber.freshness("r1")
+        assert state is Freshness.LIVE, reason
+        stats = subscriber.feed_stats()["r1"]
+        assert stats.replays == 1 and stats.batches == 2 and stats.missed_batches == 0
+        pub.publish([removed(DOC, [4], Medium.CPU)])  # seq 2: the next one, applied live
+        wait_for(lambda: blocks(index) == 4)
+        assert subscriber.feed_stats()["r1"].duplicates == 0
+
+
+def test_joining_a_replica_that_published_nothing_is_live(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    with publisher() as pub:
+        connect(subscriber, pub)
+        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.LIVE)
+        assert "published nothing" in subscriber.freshness("r1")[1]
+        pub.publish([stored(DOC, 0, 2)])  # seq 0
+        wait_for(lambda: blocks(index) == 2)
+        assert subscriber.feed_stats()["r1"].gaps == 0
+
+
 def test_gap_is_filled_from_replay(index: InMemoryPrefixIndex, subscriber: EventSubscriber) -> None:
     with publisher() as pub:
         connect(subscriber, pub)
@@ -105,7 +135,8 @@ def test_gap_is_filled_from_replay(index: InMemoryPrefixIndex, subscriber: Event
         pub.publish([stored(DOC, 4, 2)])
         wait_for(lambda: blocks(index) == 6)
         stats = subscriber.feed_stats()["r1"]
-        assert stats.gaps == 1 and stats.replays == 1 and stats.events_rejected == 0
+        # Two replays: the join's (nothing published yet) and the gap's.
+        assert stats.gaps == 1 and stats.replays == 2 and stats.events_rejected == 0
         assert subscriber.freshness("r1")[0] is Freshness.LIVE
 
 
@@ -242,10 +273,12 @@ def test_subscriber_never_blocks_on_a_dead_replay_socket(index: InMemoryPrefixIn
     try:
         with EventPublisher("tcp://127.0.0.1:0", topic=TOPIC, bind=True) as pub:
             sub.add_source(EventSource("r1", pub.endpoint, f"tcp://127.0.0.1:{port}", TOPIC))
-            time.sleep(0.3)
+            # The join's replay is not answered: still connecting, the feed thread alive.
+            wait_for(lambda: sub.feed_stats()["r1"].replay_failures == 1)
+            assert sub.freshness("r1")[0] is Freshness.CONNECTING
             pub.publish([stored(DOC, 0, 1)], drop=True)
             pub.publish([stored(DOC, 1, 1)])
-            wait_for(lambda: sub.feed_stats()["r1"].replay_failures == 1)
+            wait_for(lambda: sub.feed_stats()["r1"].replay_failures == 2)
             assert sub.freshness("r1")[0] is Freshness.REBUILDING
     finally:
         sub.close()
@@ -342,6 +375,69 @@ def test_join_skips_history_before_the_last_full_clear(positional: bool) -> None
     assert feed.stats.duplicates == 1 and feed.stats.resets == 0
 
 
+def test_a_join_past_the_replay_buffer_rebuilds_from_what_it_holds() -> None:
+    """vLLM buffers the last 10,000 batches: a router joining a replica with a longer history
+    applies the batches still buffered (their blocks are true; chains begun in the lost part
+    stay unresolved) and says it is rebuilding."""
+    batches: list[list[Event]] = [[stored(DOC, i, 1)] for i in range(5)]
+    batches += [[stored(OTHER, 0, 2)], [stored(OTHER, 2, 1)]]
+    frames = _frames(batches)
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[3:])
+    feed.bootstrap()
+    assert feed.stats.freshness is Freshness.REBUILDING, feed.stats.reason
+    assert "no longer holds batch 0" in feed.stats.reason
+    assert feed.stats.missed_batches == 3 and feed.expected == 7
+    assert index.lookup(OTHER)["r"].blocks == 3
+    assert index.lookup(DOC)["r"].blocks == 0  # DOC 3 and 4: parents the buffer lost
+    assert feed.stats.rejected_reasons == {
+        "BlockStored whose parent block is unknown (missed events?)": 2
+    }
+    feed.handle(frames[6])  # queued on the SUB socket meanwhile: a duplicate
+    assert feed.stats.duplicates == 1 and feed.stats.resets == 0
+    feed.handle(Frame(TOPIC, 7, encode_batch([stored(OTHER, 3, 1)], ts=0.0)))
+    assert index.lookup(OTHER)["r"].blocks == 4
+
+
+def test_a_join_past_the_replay_buffer_is_live_when_a_full_clear_is_buffered() -> None:
+    batches: list[list[Event]] = [[stored(DOC, i, 1)] for i in range(5)]
+    batches += [[AllBlocksCleared()], [stored(OTHER, 0, 2)]]
+    frames = _frames(batches)
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[4:])
+    feed.bootstrap()
+    assert feed.stats.freshness is Freshness.LIVE, feed.stats.reason
+    assert feed.stats.missed_batches == 0 and feed.stats.moot_batches == 1
+    assert index.lookup(OTHER)["r"].blocks == 2
+
+
+def test_a_gap_past_the_replay_buffer_keeps_what_the_buffer_holds() -> None:
+    frames = _frames(
+        [[stored(DOC, 0, 1)], [stored(DOC, 1, 1)], [stored(DOC, 2, 1)], [stored(OTHER, 0, 1)]]
+    )
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[2:])
+    feed.handle(frames[0])
+    feed.handle(frames[3])  # batches 1 and 2 lost; the replay holds only 2 and 3
+    assert feed.stats.freshness is Freshness.REBUILDING
+    assert feed.stats.gaps == 1 and feed.stats.missed_batches == 1
+    assert index.lookup(DOC)["r"].blocks == 0  # cleared; DOC 2 lost its parent with 1
+    assert index.lookup(OTHER)["r"].blocks == 1
+    assert feed.expected == 4
+
+
+def test_a_join_replay_that_does_not_answer_leaves_the_feed_connecting() -> None:
+    frames = _frames([[stored(DOC, 0, 1)], [stored(DOC, 1, 1)]])
+    answers: list[list[Frame] | None] = [None, frames[0:]]
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: answers.pop(0))
+    feed.bootstrap()
+    assert feed.stats.freshness is Freshness.CONNECTING and feed.stats.replay_failures == 1
+    feed.handle(frames[1])  # the first live batch: joined late, replays 0
+    assert feed.stats.freshness is Freshness.LIVE
+    assert index.lookup(DOC)["r"].blocks == 2
+
+
 def test_a_clear_of_one_tier_does_not_make_history_moot() -> None:
     batches: list[list[Event]] = [
         [stored(DOC, 0, 2)],
@@ -350,7 +446,7 @@ def test_a_clear_of_one_tier_does_not_make_history_moot() -> None:
         [stored(OTHER, 0, 1)],
     ]
     frames = _frames(batches)
-    assert last_full_clear(frames) == (0, 0)
+    assert last_full_clear(frames) is None
     index = InMemoryPrefixIndex()
     feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[s:])
     feed.handle(frames[-1])
@@ -362,7 +458,7 @@ def test_a_clear_of_one_tier_does_not_make_history_moot() -> None:
 def test_a_malformed_batch_is_never_taken_for_a_clear() -> None:
     frames = _frames([[stored(DOC, 0, 1)], [stored(DOC, 1, 1)]])
     frames.append(Frame(TOPIC, 2, b"\xc1AllBlocksCleared"))  # the tag's bytes, not msgpack
-    assert last_full_clear(frames) == (0, 0)
+    assert last_full_clear(frames) is None
 
 
 event_batches = st.lists(
@@ -370,24 +466,7 @@ event_batches = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(event_batches, st.booleans())
-def test_joining_with_moot_history_skipped_equals_applying_everything(
-    batches: list[list[Event]], positional: bool
-) -> None:
-    """Whatever the history (stores, removals, one-tier and full clears), a feed that joins
-    at the last batch ends with the index that applying every batch in order gives."""
-    frames = _frames(batches, positional)
-    direct = InMemoryPrefixIndex()
-    direct.add_replica("r")
-    for frame in frames:
-        direct.apply("r", decode_batch(frame.payload).events)
-    joined = InMemoryPrefixIndex()
-    joined.add_replica("r")
-    feed = ReplicaFeed(EventSource("r", "tcp://unused"), joined, replay=lambda s: frames[s:])
-    feed.handle(frames[-1])
-    assert feed.expected == len(frames)
-    assert feed.stats.moot_batches == last_full_clear(frames)[0]
+def _agree(direct: InMemoryPrefixIndex, joined: InMemoryPrefixIndex) -> None:
     for doc in DOCS:
         for length in (len(doc), 9, 4):
             want, got = direct.lookup(doc[:length]), joined.lookup(doc[:length])
@@ -396,3 +475,63 @@ def test_joining_with_moot_history_skipped_equals_applying_everything(
     assert [(s.entries, s.entries_by_tier) for s in joined.summary()] == [
         (s.entries, s.entries_by_tier) for s in direct.summary()
     ]
+
+
+def _applied(frames: list[Frame]) -> InMemoryPrefixIndex:
+    index = InMemoryPrefixIndex()
+    index.add_replica("r")
+    for frame in frames:
+        index.apply("r", decode_batch(frame.payload).events)
+    return index
+
+
+@settings(max_examples=200, deadline=None)
+@given(event_batches, st.booleans(), st.booleans())
+def test_joining_with_moot_history_skipped_equals_applying_everything(
+    batches: list[list[Event]], positional: bool, at_connect: bool
+) -> None:
+    """Whatever the history (stores, removals, one-tier and full clears), a feed that joins
+    (on connecting, or at the last batch) ends with the index that applying every batch in
+    order gives."""
+    frames = _frames(batches, positional)
+    joined = InMemoryPrefixIndex()
+    joined.add_replica("r")
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), joined, replay=lambda s: frames[s:])
+    if at_connect:
+        feed.bootstrap()
+    else:
+        feed.handle(frames[-1])
+    assert feed.stats.freshness is Freshness.LIVE
+    assert feed.expected == len(frames)
+    assert feed.stats.moot_batches == (last_full_clear(frames) or (0, 0))[0]
+    _agree(_applied(frames), joined)
+
+
+@settings(max_examples=200, deadline=None)
+@given(event_batches, st.data())
+def test_a_join_past_the_replay_buffer_never_predicts_more_than_the_replica_holds(
+    batches: list[list[Event]], data: st.DataObject
+) -> None:
+    """Whatever the replay lost, the index holds no block the replica does not: its matches
+    are at most the full history's, tier by tier."""
+    frames = _frames(batches)
+    lost = data.draw(st.integers(0, len(frames) - 1))
+    joined = InMemoryPrefixIndex()
+    joined.add_replica("r")
+    feed = ReplicaFeed(
+        EventSource("r", "tcp://unused"), joined, replay=lambda s: frames[max(s, lost) :]
+    )
+    feed.bootstrap()
+    assert feed.expected == len(frames)
+    direct = _applied(frames)
+    if feed.stats.freshness is Freshness.LIVE:
+        _agree(direct, joined)
+        return
+    assert feed.stats.freshness is Freshness.REBUILDING
+    for doc in DOCS:
+        for length in (len(doc), 9, 4):
+            want, got = direct.lookup(doc[:length]), joined.lookup(doc[:length])
+            if "r" in got:
+                assert got["r"].blocks <= want["r"].blocks
+                for tier, n in got["r"].blocks_by_tier.items():
+                    assert n <= want["r"].blocks_by_tier.get(tier, 0)

@@ -100,7 +100,10 @@ def test_vllm_publisher_stream_and_replay_are_indexed(tmp_path: Path) -> None:
             publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
         time.sleep(0.3)
         subscriber.add_source(EventSource("r1", endpoint, replay, topic))
-        time.sleep(0.5)
+        # Joining replays them at once, before vLLM publishes anything more.
+        wait_for(lambda: subscriber.feed_stats()["r1"].batches == 2)
+        assert subscriber.freshness("r1")[0] is Freshness.LIVE
+        time.sleep(0.3)
         for events in batches[2:]:
             publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
         wait_for(lambda: subscriber.feed_stats()["r1"].batches == 4)
@@ -115,6 +118,25 @@ def test_vllm_publisher_stream_and_replay_are_indexed(tmp_path: Path) -> None:
         summary = index.summary()[0]
         assert summary.block_size == BS
         assert summary.entries_by_tier == {"GPU": 2, "CPU": 2, "STORAGE": 0}
+    finally:
+        subscriber.close()
+        publisher.shutdown()
+
+
+def test_joining_a_vllm_publisher_that_published_nothing_is_live(tmp_path: Path) -> None:
+    from vllm.distributed import kv_events as kv
+
+    endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    topic = "kv@127.0.0.1:8000@tiny"
+    publisher = kv.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic
+    )
+    subscriber = EventSubscriber(InMemoryPrefixIndex(), replay_timeout_s=3.0)
+    try:
+        subscriber.add_source(EventSource("r1", endpoint, replay, topic))
+        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.LIVE)
+        stats = subscriber.feed_stats()["r1"]
+        assert stats.replays == 1 and stats.replay_failures == 0 and stats.batches == 0
     finally:
         subscriber.close()
         publisher.shutdown()
