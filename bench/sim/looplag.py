@@ -9,9 +9,10 @@ lag next to its figures, so a reader can tell a policy's result from a starved m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from typing import Any
+
+from router.periodic import PeriodicTask
 
 __all__ = ["LoopLagMonitor"]
 
@@ -25,18 +26,15 @@ class LoopLagMonitor:
             raise ValueError("interval_s must be positive")
         self.interval_s = interval_s
         self._samples: deque[float] = deque(maxlen=max_samples)
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask("loop-lag", interval_s, self._tick)
+        self._last: float | None = None  # loop time of the previous tick
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._last = asyncio.get_running_loop().time()
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     def reset(self) -> None:
         self._samples.clear()
@@ -55,9 +53,9 @@ class LoopLagMonitor:
 
         return {"samples": len(xs), "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": pct(1.0)}
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            before = loop.time()
-            await asyncio.sleep(self.interval_s)
-            self.record(loop.time() - before - self.interval_s)
+    async def _tick(self) -> None:
+        """Runs right after each ``interval_s`` sleep: how much longer than that it took."""
+        now = asyncio.get_running_loop().time()
+        if self._last is not None:
+            self.record(now - self._last - self.interval_s)
+        self._last = now
