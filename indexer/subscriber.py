@@ -258,14 +258,7 @@ class ReplicaFeed:
                 )
                 return
             self.stats.replays += 1
-            ordered: list[Frame] = []
-            for frame in sorted(history, key=lambda f: f.seq):
-                if frame.seq == len(ordered):
-                    ordered.append(frame)
-            self._apply_history(ordered)
-            if self.expected is not None:
-                self._replayed = (0, self.expected)
-            self._set(Freshness.LIVE, "replica restarted (found on reconnect); index rebuilt")
+            self._take_whole_history(history, "replica restarted (found on reconnect)")
 
     def bootstrap(self) -> None:
         """On first connecting, take the replica's history from the replay socket now.
@@ -291,12 +284,16 @@ class ReplicaFeed:
                 )
                 return
             self.stats.replays += 1
-            if not frames:
-                self._set(Freshness.LIVE, "in sync: the replica has published nothing yet")
-                return
-            by_seq = {f.seq: f for f in frames if f.seq >= 0}
-            newest = max(by_seq)
-            self._take_history(0, _run_to(by_seq, 0, newest), f"joined at seq {newest}")
+            self._take_whole_history(frames, "joined")
+
+    def _take_whole_history(self, history: list[Frame], why: str) -> None:
+        """Take a replay from batch 0 as everything the replica process published."""
+        by_seq = {f.seq: f for f in history if f.seq >= 0}
+        if not by_seq:
+            self._set(Freshness.LIVE, f"{why}: in sync, the replica has published nothing yet")
+            return
+        newest = max(by_seq)
+        self._take_history(0, _run_to(by_seq, 0, newest), f"{why} at seq {newest}")
 
     # --- messages ---------------------------------------------------------------------------------
 

@@ -342,6 +342,26 @@ def test_reconnect_to_the_same_process_catches_up_without_reset() -> None:
     assert feed.stats.duplicates == 1 and index.lookup(DOC)["r"].blocks == 4
 
 
+def test_a_restart_found_on_reconnect_past_the_replay_buffer_is_rebuilding() -> None:
+    """The new process published more than its buffer holds before we reconnected: what the
+    buffer holds is applied, and the feed does not claim to be live."""
+    old = [Frame(TOPIC, i, encode_batch([stored(DOC, i, 1)], ts=0.0)) for i in range(2)]
+    new = [Frame(TOPIC, i, encode_batch([stored(OTHER, i, 1)], ts=1.0)) for i in range(4)]
+    replays = [new[1:], new[2:]]  # lacks the batch we applied last, and batch 0
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: replays.pop(0))
+    feed.handle(old[0])
+    feed.handle(old[1])
+    feed.mark_disconnected()
+    assert feed.mark_connected()
+    feed.resync()
+    assert feed.stats.resets == 1 and feed.expected == 4
+    assert feed.stats.freshness is Freshness.REBUILDING, feed.stats.reason
+    assert index.lookup(DOC)["r"].blocks == 0
+    assert index.lookup(OTHER)["r"].blocks == 0  # OTHER 2 and 3: their parents were lost
+    assert feed.stats.missed_batches == 2
+
+
 OTHER = list(range(900, 932))  # 8 blocks, unrelated to DOC
 
 
