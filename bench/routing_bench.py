@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import asdict
 from pathlib import Path
@@ -214,6 +215,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a router setting for every policy, e.g. hint_ttl_s=0 or "
         "cost.delay_to_others_weight=2 (repeatable)",
     )
+    parser.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="WORKLOAD.KEY=JSON",
+        help="override one of a workload's preset sizes, e.g. shared_prefix.groups=64 "
+        "(repeatable; the rows carry the sizes they ran with)",
+    )
+    parser.add_argument(
+        "--records",
+        action="store_true",
+        help="also write routing_requests.jsonl: one line per request (workload, policy, "
+        "session, turn, sent and first-token times, prompt and cached tokens, the replica "
+        "that answered)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--out-dir",
@@ -262,6 +278,60 @@ def _router_settings(fleet: SimFleet, policy: str, config: FleetConfig) -> dict[
             "load_s_per_token_storage": lat.load_storage_s_per_token * lat.time_scale,
         },
     }
+
+
+def workload_sizes(
+    preset: dict[str, Any], workloads: list[str], overrides: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The preset's sizes of each workload with ``WORKLOAD.KEY=JSON`` overrides applied; an
+    unknown workload or key is an error before anything starts."""
+    sizes = {w: dict(preset["sizes"][w]) for w in workloads}
+    for option in overrides:
+        key, sep, raw = option.partition("=")
+        workload, dot, name = key.partition(".")
+        if not sep or not dot:
+            raise ValueError(f"--size wants WORKLOAD.KEY=JSON, got {option!r}")
+        if workload not in sizes:
+            raise ValueError(f"--size {option!r}: workload {workload!r} is not being run")
+        if name not in sizes[workload]:
+            known = ", ".join(sorted(sizes[workload]))
+            raise ValueError(f"--size {option!r}: {workload} has no size {name!r} ({known})")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--size {option!r}: the value is not JSON") from exc
+        if isinstance(value, list):
+            value = tuple(value)
+        sizes[workload][name] = value
+    return sizes
+
+
+def _request_lines(
+    workload: str, policy: str, records: list[RequestRecord], time_scale: float
+) -> list[str]:
+    """One JSON line per request, times in simulated seconds since the run's start."""
+    lines = []
+    for r in records:
+        lines.append(
+            json.dumps(
+                {
+                    "workload": workload,
+                    "policy": policy,
+                    "session": r.session,
+                    "turn": r.turn,
+                    "sent_s": r.sent / time_scale,
+                    "ttft_s": None
+                    if r.first_token is None
+                    else (r.first_token - r.sent) / time_scale,
+                    "done_s": None if r.done is None else r.done / time_scale,
+                    "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "replica": r.replica,
+                    "error": r.error,
+                }
+            )
+        )
+    return lines
 
 
 def _apply_router_options(settings: dict[str, Any], options: list[str]) -> None:
@@ -328,6 +398,7 @@ def _row(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "token_mismatches": ub.token_mismatches,
+        "requests_by_replica": dict(sorted(Counter(r.replica or "?" for r in ok).items())),
         "working_set_tokens": ub.distinct_blocks * config.block_size,
         "fleet_device_tokens": config.replicas * config.gpu_blocks * config.block_size,
         "fleet_cpu_tokens": config.replicas * config.cpu_blocks * config.block_size,
@@ -442,8 +513,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = args.deadline_s or preset["deadline_s"] * (
         config.latency.time_scale / preset["time_scale"]
     )
+    sizes_by_workload = workload_sizes(preset, workloads, args.size)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    request_lines: list[str] = []
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     with SimFleet(config) as fleet:
@@ -451,7 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         text = TextSource(args.seed, count_tokens=lambda s: len(tokenizer.encode(s)))
         built = {}
         for w in workloads:
-            sizes = dict(preset["sizes"][w])
+            sizes = dict(sizes_by_workload[w])
             for key in ("rate", "user_rate", "agent_rate"):
                 if key in sizes:
                     sizes[key] *= args.rate_scale
@@ -491,6 +564,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     reasons = _decision_reasons(urls)
                     row["routers"] = len(urls)
+                    row["sizes"] = sizes_by_workload[w]
+                    if args.records:
+                        request_lines += _request_lines(
+                            w, policy, records, config.latency.time_scale
+                        )
                     row["loop_lag_ms"] = {"fleet": fleet.loop_lag(), "client": client_lag}
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
@@ -514,13 +592,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for r in rows
     ]
     (out / "routing.json").write_text(json.dumps(public, indent=2))
+    if args.records:
+        (out / "routing_requests.jsonl").write_text("".join(x + "\n" for x in request_lines))
     plots = [] if args.no_plots or not rows else _plots(rows, out)
     fleet_desc = asdict(config)
     return {
         "results": public,
         "targets": _targets(rows),
         "fleet": fleet_desc,
-        "workload_sizes": {w: preset["sizes"][w] for w in workloads},
+        "workload_sizes": sizes_by_workload,
         "rate_scale": args.rate_scale,
         "routers": args.routers,
         "preset": args.preset,

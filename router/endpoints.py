@@ -173,7 +173,10 @@ class ProxyEndpoint:
                             "type": "http.response.start",
                             "status": upstream.status,
                             "headers": downstream_headers(
-                                upstream.raw_headers, request_id, len(body)
+                                upstream.raw_headers,
+                                request_id,
+                                upstream.replica.name,
+                                len(body),
                             ),
                         }
                     )

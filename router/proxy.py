@@ -36,6 +36,7 @@ __all__ = [
     "DisconnectWatch",
     "Forwarder",
     "Upstream",
+    "REPLICA_HEADER",
     "downstream_headers",
     "read_body",
     "request_id_of",
@@ -65,6 +66,7 @@ _DROP_UP = frozenset(
         b"expect",
     }
 )
+REPLICA_HEADER = b"x-kvroute-replica"
 _DROP_DOWN = frozenset(
     {
         b"connection",
@@ -102,10 +104,21 @@ def upstream_headers(scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]
 
 
 def downstream_headers(
-    raw: list[tuple[bytes, bytes]], request_id: str, content_length: int | None = None
+    raw: list[tuple[bytes, bytes]],
+    request_id: str,
+    replica: str,
+    content_length: int | None = None,
 ) -> list[tuple[bytes, bytes]]:
-    headers = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_DOWN]
+    """The replica's response headers for the client, less hop-by-hop ones, plus the request
+    id and ``x-kvroute-replica`` (which replica answered: what an operator correlates with
+    that replica's logs, and what the routing benchmark attributes each request to)."""
+    headers = [
+        (k.lower(), v)
+        for k, v in raw
+        if k.lower() not in _DROP_DOWN and k.lower() != REPLICA_HEADER
+    ]
     headers.append((b"x-request-id", request_id.encode("latin-1")))
+    headers.append((REPLICA_HEADER, replica.encode("latin-1", errors="replace")))
     if content_length is not None:
         headers.append((b"content-length", str(content_length).encode()))
     return headers
@@ -289,7 +302,9 @@ async def send_stream(
         {
             "type": "http.response.start",
             "status": upstream.status,
-            "headers": downstream_headers(upstream.raw_headers, request_id),
+            "headers": downstream_headers(
+                upstream.raw_headers, request_id, upstream.replica.name
+            ),
         }
     )
     tail = b""

@@ -49,6 +49,7 @@ class RequestRecord:
     completion_tokens: int = 0
     error: str | None = None
     status: int | None = None
+    replica: str | None = None  # the router's x-kvroute-replica header: who answered
     reply: str = field(default="", repr=False)
 
     @property
@@ -75,6 +76,7 @@ async def _one(
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             rec.status = resp.status_code
+            rec.replica = resp.headers.get("x-kvroute-replica")
             if resp.status_code != 200:
                 raw = await resp.aread()
                 rec.error = f"HTTP {resp.status_code}: {raw[:300].decode(errors='replace')}"

@@ -75,6 +75,27 @@ def test_router_options_override_settings_and_cost_knobs() -> None:
         routing_bench._apply_router_options(settings, ["hint_ttl_s"])
 
 
+def test_size_overrides_are_checked_before_anything_runs() -> None:
+    preset = routing_bench.PRESETS["quick"]
+    sizes = routing_bench.workload_sizes(
+        preset,
+        ["shared_prefix", "agentic"],
+        ["shared_prefix.groups=64", "agentic.tool_output_tokens=[10, 20]"],
+    )
+    assert sizes["shared_prefix"] == preset["sizes"]["shared_prefix"] | {"groups": 64}
+    assert sizes["agentic"]["tool_output_tokens"] == (10, 20)
+    assert preset["sizes"]["shared_prefix"]["groups"] == 16  # the preset is not modified
+    for bad, why in [
+        ("groups=64", "WORKLOAD.KEY=JSON"),
+        ("shared_prefix.groups", "WORKLOAD.KEY=JSON"),
+        ("chat.users=3", "not being run"),
+        ("shared_prefix.grups=3", "no size 'grups'"),
+        ("shared_prefix.groups=sixty", "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            routing_bench.workload_sizes(preset, ["shared_prefix"], [bad])
+
+
 def test_requests_spread_over_routers_stably() -> None:
     urls = ["http://a", "http://b", "http://c"]
     picks = [pick_router(urls, f"user-{u}", t) for u in range(100) for t in range(6)]
@@ -145,11 +166,34 @@ def test_two_routers_share_the_traffic(tmp_path: Path) -> None:
     to judge routing quality across routers (the full preset's four-router figures are in
     docs/benchmarks.md)."""
     result = _quick_shared_prefix(
-        tmp_path, "--policies", "round_robin", "--routers", "2", "--no-plots"
+        tmp_path,
+        "--policies",
+        "round_robin",
+        "--routers",
+        "2",
+        "--no-plots",
+        "--size",
+        "shared_prefix.groups=8",
+        "--records",
     )
     assert result["routers"] == 2
     (row,) = result["results"]
     assert row["routers"] == 2
+    # --size: 8 groups of the preset's 4 questions each.
+    assert row["sizes"]["groups"] == 8 and row["requests"] == 32
+    assert result["workload_sizes"]["shared_prefix"]["groups"] == 8
+    # Every answer names the replica that served it (the router's x-kvroute-replica header).
+    fleet_names = {f"sim-{i}" for i in range(result["fleet"]["replicas"])}
+    assert set(row["requests_by_replica"]) <= fleet_names
+    assert sum(row["requests_by_replica"].values()) == row["completed"]
+    lines = (tmp_path / "routing_requests.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == row["requests"]
+    assert {(r["workload"], r["policy"]) for r in records} == {("shared_prefix", "round_robin")}
+    assert all(r["replica"] in fleet_names and r["error"] is None for r in records)
+    assert sum(r["cached_tokens"] for r in records) == row["cached_tokens"]
+    ttfts = sorted(r["ttft_s"] for r in records)
+    assert routing_bench.percentile(ttfts, 90) == pytest.approx(row["ttft_p90_s"])
     assert row["completed"] == row["requests"] > 0, row["errors"]
     assert row["token_mismatches"] == 0
     # The routers' decision counts, summed: together they placed every request exactly once

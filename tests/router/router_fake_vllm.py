@@ -40,6 +40,7 @@ class FakeKnobs:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)  # added to completion responses
 
 
 @dataclass
@@ -272,12 +273,14 @@ class FakeVLLM:
                     "choices": [choice],
                     "usage": usage,
                     "served_by": self.name,
-                }
+                },
+                headers=k.headers,
             )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
             self._stream(request, chat, rid, created, body["model"], usage, include_usage),
             media_type="text/event-stream",
+            headers=k.headers,
         )
 
     async def _stream(

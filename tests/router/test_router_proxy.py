@@ -105,6 +105,27 @@ def test_headers_request_id_and_authorization(fleet: Fleet) -> None:
     assert len(created.headers["x-request-id"]) == 32
 
 
+def test_replica_header_names_the_replica_that_answered(fleet: Fleet) -> None:
+    """x-kvroute-replica is the registry name of the replica whose engine served the request,
+    streamed or not, and a replica cannot forge it (its own header of that name is dropped)."""
+    for fake in fleet.fakes:
+        fake.knobs.headers = {"x-kvroute-replica": "forged"}
+    seen: set[str] = set()
+    for i in range(6):
+        for stream in (False, True):
+            resp = httpx.post(
+                f"{fleet.url}/v1/completions",
+                json={"model": "tiny", "prompt": f"header {i}", "stream": stream},
+                timeout=10,
+            )
+            assert resp.status_code == 200
+            body = resp.text.split("\n\n")[0][6:] if stream else resp.text
+            served_by = json.loads(body)["served_by"]
+            assert resp.headers.get_list("x-kvroute-replica") == [served_by]
+            seen.add(served_by)
+    assert seen <= {"r0", "r1"} and seen
+
+
 def test_models_union_tokenize_detokenize(local_tokenizer) -> None:
     with make_fleet(local_tokenizer, loras=["sql-lora"]) as fleet:
         fleet.fakes[1].model = "other"
