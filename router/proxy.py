@@ -33,10 +33,10 @@ from router.upstream import (
 )
 
 __all__ = [
+    "REPLICA_HEADER",
     "DisconnectWatch",
     "Forwarder",
     "Upstream",
-    "REPLICA_HEADER",
     "downstream_headers",
     "read_body",
     "request_id_of",
