@@ -302,9 +302,7 @@ async def send_stream(
         {
             "type": "http.response.start",
             "status": upstream.status,
-            "headers": downstream_headers(
-                upstream.raw_headers, request_id, upstream.replica.name
-            ),
+            "headers": downstream_headers(upstream.raw_headers, request_id, upstream.replica.name),
         }
     )
     tail = b""
