@@ -88,6 +88,12 @@ class CostSettings:
     # the delay it adds to the requests it joins (0: rank by its own est_ttft alone).
     delay_to_others_weight: float = 1.0
     tie_epsilon_s: float = 1e-3
+    # Bounded-load affinity: the first replica in the request's home order (a rendezvous hash
+    # of its first block past what most replicas hold) whose cost is within
+    # (1 + home_slack) x the cheapest is chosen, so a prefix that must be computed somewhere
+    # goes to the same replica each time and the caches split the working set between them
+    # (0: always the cheapest, home order only breaks ties).
+    home_slack: float = 0.5
     # How much of a replica's match we believe, by the freshness of its event feed.
     freshness_weight: dict[str, float] = field(
         default_factory=lambda: {
@@ -110,6 +116,8 @@ class CostSettings:
             "waiting_s_per_request",
             "kv_pressure_s",
             "delay_to_others_weight",
+            "tie_epsilon_s",
+            "home_slack",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cost.{name} must be >= 0")

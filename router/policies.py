@@ -16,6 +16,14 @@ that the benefit of a cached prefix (linear in its length) is always overtaken b
 queue: a hot prefix spills to other replicas instead of piling onto one.
 Matches of replicas whose event feed is not live are discounted by
 ``freshness_weight``; burst hints count as GPU blocks at full weight.
+
+Choice (bounded-load affinity): walk the replicas in the request's home order (a rendezvous
+hash of ``RouteContext.affinity``) and take the first whose cost is within
+``(1 + home_slack)`` x the cheapest. A cached prefix keeps its holder (a cold replica costs a
+whole prefill more); among near-equals, such as replicas none of which holds the prefix, the
+same prefix goes to the same replica each time, so each replica's cache holds its share of
+the working set instead of a random sample of all of it, and a hot prefix spills to the same
+second replica instead of scattering copies.
 """
 
 from __future__ import annotations
@@ -46,8 +54,8 @@ POLICY_REASONS = (
     "prefix",  # the chosen replica's cached prefix made it the cheapest
     "hint",  # chosen for a burst hint (siblings before events arrive)
     "spill",  # a replica with a longer match was skipped for its queue
-    "load",  # no usable match anywhere: cheapest by load
-    "tie",  # equal cost: tie broken by load, then consistent hash
+    "load",  # no usable match anywhere: the cheapest, by load
+    "home",  # no usable match anywhere: its home, within home_slack of the cheapest
     "round_robin",
     "session",
     "session_new",
@@ -168,22 +176,34 @@ class KvroutePolicy(Policy):
         )
         view.cost_s = view.est_ttft_s + view.delay_to_others_s
 
+    def near_equals(self, by_cost: list[ReplicaView]) -> list[ReplicaView]:
+        """The replicas the home order may pick from: as much work for this request as the
+        cheapest (its prefill plus loads: a cache hit is never given up for a home) and a
+        cost within ``home_slack`` of it (the load bound)."""
+        best = by_cost[0]
+        eps = self.cost.tie_epsilon_s
+        cost_bound = (best.cost_s or 0.0) * (1.0 + self.cost.home_slack) + eps
+        work_bound = (best.compute_s or 0.0) + (best.load_s or 0.0) + eps
+        return [
+            v
+            for v in by_cost
+            if (v.cost_s or 0.0) <= cost_bound
+            and (v.compute_s or 0.0) + (v.load_s or 0.0) <= work_bound
+        ]
+
     def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
         prompt = ctx.prompt_tokens or 0
         for view in ctx.views:
             self.estimate(view, prompt)
-        ranked = sorted(ctx.views, key=lambda v: v.cost_s or 0.0)
-        best = ranked[0].cost_s or 0.0
-        tied = [v for v in ranked if (v.cost_s or 0.0) <= best + self.cost.tie_epsilon_s]
-        if len(tied) > 1:
-            tied = self._by_load(ctx, tied)
-            ranked = tied + [v for v in ranked if v not in tied]
-        chosen = ranked[0]
+        by_cost = sorted(ctx.views, key=lambda v: v.cost_s or 0.0)
+        near = self.near_equals(by_cost)
+        chosen = min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
+        ranked = [chosen] + [v for v in by_cost if v is not chosen]
         longest = max(v.predicted_cached_tokens for v in ranked)
         if chosen.predicted_cached_tokens < longest:
             reason = "spill"
         elif chosen.predicted_cached_tokens == 0:
-            reason = "tie" if len(tied) > 1 and len(ranked) > 1 else "load"
+            reason = "home" if len(near) > 1 else "load"
         elif chosen.hint_tokens > chosen.match_tokens:
             reason = "hint"
         else:

@@ -8,6 +8,7 @@ same numbers the decision used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from router.replicas import Replica
 from router.requests import ParsedRequest
 from router.tokenization import TokenizerBase
 
-__all__ = ["Decision", "Router", "predicted_cached_tokens"]
+__all__ = ["Decision", "Router", "home_affinity", "predicted_cached_tokens"]
 
 _TIER_DROP_ORDER = (Medium.STORAGE, Medium.CPU, Medium.GPU)
 
@@ -35,6 +36,20 @@ def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int)
     if prompt_len <= 0 or block_size <= 0:
         return 0
     return min(match_tokens, ((prompt_len - 1) // block_size) * block_size)
+
+
+def home_affinity(keys: Sequence[int], held_blocks: Sequence[int], fallback: bytes) -> bytes:
+    """What a request's home order hashes (``RouteContext.affinity``): the key of its first
+    block past the prefix that a majority of the replicas hold (``held_blocks``: each
+    replica's cached blocks of this prompt). A system prompt every replica holds is skipped,
+    so users sharing it get different homes; the key stays the same as a conversation grows
+    and after its history is evicted everywhere, so it is sent back to the same home. A
+    prompt shorter than one block hashes ``fallback``."""
+    if not keys:
+        return fallback
+    held = sorted(held_blocks)
+    common = held[(len(held) - 1) // 2] if held else 0
+    return keys[min(common, len(keys) - 1)].to_bytes(8, "little", signed=False)
 
 
 @dataclass(slots=True)
@@ -124,9 +139,16 @@ class Router:
             )
         decision = Decision(self.policy.name, "", [], [], None if tokens is None else len(tokens))
         decision.lora_name = lora
+        affinity = pack_tokens(tokens[:64]) if tokens else req.model.encode()
         if tokens:
             self._match(decision, views, tokens, lora, req.cache_salt)
-        affinity = pack_tokens(tokens[:64]) if tokens else req.model.encode()
+            bs = next(iter(decision.keys))
+            held = [
+                v.predicted_cached_tokens // bs
+                for v in views.values()
+                if (v.block_size or self.settings.default_block_size) == bs
+            ]
+            affinity = home_affinity(decision.keys[bs], held, affinity)
         ctx = RouteContext(list(views.values()), decision.prompt_tokens, affinity, session_id)
         ranked_views, reason = self.policy.rank(ctx)
         by_name = {r.name: r for r in candidates}

@@ -145,7 +145,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     # Each row says why the router placed its requests (its own /metrics, this run only).
     assert rr["route_reasons"] == {"round_robin": rr["requests"]}
     assert sum(kv["route_reasons"].values()) == kv["requests"]
-    assert set(kv["route_reasons"]) <= {"prefix", "hint", "spill", "load", "tie"}
+    assert set(kv["route_reasons"]) <= {"prefix", "hint", "spill", "load", "home"}
     assert kv["upper_bound_hit_rate"] == pytest.approx(rr["upper_bound_hit_rate"], abs=0.05)
     assert kv["hit_rate"] > rr["hit_rate"] + 0.2
     assert kv["ttft_p90_s"] < rr["ttft_p90_s"]

@@ -18,7 +18,7 @@ from router.policies import (
     SessionPolicy,
     make_policy,
 )
-from router.routing import predicted_cached_tokens
+from router.routing import home_affinity, predicted_cached_tokens
 
 
 def _ctx(*views: ReplicaView, prompt: int = 4000, session: str | None = None) -> RouteContext:
@@ -122,15 +122,106 @@ def test_waiting_and_kv_pressure_add_delay() -> None:
     assert policy.queue_delay(ReplicaView("x", pending=2, kv_usage=0.99)) > base
 
 
-def test_ties_break_by_load_then_consistently() -> None:
+def test_ties_go_to_the_home_order() -> None:
     policy = KvroutePolicy(
-        CostSettings(queue_s_per_request=0.0, waiting_s_per_request=0.0, delay_to_others_weight=0.0)
+        CostSettings(
+            queue_s_per_request=0.0,
+            waiting_s_per_request=0.0,
+            delay_to_others_weight=0.0,
+            home_slack=0.0,
+        )
     )
-    ranked, reason = policy.rank(_ctx(_gpu("a", 0, pending=3), _gpu("b", 0, pending=1)))
-    assert ranked[0].name == "b" and reason == "tie"
-    first = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))[0][0].name
-    for _ in range(5):
-        assert policy.rank(_ctx(_gpu("c", 0), _gpu("a", 0), _gpu("b", 0)))[0][0].name == first
+    first, reason = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))
+    assert reason == "home"
+    for _ in range(5):  # the same for any order of the candidates
+        assert policy.rank(_ctx(_gpu("c", 0), _gpu("b", 0), _gpu("a", 0)))[0][0] == first[0]
+    # Different affinities spread over the replicas.
+    names = ("a", "b", "c", "d")
+    homes = {
+        policy.rank(RouteContext([_gpu(n, 0) for n in names], 4000, f"p{i}".encode()))[0][0].name
+        for i in range(64)
+    }
+    assert homes == set(names)
+
+
+def _home_of(policy: KvroutePolicy, affinity: bytes, names: tuple[str, ...]) -> str:
+    return policy.rank(RouteContext([_gpu(n, 0) for n in names], 4000, affinity))[0][0].name
+
+
+def test_cold_prefixes_go_home_within_the_load_bound() -> None:
+    """A prefix no replica holds goes to its home unless the home's cost exceeds the
+    cheapest's by more than home_slack; then to the next replica of its home order."""
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
+    names = ("a", "b", "c", "d")
+    home = _home_of(policy, b"doc-7", names)
+
+    def pick(home_pending: int, others_pending: int) -> tuple[str, str]:
+        views = [_gpu(n, 0, pending=home_pending if n == home else others_pending) for n in names]
+        ranked, reason = policy.rank(RouteContext(views, 4000, b"doc-7"))
+        return ranked[0].name, reason
+
+    # cost = 0.4 s prefill, plus 0.1 s and 0.4 s (the prefill it delays) per pending request.
+    assert pick(2, 2) == (home, "home")
+    assert pick(3, 2) == (home, "home")  # 2.0 s vs 1.5 s: within 1.5x
+    second, reason = pick(6, 2)  # 4.1 s vs 1.5 s: over the bound
+    assert second != home and reason == "home"
+    assert pick(7, 2)[0] == second  # the same second choice each time
+    # With every other replica idle the bound is tight: an idle replica, not a busy home.
+    assert pick(1, 0)[0] != home
+    # home_slack 0: the cheapest always.
+    cheapest = KvroutePolicy(CostSettings(queue_s_per_request=0.1, home_slack=0.0))
+    views = [_gpu(n, 0, pending=3 if n == home else 2) for n in names]
+    assert cheapest.rank(RouteContext(views, 4000, b"doc-7"))[0][0].name != home
+
+
+def test_a_home_never_costs_a_cache_hit() -> None:
+    """Only replicas that would do as little work as the cheapest are near-equal: a cold home
+    within the load bound does not take a request from the replica holding its prefix."""
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1, home_slack=10.0))
+    names = ("a", "b", "c", "d")
+    home = _home_of(policy, b"user-3", names)
+    holder = next(n for n in names if n != home)
+    views = [_gpu(n, 3600 if n == holder else 0, pending=1) for n in names]
+    ranked, reason = policy.rank(RouteContext(views, 4000, b"user-3"))
+    assert ranked[0].name == holder and reason == "prefix"
+    # Several holders (a hot prefix that spilled): the home order picks among them.
+    both = [_gpu(n, 3600 if n in (holder, home) else 0, pending=1) for n in names]
+    ranked, reason = policy.rank(RouteContext(both, 4000, b"user-3"))
+    assert ranked[0].name == home and reason == "prefix"
+
+
+def test_a_jammed_holder_spills_to_the_same_replica() -> None:
+    """A hot prefix whose only holder is jammed spills to one stable replica (which then
+    holds it too) rather than to whichever is least loaded at that moment."""
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
+    names = ("a", "b", "c", "d", "e", "f")
+    spills = set()
+    for pending in itertools.product((2, 3), repeat=5):
+        views = [_gpu("a", 3600, pending=30)]
+        views += [_gpu(n, 0, pending=p) for n, p in zip(names[1:], pending, strict=True)]
+        ranked, reason = policy.rank(RouteContext(views, 4000, b"hot"))
+        assert reason == "spill"
+        spills.add(ranked[0].name)
+    assert len(spills) == 1  # one more request there is within the load bound
+
+
+def test_home_affinity_skips_what_most_replicas_hold() -> None:
+    keys = list(range(100, 110))
+    fallback = b"first tokens"
+    # A system prompt of 4 blocks on every replica, a user's history on one: the key is the
+    # first block after the system prompt, however far the history has grown or been evicted.
+    turn1 = home_affinity(keys[:6], [4, 4, 4, 4], fallback)
+    turn5 = home_affinity(keys, [9, 4, 4, 4], fallback)
+    evicted = home_affinity(keys, [4, 4, 4, 0], fallback)
+    assert turn1 == turn5 == evicted == (104).to_bytes(8, "little")
+    # Nothing common: the first block. Everything common: the last full block.
+    assert home_affinity(keys, [0, 0, 3, 9], fallback) == (100).to_bytes(8, "little")
+    assert home_affinity(keys, [10, 10, 10], fallback) == (109).to_bytes(8, "little")
+    # A majority, not any one replica: one replica's long match does not move the key.
+    assert home_affinity(keys, [9, 9, 2, 2, 2], fallback) == (102).to_bytes(8, "little")
+    # Shorter than a block, or no views: the fallback / the first block.
+    assert home_affinity([], [3], fallback) == fallback
+    assert home_affinity(keys, [], fallback) == (100).to_bytes(8, "little")
 
 
 def test_hint_counts_as_gpu_blocks() -> None:
@@ -189,7 +280,7 @@ def test_make_policy_names() -> None:
 
 
 def test_learned_queue_delay_replaces_the_constant() -> None:
-    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.02))
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.02, home_slack=0.0))
     fixed = policy.queue_delay(ReplicaView("x", pending=4))
     learned = policy.queue_delay(ReplicaView("x", pending=4, queue_s_per_request=0.5))
     assert learned == pytest.approx(fixed * 25)
