@@ -88,11 +88,10 @@ class CostSettings:
     # the delay it adds to the requests it joins (0: rank by its own est_ttft alone).
     delay_to_others_weight: float = 1.0
     tie_epsilon_s: float = 1e-3
-    # Bounded-load affinity: the first replica in the request's home order (a rendezvous hash
-    # of its first block past what most replicas hold) whose cost is within
-    # (1 + home_slack) x the cheapest is chosen, so a prefix that must be computed somewhere
-    # goes to the same replica each time and the caches split the working set between them
-    # (0: always the cheapest, home order only breaks ties).
+    # Bounded-load affinity: a prefix goes back to the replica it was first placed on (its
+    # home) while that costs at most (1 + home_slack) x the cheapest replica doing the same
+    # work, so prefixes evicted everywhere return home and the caches split the working set
+    # instead of each holding a random part of it (0: always the cheapest).
     home_slack: float = 0.5
     # How much of a replica's match we believe, by the freshness of its event feed.
     freshness_weight: dict[str, float] = field(
@@ -168,6 +167,7 @@ class RouterSettings:
     session_header: str = "x-session-id"
     approx_block_size: int = 16
     approx_max_keys: int = 1_000_000
+    home_max_keys: int = 200_000  # remembered homes (prefix -> replica), least recent dropped
     approx_match_threshold: float = 0.5
     approx_balance_abs: int = 32
     approx_balance_rel: float = 1.5

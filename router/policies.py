@@ -17,13 +17,15 @@ queue: a hot prefix spills to other replicas instead of piling onto one.
 Matches of replicas whose event feed is not live are discounted by
 ``freshness_weight``; burst hints count as GPU blocks at full weight.
 
-Choice (bounded-load affinity): walk the replicas in the request's home order (a rendezvous
-hash of ``RouteContext.affinity``) and take the first whose cost is within
-``(1 + home_slack)`` x the cheapest. A cached prefix keeps its holder (a cold replica costs a
-whole prefill more); among near-equals, such as replicas none of which holds the prefix, the
-same prefix goes to the same replica each time, so each replica's cache holds its share of
-the working set instead of a random sample of all of it, and a hot prefix spills to the same
-second replica instead of scattering copies.
+Choice (bounded-load affinity): a request whose prefix has a *home* (``RouteContext.home``:
+the replica it was first placed on) goes there when the home is a near-equal of the cheapest
+replica: as little work for this request (a cache hit is never given up for a home) and a
+cost within ``(1 + home_slack)`` x the cheapest. When the working set outgrows the caches and
+a prefix is evicted everywhere, it is sent back home instead of to whichever replica is least
+loaded at that moment, so each replica's cache keeps its share of the working set rather than
+a random sample of all of it. A home too busy for the bound, and a hot prefix that must
+spill, go to the first near-equal in the rendezvous order of ``RouteContext.affinity``, the
+same second choice each time. A new prefix goes to the cheapest (ties by the same order).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ POLICY_REASONS = (
     "hint",  # chosen for a burst hint (siblings before events arrive)
     "spill",  # a replica with a longer match was skipped for its queue
     "load",  # no usable match anywhere: the cheapest, by load
-    "home",  # no usable match anywhere: its home, within home_slack of the cheapest
+    "home",  # no usable match anywhere: back to its home (or its second choice)
     "round_robin",
     "session",
     "session_new",
@@ -111,8 +113,9 @@ class ReplicaView:
 class RouteContext:
     views: list[ReplicaView]
     prompt_tokens: int | None
-    affinity: bytes  # what the consistent hash keys on (the prompt's first tokens)
+    affinity: bytes  # what the consistent hash keys on (router.routing.home_affinity)
     session_id: str | None = None
+    home: str | None = None  # the replica this prefix was first placed on, if remembered
 
 
 def rendezvous(affinity: bytes, name: str) -> int:
@@ -197,13 +200,17 @@ class KvroutePolicy(Policy):
             self.estimate(view, prompt)
         by_cost = sorted(ctx.views, key=lambda v: v.cost_s or 0.0)
         near = self.near_equals(by_cost)
-        chosen = min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
+        home = next((v for v in near if v.name == ctx.home), None)
+        if home is None and ctx.home is None:  # a new prefix: the cheapest
+            bound = (by_cost[0].cost_s or 0.0) + self.cost.tie_epsilon_s
+            near = [v for v in near if (v.cost_s or 0.0) <= bound]
+        chosen = home or min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
         ranked = [chosen] + [v for v in by_cost if v is not chosen]
         longest = max(v.predicted_cached_tokens for v in ranked)
         if chosen.predicted_cached_tokens < longest:
             reason = "spill"
         elif chosen.predicted_cached_tokens == 0:
-            reason = "home" if len(near) > 1 else "load"
+            reason = "load" if ctx.home is None else "home"
         elif chosen.hint_tokens > chosen.match_tokens:
             reason = "hint"
         else:

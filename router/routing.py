@@ -19,6 +19,7 @@ from indexer.wire import Medium
 from router.approx import RoutingHistory
 from router.config import RouterSettings
 from router.hints import BurstHints
+from router.lru import LRU
 from router.policies import Policy, ReplicaView, RouteContext
 from router.queue_model import LearnedQueueDelay
 from router.replicas import Replica
@@ -62,6 +63,8 @@ class Decision:
     lora_name: str | None = None
     keys: dict[int, list[int]] = field(default_factory=dict)
     approx_keys: list[int] = field(default_factory=list)
+    affinity: bytes = b""
+    home: str | None = None
 
     def view(self, name: str) -> ReplicaView | None:
         return next((v for v in self.views if v.name == name), None)
@@ -74,6 +77,7 @@ class Decision:
             "ranked": [r.name for r in self.ranked],
             "prompt_tokens": self.prompt_tokens,
             "lora_name": self.lora_name,
+            "home": self.home,
             "replicas": [v.to_dict() for v in self.views],
         }
 
@@ -94,6 +98,9 @@ class Router:
         self.policy = policy
         self.hints = BurstHints(settings.hint_ttl_s, settings.hint_max_keys)
         self.history = RoutingHistory(settings.approx_max_keys)
+        # Where each prefix (its home_affinity) was first placed: where it goes back to once
+        # evicted everywhere (KvroutePolicy). Router-local, like the hints.
+        self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
         c = settings.cost
         self.queue_delay = (
             LearnedQueueDelay(
@@ -149,7 +156,12 @@ class Router:
                 if (v.block_size or self.settings.default_block_size) == bs
             ]
             affinity = home_affinity(decision.keys[bs], held, affinity)
-        ctx = RouteContext(list(views.values()), decision.prompt_tokens, affinity, session_id)
+        home = self.homes.get(affinity)
+        decision.affinity = affinity
+        decision.home = home if home in views else None
+        ctx = RouteContext(
+            list(views.values()), decision.prompt_tokens, affinity, session_id, decision.home
+        )
         ranked_views, reason = self.policy.rank(ctx)
         by_name = {r.name: r for r in candidates}
         decision.reason = reason
@@ -209,10 +221,13 @@ class Router:
                 )
 
     def commit(self, decision: Decision, replica: Replica) -> None:
-        """The request went to ``replica``: remember it for siblings and routing history."""
+        """The request went to ``replica``: remember it for siblings and routing history, and
+        as the prefix's home if it has none (or its home is no longer a candidate)."""
         view = decision.view(replica.name)
         if view is None:
             return
+        if decision.home is None and decision.affinity:
+            self.homes.put(decision.affinity, replica.name)
         bs = view.block_size or self.settings.default_block_size
         keys = decision.keys.get(bs)
         if keys:

@@ -96,6 +96,23 @@ def _burst(fleet: Fleet, n: int) -> list[str]:
     return asyncio.run(go())
 
 
+def test_a_prefix_remembers_its_home(local_tokenizer) -> None:
+    """Events and hints off, so nothing is ever cached as far as the router knows: the first
+    placement of a prefix becomes its home, and the next request with that prefix is sent
+    back there (reason home) rather than placed afresh; other prefixes have no home yet."""
+    with make_fleet(local_tokenizer, n=3, events=False, hint_ttl_s=0.0) as fleet:
+        new = httpx.post(f"{fleet.url}/debug/route", json=_chat("First question?")).json()
+        assert new["home"] is None and new["reason"] == "load"
+        first = httpx.post(f"{fleet.url}/v1/chat/completions", json=_chat("First question?"))
+        home = first.headers["x-kvroute-replica"]
+        again = httpx.post(f"{fleet.url}/debug/route", json=_chat("First question?")).json()
+        assert again["home"] == home and again["chosen"] == home and again["reason"] == "home"
+        # The key is the first block past what most replicas hold, here the first block: a
+        # new question behind the same system prompt shares the home.
+        other = httpx.post(f"{fleet.url}/debug/route", json=_chat("Another one?")).json()
+        assert other["home"] == home
+
+
 def test_burst_hints(local_tokenizer) -> None:
     knobs = [FakeKnobs(delay_s=0.6) for _ in range(3)]
     # Events off: only the router-local hints can keep siblings together.

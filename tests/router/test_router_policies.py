@@ -122,86 +122,66 @@ def test_waiting_and_kv_pressure_add_delay() -> None:
     assert policy.queue_delay(ReplicaView("x", pending=2, kv_usage=0.99)) > base
 
 
-def test_ties_go_to_the_home_order() -> None:
-    policy = KvroutePolicy(
-        CostSettings(
-            queue_s_per_request=0.0,
-            waiting_s_per_request=0.0,
-            delay_to_others_weight=0.0,
-            home_slack=0.0,
-        )
-    )
-    first, reason = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))
-    assert reason == "home"
+def test_a_new_prefix_goes_to_the_cheapest_ties_by_consistent_hash() -> None:
+    policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
+    ranked, reason = policy.rank(_ctx(_gpu("a", 0, pending=3), _gpu("b", 0, pending=1)))
+    assert ranked[0].name == "b" and reason == "load"
+    first = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))[0][0].name
     for _ in range(5):  # the same for any order of the candidates
-        assert policy.rank(_ctx(_gpu("c", 0), _gpu("b", 0), _gpu("a", 0)))[0][0] == first[0]
-    # Different affinities spread over the replicas.
+        assert policy.rank(_ctx(_gpu("c", 0), _gpu("b", 0), _gpu("a", 0)))[0][0].name == first
     names = ("a", "b", "c", "d")
-    homes = {
+    spread = {
         policy.rank(RouteContext([_gpu(n, 0) for n in names], 4000, f"p{i}".encode()))[0][0].name
         for i in range(64)
     }
-    assert homes == set(names)
+    assert spread == set(names)
 
 
-def _home_of(policy: KvroutePolicy, affinity: bytes, names: tuple[str, ...]) -> str:
-    return policy.rank(RouteContext([_gpu(n, 0) for n in names], 4000, affinity))[0][0].name
+def _pick(
+    policy: KvroutePolicy, pending: dict[str, int], home: str | None, cached: str | None = None
+) -> tuple[str, str]:
+    views = [_gpu(n, 3600 if n == cached else 0, pending=p) for n, p in pending.items()]
+    ranked, reason = policy.rank(RouteContext(views, 4000, b"doc-7", None, home))
+    return ranked[0].name, reason
 
 
-def test_cold_prefixes_go_home_within_the_load_bound() -> None:
-    """A prefix no replica holds goes to its home unless the home's cost exceeds the
-    cheapest's by more than home_slack; then to the next replica of its home order."""
+def test_an_evicted_prefix_goes_home_within_the_load_bound() -> None:
+    """A prefix no replica holds any more goes back to its home unless the home costs more
+    than (1 + home_slack) x the cheapest; then to the first near-equal of its consistent-hash
+    order, the same one each time."""
     policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
-    names = ("a", "b", "c", "d")
-    home = _home_of(policy, b"doc-7", names)
-
-    def pick(home_pending: int, others_pending: int) -> tuple[str, str]:
-        views = [_gpu(n, 0, pending=home_pending if n == home else others_pending) for n in names]
-        ranked, reason = policy.rank(RouteContext(views, 4000, b"doc-7"))
-        return ranked[0].name, reason
-
     # cost = 0.4 s prefill, plus 0.1 s and 0.4 s (the prefill it delays) per pending request.
-    assert pick(2, 2) == (home, "home")
-    assert pick(3, 2) == (home, "home")  # 2.0 s vs 1.5 s: within 1.5x
-    second, reason = pick(6, 2)  # 4.1 s vs 1.5 s: over the bound
-    assert second != home and reason == "home"
-    assert pick(7, 2)[0] == second  # the same second choice each time
-    # With every other replica idle the bound is tight: an idle replica, not a busy home.
-    assert pick(1, 0)[0] != home
-    # home_slack 0: the cheapest always.
+    assert _pick(policy, {"a": 2, "b": 2, "c": 2, "d": 2}, "c") == ("c", "home")
+    assert _pick(policy, {"a": 2, "b": 2, "c": 3, "d": 2}, "c") == ("c", "home")  # 2.0 vs 1.5 s
+    second, reason = _pick(policy, {"a": 2, "b": 2, "c": 6, "d": 2}, "c")  # 4.1 s: too busy
+    assert second != "c" and reason == "home"
+    assert _pick(policy, {"a": 2, "b": 2, "c": 7, "d": 2}, "c")[0] == second
+    # An idle replica makes the bound tight: 0.9 s vs 0.4 s is over it.
+    assert _pick(policy, {"a": 0, "b": 1, "c": 1, "d": 1}, "c") == ("a", "home")
+    # home_slack 0: the cheapest, home or not.
     cheapest = KvroutePolicy(CostSettings(queue_s_per_request=0.1, home_slack=0.0))
-    views = [_gpu(n, 0, pending=3 if n == home else 2) for n in names]
-    assert cheapest.rank(RouteContext(views, 4000, b"doc-7"))[0][0].name != home
+    assert _pick(cheapest, {"a": 2, "b": 2, "c": 3, "d": 2}, "c")[0] != "c"
 
 
 def test_a_home_never_costs_a_cache_hit() -> None:
-    """Only replicas that would do as little work as the cheapest are near-equal: a cold home
-    within the load bound does not take a request from the replica holding its prefix."""
+    """Near-equals do as little work as the cheapest: a cold home within the load bound does
+    not take a request from the replica holding its prefix."""
     policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1, home_slack=10.0))
-    names = ("a", "b", "c", "d")
-    home = _home_of(policy, b"user-3", names)
-    holder = next(n for n in names if n != home)
-    views = [_gpu(n, 3600 if n == holder else 0, pending=1) for n in names]
-    ranked, reason = policy.rank(RouteContext(views, 4000, b"user-3"))
-    assert ranked[0].name == holder and reason == "prefix"
-    # Several holders (a hot prefix that spilled): the home order picks among them.
-    both = [_gpu(n, 3600 if n in (holder, home) else 0, pending=1) for n in names]
-    ranked, reason = policy.rank(RouteContext(both, 4000, b"user-3"))
-    assert ranked[0].name == home and reason == "prefix"
+    assert _pick(policy, {"a": 1, "b": 1, "c": 1}, "c", cached="a") == ("a", "prefix")
+    assert _pick(policy, {"a": 3, "b": 1, "c": 1}, "c", cached="a") == ("a", "prefix")
 
 
 def test_a_jammed_holder_spills_to_the_same_replica() -> None:
-    """A hot prefix whose only holder is jammed spills to one stable replica (which then
-    holds it too) rather than to whichever is least loaded at that moment."""
+    """A hot prefix whose only holder (its home) is jammed spills to one stable replica,
+    which then holds it too, rather than to whichever is least loaded at that moment."""
     policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
-    names = ("a", "b", "c", "d", "e", "f")
+    names = ("b", "c", "d", "e", "f")
     spills = set()
-    for pending in itertools.product((2, 3), repeat=5):
-        views = [_gpu("a", 3600, pending=30)]
-        views += [_gpu(n, 0, pending=p) for n, p in zip(names[1:], pending, strict=True)]
-        ranked, reason = policy.rank(RouteContext(views, 4000, b"hot"))
+    for loads in itertools.product((2, 3), repeat=5):
+        pending = {"a": 30} | dict(zip(names, loads, strict=True))
+        chosen, reason = _pick(policy, pending, "a", cached="a")
         assert reason == "spill"
-        spills.add(ranked[0].name)
+        spills.add(chosen)
     assert len(spills) == 1  # one more request there is within the load bound
 
 
