@@ -40,12 +40,13 @@ def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int)
 
 
 def home_affinity(keys: Sequence[int], held_blocks: Sequence[int], fallback: bytes) -> bytes:
-    """What a request's home order hashes (``RouteContext.affinity``): the key of its first
-    block past the prefix that a majority of the replicas hold (``held_blocks``: each
-    replica's cached blocks of this prompt). A system prompt every replica holds is skipped,
-    so users sharing it get different homes; the key stays the same as a conversation grows
-    and after its history is evicted everywhere, so it is sent back to the same home. A
-    prompt shorter than one block hashes ``fallback``."""
+    """What a request's home is remembered by, and its second choices hashed on
+    (``RouteContext.affinity``): the key of its first block past the prefix that a majority
+    of the replicas hold (``held_blocks``: each replica's cached blocks of this prompt). A
+    system prompt every replica holds is skipped, so users sharing it get different homes;
+    the key stays the same as a conversation grows and after its history is evicted
+    everywhere, so it finds the same home. A prompt shorter than one block uses
+    ``fallback``."""
     if not keys:
         return fallback
     held = sorted(held_blocks)
