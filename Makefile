@@ -23,9 +23,11 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	KVROUTE_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)

@@ -93,6 +93,10 @@ class CostSettings:
     # work, so prefixes evicted everywhere return home and the caches split the working set
     # instead of each holding a random part of it (0: always the cheapest).
     home_slack: float = 0.5
+    # A new prefix goes to the replica that took the fewest new homes lately (decayed with
+    # this half-life, about a session's length; router/placement_rate.py) among those
+    # within the same bound.
+    placement_half_life_s: float = 30.0
     # How much of a replica's match we believe, by the freshness of its event feed.
     freshness_weight: dict[str, float] = field(
         default_factory=lambda: {
@@ -124,6 +128,8 @@ class CostSettings:
             raise ConfigError("cost.queue_knee must be > 0")
         if not 0.0 < self.queue_learn_weight <= 1.0:
             raise ConfigError("cost.queue_learn_weight must be in (0, 1]")
+        if self.placement_half_life_s <= 0:
+            raise ConfigError("cost.placement_half_life_s must be > 0")
         if self.queue_learn_half_life_s <= 0:
             raise ConfigError("cost.queue_learn_half_life_s must be > 0")
         if self.queue_s_per_request_max < self.queue_s_per_request:

@@ -25,7 +25,9 @@ a prefix is evicted everywhere, it is sent back home instead of to whichever rep
 loaded at that moment, so each replica's cache keeps its share of the working set rather than
 a random sample of all of it. A home too busy for the bound, and a hot prefix that must
 spill, go to the first near-equal in the rendezvous order of ``RouteContext.affinity``, the
-same second choice each time. A new prefix goes to the cheapest (ties by the same order).
+same second choice each time. A new prefix (no home, no cache) goes to the near-equal with
+the fewest new homes lately (router/placement_rate.py): placement is sticky, so what balances
+the fleet is how many prefixes each replica is home to, not its queue at this instant.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ POLICY_REASONS = (
     "prefix",  # the chosen replica's cached prefix made it the cheapest
     "hint",  # chosen for a burst hint (siblings before events arrive)
     "spill",  # a replica with a longer match was skipped for its queue
-    "load",  # no usable match anywhere: the cheapest, by load
+    "load",  # no usable match, no home yet: a new prefix, placed within the load bound
     "home",  # no usable match anywhere: back to its home (or its second choice)
     "round_robin",
     "session",
@@ -86,6 +88,7 @@ class ReplicaView:
     approx_tokens: int = 0
     predicted_cached_tokens: int = 0
     queue_s_per_request: float | None = None  # learned; None: the configured constant
+    home_rate: float = 0.0  # new homes this router placed on it lately, per second
     est_ttft_s: float | None = None
     delay_to_others_s: float | None = None  # what its uncached prefill costs the queue it joins
     cost_s: float | None = None  # what kvroute ranks by: est_ttft_s + delay_to_others_s
@@ -97,6 +100,7 @@ class ReplicaView:
         out = {k: getattr(self, k) for k in self.__slots__}
         for key in (
             "queue_s_per_request",
+            "home_rate",
             "est_ttft_s",
             "delay_to_others_s",
             "cost_s",
@@ -126,6 +130,8 @@ def rendezvous(affinity: bytes, name: str) -> int:
 
 class Policy(ABC):
     name: str
+    # Whether rank() reads RouteContext.home; the router keeps homes only for such policies.
+    uses_homes: bool = False
 
     @abstractmethod
     def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
@@ -137,6 +143,7 @@ class Policy(ABC):
 
 class KvroutePolicy(Policy):
     name = "kvroute"
+    uses_homes = True
 
     def __init__(self, cost: CostSettings) -> None:
         self.cost = cost
@@ -201,10 +208,15 @@ class KvroutePolicy(Policy):
         by_cost = sorted(ctx.views, key=lambda v: v.cost_s or 0.0)
         near = self.near_equals(by_cost)
         home = next((v for v in near if v.name == ctx.home), None)
-        if home is None and ctx.home is None:  # a new prefix: the cheapest
-            bound = (by_cost[0].cost_s or 0.0) + self.cost.tie_epsilon_s
-            near = [v for v in near if (v.cost_s or 0.0) <= bound]
-        chosen = home or min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
+        if home is not None:
+            chosen = home
+        elif ctx.home is None:  # a new prefix: where the fewest new homes went lately
+            chosen = min(
+                near,
+                key=lambda v: (v.home_rate, v.cost_s or 0.0, -rendezvous(ctx.affinity, v.name)),
+            )
+        else:  # home too busy, or a hot prefix spilling: a stable second choice
+            chosen = min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
         ranked = [chosen] + [v for v in by_cost if v is not chosen]
         longest = max(v.predicted_cached_tokens for v in ranked)
         if chosen.predicted_cached_tokens < longest:

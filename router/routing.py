@@ -20,6 +20,7 @@ from router.approx import RoutingHistory
 from router.config import RouterSettings
 from router.hints import BurstHints
 from router.lru import LRU
+from router.placement_rate import PlacementRate
 from router.policies import Policy, ReplicaView, RouteContext
 from router.queue_model import LearnedQueueDelay
 from router.replicas import Replica
@@ -102,6 +103,7 @@ class Router:
         # Where each prefix (its home_affinity) was first placed: where it goes back to once
         # evicted everywhere (KvroutePolicy). Router-local, like the hints.
         self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
+        self.home_rate = PlacementRate(settings.cost.placement_half_life_s)
         c = settings.cost
         self.queue_delay = (
             LearnedQueueDelay(
@@ -141,13 +143,14 @@ class Router:
                 queue_s_per_request=None
                 if self.queue_delay is None
                 else self.queue_delay.per_request_s(r.name),
+                home_rate=self.home_rate.rate(r.name),
                 block_size=self.index.block_size(r.name),
                 freshness=fresh,
                 freshness_reason=why,
             )
         decision = Decision(self.policy.name, "", [], [], None if tokens is None else len(tokens))
         decision.lora_name = lora
-        affinity = pack_tokens(tokens[:64]) if tokens else req.model.encode()
+        affinity = req.model.encode()
         if tokens:
             self._match(decision, views, tokens, lora, req.cache_salt)
             bs = next(iter(decision.keys))
@@ -156,8 +159,9 @@ class Router:
                 for v in views.values()
                 if (v.block_size or self.settings.default_block_size) == bs
             ]
-            affinity = home_affinity(decision.keys[bs], held, affinity)
-        home = self.homes.get(affinity)
+            # A prompt shorter than one block has no keys: its (few) tokens are its affinity.
+            affinity = home_affinity(decision.keys[bs], held, pack_tokens(tokens[:bs]))
+        home = self.homes.get(affinity) if self.policy.uses_homes else None
         decision.affinity = affinity
         decision.home = home if home in views else None
         ctx = RouteContext(
@@ -227,8 +231,9 @@ class Router:
         view = decision.view(replica.name)
         if view is None:
             return
-        if decision.home is None and decision.affinity:
+        if self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
+            self.home_rate.record(replica.name)
         bs = view.block_size or self.settings.default_block_size
         keys = decision.keys.get(bs)
         if keys:
@@ -251,5 +256,6 @@ class Router:
     def forget(self, replica: str) -> None:
         self.hints.forget(replica)
         self.history.forget(replica)
+        self.home_rate.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)

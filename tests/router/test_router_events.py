@@ -111,6 +111,21 @@ def test_a_prefix_remembers_its_home(local_tokenizer) -> None:
         # new question behind the same system prompt shares the home.
         other = httpx.post(f"{fleet.url}/debug/route", json=_chat("Another one?")).json()
         assert other["home"] == home
+        # The new home counts against its replica when the next new prefix is placed.
+        rates = {v["name"]: v["home_rate"] for v in other["replicas"]}
+        assert rates[home] > 0 and all(r == 0 for n, r in rates.items() if n != home), rates
+
+
+def test_only_the_kvroute_policy_keeps_homes(local_tokenizer) -> None:
+    """Homes cost a lookup and an insert per request; a policy that never reads them (here
+    least_loaded) must not pay for them or grow the LRU."""
+    with make_fleet(
+        local_tokenizer, n=3, events=False, hint_ttl_s=0.0, policy="least_loaded"
+    ) as fleet:
+        first = httpx.post(f"{fleet.url}/v1/chat/completions", json=_chat("First question?"))
+        assert first.status_code == 200
+        again = httpx.post(f"{fleet.url}/debug/route", json=_chat("First question?")).json()
+        assert again["home"] is None and again["reason"] != "home"
 
 
 def test_burst_hints(local_tokenizer) -> None:

@@ -122,10 +122,23 @@ def test_waiting_and_kv_pressure_add_delay() -> None:
     assert policy.queue_delay(ReplicaView("x", pending=2, kv_usage=0.99)) > base
 
 
-def test_a_new_prefix_goes_to_the_cheapest_ties_by_consistent_hash() -> None:
+def test_a_new_prefix_goes_to_the_replica_with_the_fewest_new_homes() -> None:
+    """A new prefix (no home, no cache anywhere) goes to the near-equal replica with the
+    fewest new homes lately (home_rate), even if another is a little cheaper this instant; one over
+    the load bound is never chosen; equal rates fall back to the cheapest, then the hash."""
     policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
+    # cost = 0.4 s prefill, plus 0.1 s and 0.4 s (the prefill it delays) per pending request.
     ranked, reason = policy.rank(_ctx(_gpu("a", 0, pending=3), _gpu("b", 0, pending=1)))
+    assert ranked[0].name == "b" and reason == "load"  # equal home rates (0): the cheapest
+    busy_home, quiet = _gpu("a", 0, pending=0, home_rate=2.0), _gpu("b", 0, pending=1)
+    # b: 0.9 s vs a: 0.4 s is over the bound (0.6 s): the cheapest, despite its homes.
+    assert policy.rank(_ctx(busy_home, quiet))[0][0].name == "a"
+    roomy = KvroutePolicy(CostSettings(queue_s_per_request=0.1, home_slack=2.0))
+    ranked, reason = roomy.rank(_ctx(busy_home, quiet))  # 0.9 s is within 3 x 0.4 s
     assert ranked[0].name == "b" and reason == "load"
+    # A cached prefix is never given up for a quieter replica.
+    ranked, reason = roomy.rank(_ctx(_gpu("a", 3600, home_rate=9.0), _gpu("b", 0)))
+    assert ranked[0].name == "a" and reason == "prefix"
     first = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0)))[0][0].name
     for _ in range(5):  # the same for any order of the candidates
         assert policy.rank(_ctx(_gpu("c", 0), _gpu("b", 0), _gpu("a", 0)))[0][0].name == first
