@@ -378,22 +378,24 @@ class ReplicaFeed:
         refills it (``rebuilding``), unless ``run`` holds a full clear: nothing before that
         clear mattered."""
         first = run[0].seq
-        complete = first == start or last_full_clear(run) is not None
+        full_clear = last_full_clear(run)
+        complete = first == start or full_clear is not None
         if not complete:
             self.stats.missed_batches += first - start
             self.clear(
                 f"{why}; replay no longer holds batch {start}: cleared, rebuilding from "
                 f"batches {first}..{run[-1].seq} and live events"
             )
-        self._apply_history(run)
+        self._apply_history(run, full_clear)
         # Those batches arrive again live (SUB queued them meanwhile): skip them then.
         self._replayed = (first, self.expected or 0)
         if complete:
             self._set(Freshness.LIVE, f"{why}: in sync after replaying {len(run)} batches")
 
-    def _apply_history(self, frames: Sequence[Frame]) -> None:
-        """Apply consecutive batches, skipping what a later full clear makes moot."""
-        cut, first_event = last_full_clear(frames) or (0, 0)
+    def _apply_history(self, frames: Sequence[Frame], full_clear: tuple[int, int] | None) -> None:
+        """Apply consecutive batches, skipping what the last full clear among them
+        (``full_clear``: ``last_full_clear(frames)``) makes moot."""
+        cut, first_event = full_clear or (0, 0)
         for frame in frames[:cut]:
             self._advance(frame)
             self.stats.moot_batches += 1

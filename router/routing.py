@@ -143,7 +143,7 @@ class Router:
                 queue_s_per_request=None
                 if self.queue_delay is None
                 else self.queue_delay.per_request_s(r.name),
-                home_rate=self.home_rate.rate(r.name),
+                home_rate=self.home_rate.rate(r.name) if self.policy.uses_homes else 0.0,
                 block_size=self.index.block_size(r.name),
                 freshness=fresh,
                 freshness_reason=why,

@@ -5,37 +5,30 @@ from __future__ import annotations
 import pytest
 
 from router.placement_rate import PlacementRate
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.router.manual_clock import ManualClock
 
 
 def test_a_steady_stream_converges_to_its_rate_and_decays_by_half_lives() -> None:
-    clock = _Clock()
+    clock = ManualClock(1000.0)
     rates = PlacementRate(half_life_s=10.0, clock=clock)
     assert rates.rate("a") == 0.0
     for _ in range(2000):  # 4 requests per second for 500 s (50 half-lives)
-        clock.now += 0.25
+        clock.t += 0.25
         rates.record("a")
     assert rates.rate("a") == pytest.approx(4.0, rel=0.05)
     assert rates.rate("b") == 0.0
     before = rates.rate("a")
-    clock.now += 10.0
+    clock.t += 10.0
     assert rates.rate("a") == pytest.approx(before / 2)
-    clock.now += 20.0
+    clock.t += 20.0
     assert rates.rate("a") == pytest.approx(before / 8)
 
 
 def test_rates_rank_replicas_by_their_recent_placements() -> None:
-    clock = _Clock()
+    clock = ManualClock(1000.0)
     rates = PlacementRate(half_life_s=30.0, clock=clock)
     for i in range(60):
-        clock.now += 0.5
+        clock.t += 0.5
         rates.record("busy")
         if i % 3 == 0:
             rates.record("quiet")

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from router.queue_model import LearnedQueueDelay
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.router.manual_clock import ManualClock
 
 
 def test_prior_until_samples_then_follows_them() -> None:
-    clock = Clock()
+    clock = ManualClock()
     q = LearnedQueueDelay(0.02, weight=0.5, half_life_s=30.0, clock=clock)
     assert q.per_request_s("r") == 0.02
     # 2.0 s to first byte, 0.4 s of it prefill, 4 requests ahead: 0.4 s each.
@@ -42,7 +35,7 @@ def test_empty_queues_and_garbage_are_not_samples() -> None:
 
 
 def test_bounded_and_relaxes_back_to_the_prior() -> None:
-    clock = Clock()
+    clock = ManualClock()
     q = LearnedQueueDelay(0.02, weight=1.0, half_life_s=10.0, max_s=5.0, clock=clock)
     q.observe("r", pending=1, explained_s=0.0, first_byte_s=60.0)
     assert q.per_request_s("r") == 5.0
