@@ -1,8 +1,12 @@
 """``kvroute bench indexer``: ingest throughput, lookup latency and memory of the prefix index.
 
-- ingest: real msgpack frames as vLLM publishes them (BlockStored per prefill step, one
-  BlockRemoved per evicted block) are decoded and applied on one thread; the figure is block
-  events (blocks stored + blocks removed) per second.
+- ingest: real msgpack frames as vLLM 0.32 publishes them (a BlockStored per prefill step with
+  one ``extra_keys`` entry per block, one BlockRemoved per evicted block; every fourth prompt's
+  first chunks offloaded to a CPU tier and later evicted from it, as kvroute's connector
+  announces them) are decoded and applied on one thread; the figure is block events (blocks
+  stored + blocks removed, any tier) per second. ``decode_ceiling_blocks_per_s`` is the same
+  frames through msgspec's raw msgpack decode alone, measured in the same run: what one thread
+  can do before the index does anything.
 - lookup: a 2,048-block request against an index of >= 1M (block, replica) entries, where one
   replica holds the whole prefix and the others part of it. ``lookup_p99_us_2048`` times the walk
   over the request's keys (the router computes keys once per request); the figure with keying
@@ -20,9 +24,18 @@ import time
 import tracemalloc
 from typing import Any
 
+import msgspec
+
 from indexer.index import InMemoryPrefixIndex
 from indexer.keys import block_keys
-from indexer.wire import BlockRemoved, BlockStored, decode_batch, decode_frames, encode_batch
+from indexer.wire import (
+    BlockRemoved,
+    BlockStored,
+    Medium,
+    decode_batch,
+    decode_frames,
+    encode_batch,
+)
 from indexer.wire import encode_frames as frames_of
 
 __all__ = ["add_arguments", "run"]
@@ -41,10 +54,15 @@ def _fake_hash(rng: random.Random) -> int:
     return rng.getrandbits(64)
 
 
+_CHUNK = 16  # blocks per offloaded chunk (256 tokens of 16)
+
+
 def _build_frames(
     n_blocks: int, block_size: int, rng: random.Random
 ) -> tuple[list[list[bytes]], int]:
-    """A replica's stream: prompts stored in steps of up to 32 blocks, then evicted block by block.
+    """A replica's stream: prompts stored in steps of up to 32 blocks, then evicted block by
+    block; every fourth prompt also offloads its first chunks to the CPU tier, evicted from
+    there later.
 
     Returns the frames and the number of block events they hold.
     """
@@ -52,20 +70,52 @@ def _build_frames(
     seq = 0
     block_events = 0
     stored: list[int] = []
+    offloaded: list[list[int]] = []
+    n_prompts = 0
     while block_events < n_blocks:
         prompt_blocks = rng.randint(8, 128)
         parent = None
+        hashes_all: list[int] = []
+        tokens_all: list[int] = []
         for start in range(0, prompt_blocks, 32):
             count = min(32, prompt_blocks - start)
             hashes = [_fake_hash(rng) for _ in range(count)]
             tokens = [rng.randrange(128_000) for _ in range(count * block_size)]
-            event = BlockStored(hashes, parent, tokens, block_size)
+            event = BlockStored(hashes, parent, tokens, block_size, extra_keys=[None] * count)
             payload = encode_batch([event], ts=time.time())
             frames.append(frames_of("kv@bench", seq, payload))
             seq += 1
             parent = hashes[-1]
             stored.extend(hashes)
+            hashes_all += hashes
+            tokens_all += tokens
             block_events += count
+        n_prompts += 1
+        if n_prompts % 4 == 0:
+            events: list[BlockStored | BlockRemoved] = []
+            for c in range(len(hashes_all) // _CHUNK):
+                members = hashes_all[c * _CHUNK : (c + 1) * _CHUNK]
+                events.append(
+                    BlockStored(
+                        members,
+                        None if c == 0 else hashes_all[c * _CHUNK - 1],
+                        tokens_all[c * _CHUNK * block_size : (c + 1) * _CHUNK * block_size],
+                        block_size,
+                        medium=Medium.CPU,
+                        extra_keys=[None] * _CHUNK,
+                        locality="LOCAL",
+                    )
+                )
+                offloaded.append(members)
+                block_events += _CHUNK
+            if len(offloaded) > 64:
+                for members in offloaded[:16]:
+                    events.append(BlockRemoved(members, Medium.CPU))
+                    block_events += len(members)
+                offloaded = offloaded[16:]
+            if events:
+                frames.append(frames_of("kv@bench", seq, encode_batch(events, ts=time.time())))
+                seq += 1
         if len(stored) > 4096:
             victims, stored = stored[:1024], stored[1024:]
             payload = encode_batch([BlockRemoved([h]) for h in victims], ts=time.time())
@@ -77,6 +127,12 @@ def _build_frames(
 
 def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     frames, block_events = _build_frames(args.ingest_blocks, args.block_size, rng)
+    gc.collect()
+    raw_decode = msgspec.msgpack.Decoder().decode
+    started = time.perf_counter()
+    for message in frames:
+        raw_decode(decode_frames(message).payload)
+    ceiling = time.perf_counter() - started
     index = InMemoryPrefixIndex()
     gc.collect()
     started = time.perf_counter()
@@ -88,6 +144,8 @@ def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
             raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
     elapsed = time.perf_counter() - started
     return {
+        "decode_ceiling_blocks_per_s": round(block_events / ceiling),
+        "ingest_vs_decode_ceiling": round(ceiling / elapsed, 3),
         "ingest_blocks_per_s": round(block_events / elapsed),
         "ingest_batches_per_s": round(len(frames) / elapsed),
         "ingest_block_events": block_events,
@@ -181,8 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(_ingest(args, rng))
     result.update(_lookup(args, rng))
     result["targets"] = {
-        "ingest_blocks_per_s >= 500000": result["ingest_blocks_per_s"] >= 500_000,
-        "lookup_p99_us_2048 <= 1000": result["lookup_p99_us_2048"] <= 1000,
+        "ingest_blocks_per_s >= 600000": result["ingest_blocks_per_s"] >= 600_000,
+        "lookup_p99_us_2048 <= 500": result["lookup_p99_us_2048"] <= 500,
         "bytes_per_entry <= 200": result["bytes_per_entry"] <= 200,
         "keying_tokens_per_s >= 5000000": result["keying_tokens_per_s"] >= 5_000_000,
     }

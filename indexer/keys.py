@@ -9,6 +9,11 @@ whatever hash algorithm or seed each replica runs.
 
 key_i = xxh3_64(tokens of block i as little-endian u32 || extra_i, seed = key_{i-1})
 key_{-1} = xxh3_64("kvroute-key-v1/<block_size>")
+
+A partial block (vLLM publishes one when its prefix-match unit is finer than its block size:
+the tokens of a prompt's tail that end inside a block) is keyed in its own domain,
+``xxh3_64(tokens || PARTIAL || extra, seed = key of what precedes it)``, so it never equals a
+full block's key and a chain of partial pieces extends from the last full block.
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ from typing import Any
 import msgspec
 import xxhash
 
-__all__ = ["ExtraKeys", "block_keys", "request_extra_keys", "root_key"]
+__all__ = [
+    "ExtraKeys",
+    "RequestKeys",
+    "block_keys",
+    "pack_tokens",
+    "partial_key",
+    "request_extra_keys",
+    "root_key",
+]
 
 ExtraKeys = Sequence[Any] | None
 """One block's extra keys as vLLM publishes them (untagged tuple), or None."""
@@ -28,6 +41,7 @@ ExtraKeys = Sequence[Any] | None
 _xxh = xxhash.xxh3_64_intdigest
 _encode = msgspec.msgpack.encode
 _EXTRA_SEP = b"\xffkvroute-extra\xff"
+_PARTIAL_SEP = b"\xfekvroute-partial\xfe"
 _root_cache: dict[int, int] = {}
 
 
@@ -74,7 +88,7 @@ def block_keys(
     key = root_key(block_size) if parent is None else parent
     keys = [0] * n
     view = memoryview(buf)
-    if not extra_keys:
+    if not extra_keys or not any(extra_keys):
         for i in range(n):
             key = keys[i] = _xxh(view[i * step : (i + 1) * step], key)
         return keys
@@ -88,6 +102,14 @@ def block_keys(
             key = _xxh(block, key)
         keys[i] = key
     return keys
+
+
+def partial_key(parent: int, tokens: Sequence[int] | bytes, extra: ExtraKeys = None) -> int:
+    """Key of a partial block: ``tokens`` after the block (or partial piece) keyed ``parent``."""
+    buf = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+    if extra:
+        return _xxh(buf + _PARTIAL_SEP + _encode(extra), parent)
+    return _xxh(buf + _PARTIAL_SEP, parent)
 
 
 def request_extra_keys(
@@ -106,3 +128,59 @@ def request_extra_keys(
             extra.append(cache_salt)
         out.append(tuple(extra) or None)
     return out
+
+
+class RequestKeys:
+    """One request's tokens and extra keys, keyed lazily once per block size.
+
+    The router builds one per request and hands it to the index and to everything else that
+    needs the request's keys (burst hints, homes), so each block size is keyed once.
+    """
+
+    __slots__ = ("_keys", "cache_salt", "lora_name", "n_tokens", "packed")
+
+    def __init__(
+        self,
+        tokens: Sequence[int] | bytes,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        self.n_tokens = len(self.packed) // 4
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
+        self._keys: dict[int, list[int]] = {}
+
+    def keys(self, block_size: int) -> list[int]:
+        keys = self._keys.get(block_size)
+        if keys is None:
+            extra = request_extra_keys(
+                self.n_tokens // block_size, lora_name=self.lora_name, cache_salt=self.cache_salt
+            )
+            keys = self._keys[block_size] = block_keys(self.packed, block_size, extra_keys=extra)
+        return keys
+
+    def partial_keys(self, block_size: int, blocks: int, unit: int) -> list[tuple[int, int]]:
+        """(tokens past ``blocks`` full blocks, key) for each partial piece of ``unit`` tokens
+        inside block ``blocks``, shortest first: what a replica with vLLM's prefix-match unit
+        ``unit`` may hold past its last full block."""
+        if unit <= 0 or block_size % unit or unit >= block_size:
+            return []
+        start = blocks * block_size
+        key = root_key(block_size) if blocks == 0 else self.keys(block_size)[blocks - 1]
+        out: list[tuple[int, int]] = []
+        salt = self.cache_salt if blocks == 0 else None
+        for m in range(1, block_size // unit):
+            end = start + m * unit
+            if end > self.n_tokens:
+                break
+            extra: list[Any] = []
+            if self.lora_name:
+                extra.append(self.lora_name)
+            if salt and m == 1:
+                extra.append(salt)
+            piece = self.packed[(end - unit) * 4 : end * 4]
+            key = partial_key(key, piece, tuple(extra) or None)
+            out.append((m * unit, key))
+        return out

@@ -23,6 +23,10 @@ class ReplicaStats:
     entries: int
     entries_by_tier: dict[str, int]
     feed: dict[str, Any] | None
+    unconfirmed_by_tier: dict[str, int] = field(default_factory=dict)
+    partial_unit: int | None = None
+    chunk_blocks: dict[str, int] = field(default_factory=dict)
+    streams: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -44,6 +48,12 @@ class IndexStats:
     replay_failures: int
     resets: int
     freshness: dict[str, int] = field(default_factory=dict)
+    unconfirmed_by_tier: dict[str, int] = field(default_factory=dict)
+    unconfirmed_ttl_s: float | None = None
+    unconfirmed_max_blocks: int | None = None
+    expired_unconfirmed_blocks: int | None = None
+    unknown_media: dict[str, int] = field(default_factory=dict)
+    unresolved_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,13 +75,26 @@ class IndexStats:
                 "replay_failures": self.replay_failures,
                 "resets": self.resets,
                 "freshness": self.freshness,
+                "unresolved_blocks": self.unresolved_blocks,
+                "unknown_media": self.unknown_media,
+                # Tiers whose publishers never announce removals: believed until they age out.
+                "unconfirmed": {
+                    "entries_by_tier": self.unconfirmed_by_tier,
+                    "ttl_s": self.unconfirmed_ttl_s,
+                    "max_blocks_per_replica": self.unconfirmed_max_blocks,
+                    "expired_blocks": self.expired_unconfirmed_blocks,
+                },
             },
             "replicas": {
                 r.replica: {
                     "block_size": r.block_size,
+                    "partial_unit": r.partial_unit,
                     "entries": r.entries,
                     "entries_by_tier": r.entries_by_tier,
+                    "unconfirmed_entries_by_tier": r.unconfirmed_by_tier,
+                    "chunk_blocks": r.chunk_blocks,
                     "feed": r.feed,
+                    "streams": r.streams,
                 }
                 for r in self.replicas
             },
@@ -80,8 +103,10 @@ class IndexStats:
 
 def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None) -> IndexStats:
     feeds = subscriber.feed_stats() if subscriber is not None else {}
+    streams = subscriber.stream_stats() if subscriber is not None else {}
     replicas: list[ReplicaStats] = []
     by_tier: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+    unconfirmed: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
     seen = set()
     for summary in index.summary():
         seen.add(summary.replica)
@@ -93,13 +118,26 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
                 entries=summary.entries,
                 entries_by_tier=summary.entries_by_tier,
                 feed=None if feed is None else feed.snapshot(),
+                unconfirmed_by_tier=summary.unconfirmed_by_tier,
+                partial_unit=summary.partial_unit,
+                chunk_blocks=summary.chunk_blocks,
+                streams={
+                    name: s.snapshot() for name, s in streams.get(summary.replica, {}).items()
+                },
             )
         )
         for tier, n in summary.entries_by_tier.items():
             by_tier[tier] = by_tier.get(tier, 0) + n
+        for tier, n in summary.unconfirmed_by_tier.items():
+            unconfirmed[tier] = unconfirmed.get(tier, 0) + n
     for name, feed in feeds.items():
         if name not in seen:
             replicas.append(ReplicaStats(name, None, 0, dict.fromkeys(by_tier, 0), feed.snapshot()))
+    every_feed = list(feeds.values()) + [f for s in streams.values() for f in s.values()]
+    unknown_media: dict[str, int] = {}
+    for f in every_feed:
+        for medium, n in f.unknown_media.items():
+            unknown_media[medium] = unknown_media.get(medium, 0) + n
     entries = sum(r.entries for r in replicas)
     estimated = index.estimated_bytes()
     freshness: dict[str, int] = {}
@@ -124,4 +162,10 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         replay_failures=sum(f.replay_failures for f in feeds.values()),
         resets=sum(f.resets for f in feeds.values()),
         freshness=freshness,
+        unconfirmed_by_tier=unconfirmed,
+        unconfirmed_ttl_s=mem.unconfirmed_ttl_s if mem else None,
+        unconfirmed_max_blocks=mem.unconfirmed_max_blocks if mem else None,
+        expired_unconfirmed_blocks=mem.expired_blocks if mem else None,
+        unknown_media=unknown_media,
+        unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
     )

@@ -22,10 +22,16 @@ one are applied to the cleared replica (their blocks are true; chains that began
 part stay unresolved), and the feed is ``rebuilding``, unless those batches include a full
 clear, after which nothing was lost.
 
-A replay may hold thousands of batches (vLLM buffers 10,000). Batches before the last one
-that clears the whole replica (``AllBlocksCleared`` without a medium) cannot change what the
-index holds once that clear is applied, so they only advance the sequence (``moot_batches``):
-a router joining a busy fleet whose caches were reset does not re-key their history.
+A replay may hold thousands of batches (vLLM buffers 10,000). ``AllBlocksCleared`` (vLLM's
+block pool on ``/reset_prefix_cache``) clears the device tier; when no batch before the last one
+touched another tier, that history cannot change what the index holds once the clear is
+applied, so those batches only advance the sequence (``moot_batches``): a router joining a busy
+fleet whose caches were reset does not re-key their history.
+
+A replica may publish on several streams (llm-d's FS backend has a socket of its own): each has
+its own feed, sequence and freshness; the first (``stream=""``, vLLM's own) is the replica's
+freshness. A feed that loses history clears only what its stream can no longer vouch for
+(``PrefixIndex.clear_source``).
 """
 
 from __future__ import annotations
@@ -47,10 +53,12 @@ from indexer.wire import (
     AllBlocksCleared,
     EventBatch,
     Frame,
+    Medium,
     WireError,
     decode_batch,
     decode_frames,
     decode_replay_reply,
+    payload_hints,
 )
 from indexer.wire import encode_replay_request as _replay_request
 
@@ -60,33 +68,44 @@ __all__ = [
     "FeedStats",
     "Freshness",
     "ReplicaFeed",
-    "last_full_clear",
+    "moot_prefix",
 ]
 
 log = logging.getLogger(__name__)
 _digest = xxhash.xxh3_64_intdigest
-# The event's tag as msgpack carries it: a payload without these bytes holds no clear, so a
-# replay is scanned without decoding every batch (a false positive only costs a decode).
-_CLEAR_TAG = b"AllBlocksCleared"
+# How often a feed's thread drops the replica's unconfirmed holdings past their time.
+_EXPIRE_EVERY_S = 1.0
 
 
-def last_full_clear(frames: Sequence[Frame]) -> tuple[int, int] | None:
-    """Where the last event that clears the whole replica is: (position in ``frames``, in
-    sequence order; position in that batch's events); None when there is none. Every event
-    before it is moot once it is applied."""
+def moot_prefix(frames: Sequence[Frame]) -> tuple[int, int] | None:
+    """Where the history of ``frames`` (consecutive, oldest first) stops mattering: (position
+    of the batch holding the last device clear, position of that event in it), when no event
+    before it touched a tier other than the device; else None. Every event before that point
+    is moot once the clear is applied."""
     for i in range(len(frames) - 1, -1, -1):
-        payload = frames[i].payload
-        if _CLEAR_TAG not in payload:
+        has_clear, _ = payload_hints(frames[i].payload)
+        if not has_clear:
             continue
         try:
-            events = decode_batch(payload).events
+            events = decode_batch(frames[i].payload).events
         except WireError:
             continue  # applied in turn, and counted as malformed there
         for j in range(len(events) - 1, -1, -1):
             event = events[j]
-            if isinstance(event, AllBlocksCleared) and event.medium is None:
+            if isinstance(event, AllBlocksCleared) and event.medium in (None, Medium.GPU):
+                if any(_touches_lower_tier(e) for e in events[:j]) or any(
+                    payload_hints(f.payload)[1] for f in frames[:i]
+                ):
+                    return None
                 return i, j
     return None
+
+
+def _touches_lower_tier(event: object) -> bool:
+    if isinstance(event, AllBlocksCleared):
+        return event.medium not in (None, Medium.GPU)
+    medium = getattr(event, "medium", Medium.GPU)
+    return medium is not Medium.GPU or not getattr(event, "confirmed", True)
 
 
 def _run_to(by_seq: dict[int, Frame], start: int, end: int) -> list[Frame]:
@@ -114,6 +133,9 @@ class EventSource:
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    # Which of the replica's streams: "" is vLLM's own; others (llm-d's FS backend) are named
+    # by their endpoint.
+    stream: str = ""
 
 
 @dataclass(slots=True)
@@ -128,6 +150,8 @@ class FeedStats:
     blocks_stored: int = 0
     blocks_removed: int = 0
     unresolved_blocks: int = 0
+    partial_blocks: int = 0
+    unconfirmed_blocks: int = 0
     ignored_events: int = 0
     malformed_messages: int = 0
     foreign_topic: int = 0
@@ -143,6 +167,7 @@ class FeedStats:
     last_event_wall: float | None = None
     last_event_ts: float | None = None
     rejected_reasons: Counter[str] = field(default_factory=Counter)
+    unknown_media: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, object]:
         now = time.time()
@@ -155,6 +180,8 @@ class FeedStats:
             "blocks_stored": self.blocks_stored,
             "blocks_removed": self.blocks_removed,
             "unresolved_blocks": self.unresolved_blocks,
+            "partial_blocks": self.partial_blocks,
+            "unconfirmed_blocks": self.unconfirmed_blocks,
             "ignored_events": self.ignored_events,
             "malformed_messages": self.malformed_messages,
             "foreign_topic": self.foreign_topic,
@@ -171,6 +198,7 @@ class FeedStats:
             if self.last_event_wall is None
             else round(now - self.last_event_wall, 3),
             "rejected_reasons": dict(self.rejected_reasons.most_common(10)),
+            "unknown_media": dict(self.unknown_media.most_common(10)),
         }
 
 
@@ -203,15 +231,26 @@ class ReplicaFeed:
         self.stats.freshness = freshness
         self.stats.reason = reason
 
-    def clear(self, reason: str) -> None:
-        self.index.clear_replica(self.source.replica)
-        self.stats.clears += 1
+    def clear(self, reason: str, *, restarted: bool = False) -> None:
+        """Forget what this stream can no longer vouch for, and rebuild from live events."""
+        self._forget(restarted=restarted)
         self._set(Freshness.REBUILDING, reason)
+
+    def _forget(self, *, restarted: bool) -> None:
+        self.index.clear_source(self.source.replica, self.source.stream, restarted=restarted)
+        self.stats.clears += 1
 
     def mark_disconnected(self) -> None:
         with self.lock:
             if self.stats.freshness is not Freshness.CONNECTING:
                 self._set(Freshness.STALE, "publisher disconnected; entries kept until it returns")
+
+    def publisher_gone(self, after_s: float) -> None:
+        """The publisher stayed away ``after_s``: what it published is no longer believed."""
+        with self.lock:
+            if self.stats.freshness is Freshness.STALE:
+                self._forget(restarted=True)
+                self.stats.reason = f"publisher gone for over {after_s:.0f}s: cleared"
 
     def mark_connected(self) -> bool:
         """Returns True when this is a reconnect after the publisher was gone."""
@@ -247,8 +286,7 @@ class ReplicaFeed:
                 self._set(Freshness.LIVE, "publisher reconnected; caught up from replay")
                 return
             self.stats.resets += 1
-            self.index.clear_replica(self.source.replica)
-            self.stats.clears += 1
+            self._forget(restarted=True)
             self.expected = None
             self._replayed = None
             history = self.replay(0)
@@ -341,8 +379,7 @@ class ReplicaFeed:
             return
         # The replica's sequence went backwards: it restarted, and its cache is new.
         self.stats.resets += 1
-        self.index.clear_replica(self.source.replica)
-        self.stats.clears += 1
+        self._forget(restarted=True)
         self.expected = None
         self._replayed = None
         if seq == 0:
@@ -374,12 +411,12 @@ class ReplicaFeed:
 
     def _take_history(self, start: int, run: list[Frame], why: str) -> None:
         """Apply ``run``, consecutive replayed batches up to the newest, as everything since
-        ``start``. If the replay lost batches before it, the replica is cleared and ``run``
-        refills it (``rebuilding``), unless ``run`` holds a full clear: nothing before that
-        clear mattered."""
+        ``start``. If the replay lost batches before it, what the stream vouches for is
+        cleared and ``run`` refills it (``rebuilding``): even a device clear in ``run`` does
+        not make the lost part moot, since it may have touched the lower tiers."""
         first = run[0].seq
-        full_clear = last_full_clear(run)
-        complete = first == start or full_clear is not None
+        full_clear = moot_prefix(run)
+        complete = first == start
         if not complete:
             self.stats.missed_batches += first - start
             self.clear(
@@ -393,8 +430,8 @@ class ReplicaFeed:
             self._set(Freshness.LIVE, f"{why}: in sync after replaying {len(run)} batches")
 
     def _apply_history(self, frames: Sequence[Frame], full_clear: tuple[int, int] | None) -> None:
-        """Apply consecutive batches, skipping what the last full clear among them
-        (``full_clear``: ``last_full_clear(frames)``) makes moot."""
+        """Apply consecutive batches, skipping what the last device clear among them made
+        moot (``full_clear``: ``moot_prefix(frames)``)."""
         cut, first_event = full_clear or (0, 0)
         for frame in frames[:cut]:
             self._advance(frame)
@@ -421,8 +458,10 @@ class ReplicaFeed:
         for reason in batch.rejected:
             self.stats.rejected_reasons[reason] += 1
         self.stats.events_rejected += len(batch.rejected)
+        if batch.unknown_media:
+            self.stats.unknown_media.update(batch.unknown_media)
         events = batch.events[first_event:] if first_event else batch.events
-        result = self.index.apply(self.source.replica, events)
+        result = self.index.apply(self.source.replica, events, source=self.source.stream)
         self.stats.events_applied += result.applied
         self.stats.events_rejected += len(result.rejected)
         for reason in result.rejected:
@@ -430,6 +469,8 @@ class ReplicaFeed:
         self.stats.blocks_stored += result.blocks_stored
         self.stats.blocks_removed += result.blocks_removed
         self.stats.unresolved_blocks += result.unresolved
+        self.stats.partial_blocks += result.partial_blocks
+        self.stats.unconfirmed_blocks += result.unconfirmed_blocks
         self.stats.ignored_events += result.ignored
         self.stats.last_event_wall = time.time()
         self.stats.last_event_ts = batch.ts
@@ -446,7 +487,8 @@ class _FeedThread(threading.Thread):
         replay_timeout_s: float,
         stale_clear_after_s: float,
     ) -> None:
-        super().__init__(name=f"kv-feed-{feed.source.replica}", daemon=True)
+        name = feed.source.replica + (f"-{feed.source.stream}" if feed.source.stream else "")
+        super().__init__(name=f"kv-feed-{name}", daemon=True)
         self.feed = feed
         self.ctx = ctx
         self.replay_timeout_s = replay_timeout_s
@@ -498,6 +540,7 @@ class _FeedThread(threading.Thread):
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         stale_since: float | None = None
+        next_expiry = time.monotonic() + _EXPIRE_EVERY_S
         try:
             sub.connect(source.endpoint)
             while not self.stop_event.is_set():
@@ -521,20 +564,15 @@ class _FeedThread(threading.Thread):
                         except zmq.Again:
                             break
                         self.feed.handle_frames(frames)
-                if (
-                    stale_since is not None
-                    and time.monotonic() - stale_since > self.stale_clear_after_s
-                ):
-                    with self.feed.lock:
-                        if self.feed.stats.freshness is Freshness.STALE:
-                            self.feed.index.clear_replica(source.replica)
-                            self.feed.stats.clears += 1
-                            self.feed.stats.reason = (
-                                f"publisher gone for over {self.stale_clear_after_s:.0f}s: cleared"
-                            )
+                now = time.monotonic()
+                if stale_since is not None and now - stale_since > self.stale_clear_after_s:
+                    self.feed.publisher_gone(self.stale_clear_after_s)
                     stale_since = None
+                if now >= next_expiry:
+                    self.feed.index.expire(source.replica)
+                    next_expiry = now + _EXPIRE_EVERY_S
         except Exception:  # the feed must never die silently
-            log.exception("event feed of %s crashed", source.replica)
+            log.exception("event feed of %s%s crashed", source.replica, source.stream)
             with self.feed.lock:
                 self.feed.clear("feed thread crashed; see the log")
                 self.feed._set(Freshness.STALE, "feed thread crashed; see the log")
@@ -545,7 +583,7 @@ class _FeedThread(threading.Thread):
 
 
 class EventSubscriber:
-    """All replicas' feeds into one index; add and remove replicas at run time."""
+    """All replicas' feeds into one index; add and remove replicas and streams at run time."""
 
     def __init__(
         self,
@@ -559,16 +597,18 @@ class EventSubscriber:
         self.ctx = context or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
         self.stale_clear_after_s = stale_clear_after_s
-        self._threads: dict[str, _FeedThread] = {}
+        self._threads: dict[tuple[str, str], _FeedThread] = {}
         self._lock = threading.Lock()
 
     def add_source(self, source: EventSource) -> None:
+        """Start (or re-point) the feed of one of a replica's streams."""
+        key = (source.replica, source.stream)
         with self._lock:
-            old = self._threads.get(source.replica)
+            old = self._threads.get(key)
             if old is not None:
                 if old.feed.source == source:
                     return
-                self._stop(source.replica)
+                self._stop(key)
             feed = ReplicaFeed(source, self.index)
             thread = _FeedThread(
                 feed,
@@ -576,49 +616,75 @@ class EventSubscriber:
                 replay_timeout_s=self.replay_timeout_s,
                 stale_clear_after_s=self.stale_clear_after_s,
             )
-            self._threads[source.replica] = thread
+            self._threads[key] = thread
             thread.start()
 
-    def _stop(self, replica: str) -> None:
-        thread = self._threads.pop(replica, None)
+    def set_sources(self, replica: str, sources: list[EventSource]) -> None:
+        """The replica's streams are exactly ``sources``: start new ones, stop the others."""
+        wanted = {(s.replica, s.stream) for s in sources}
+        with self._lock:
+            gone = [k for k in self._threads if k[0] == replica and k not in wanted]
+            for key in gone:
+                self._stop(key)
+        for key in gone:
+            self.index.clear_source(replica, key[1], restarted=True)
+        for source in sources:
+            self.add_source(source)
+
+    def _stop(self, key: tuple[str, str]) -> None:
+        thread = self._threads.pop(key, None)
         if thread is not None:
             thread.stop_event.set()
             thread.join(timeout=5)
 
     def remove_source(self, replica: str) -> None:
+        """Stop every stream of the replica and forget it."""
         with self._lock:
-            self._stop(replica)
+            for key in [k for k in self._threads if k[0] == replica]:
+                self._stop(key)
         self.index.remove_replica(replica)
 
     def clear_replica(self, replica: str, reason: str) -> None:
         """Drop a replica's entries from outside (e.g. the router saw it die)."""
         with self._lock:
-            thread = self._threads.get(replica)
-        if thread is None:
+            feeds = [t.feed for k, t in self._threads.items() if k[0] == replica]
+        if not feeds:
             self.index.clear_replica(replica)
             return
-        with thread.feed.lock:
-            thread.feed.clear(reason)
+        for feed in feeds:
+            with feed.lock:
+                feed.clear(reason, restarted=True)
 
     def sources(self) -> list[EventSource]:
         with self._lock:
             return [t.feed.source for t in self._threads.values()]
 
     def freshness(self, replica: str) -> tuple[Freshness, str]:
-        thread = self._threads.get(replica)
+        """The replica's freshness: that of vLLM's own stream."""
+        thread = self._threads.get((replica, ""))
         if thread is None:
             return Freshness.STALE, "no event source configured"
         stats = thread.feed.stats
         return stats.freshness, stats.reason
 
     def feed_stats(self) -> dict[str, FeedStats]:
+        """The main stream's feed of every replica."""
         with self._lock:
-            return {name: t.feed.stats for name, t in self._threads.items()}
+            return {k[0]: t.feed.stats for k, t in self._threads.items() if not k[1]}
+
+    def stream_stats(self) -> dict[str, dict[str, FeedStats]]:
+        """Every other stream's feed, per replica (replica -> stream -> stats)."""
+        out: dict[str, dict[str, FeedStats]] = {}
+        with self._lock:
+            for (replica, stream), t in self._threads.items():
+                if stream:
+                    out.setdefault(replica, {})[stream] = t.feed.stats
+        return out
 
     def close(self) -> None:
         with self._lock:
-            for replica in list(self._threads):
-                self._stop(replica)
+            for key in list(self._threads):
+                self._stop(key)
 
     def __enter__(self) -> EventSubscriber:
         return self

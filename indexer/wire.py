@@ -3,14 +3,16 @@
 Everything that reads or writes vLLM KV events goes through here, so a change in vLLM's format
 is a change in one file. The decoder is strict about what it needs and lenient about what it
 does not: unknown fields are ignored, both the map-tagged encoding (vLLM 0.32/0.33) and the
-positional-array encoding (older vLLM) are accepted, and a malformed event is rejected with a
-reason while the rest of its batch is still applied.
+positional-array encoding (older vLLM, llm-d's FS backend) are accepted, events packed as
+nested msgpack bytes (llm-d's FS backend) are unpacked, and a malformed event is rejected with
+a reason while the rest of its batch is still applied. An event naming a medium no known
+publisher uses is counted in ``EventBatch.unknown_media`` and dropped.
 
 Wire facts (see docs/indexer.md):
 - PUB message: ``[topic utf-8, seq 8-byte big-endian unsigned, payload msgpack]``.
-- payload: ``[ts, [event, ...], data_parallel_rank | nil]``.
+- payload: ``[ts, [event, ...], data_parallel_rank | nil]`` (the rank may be absent).
 - event: a map with ``"type"`` (new) or an array ``[tag, field, ...]`` (old), fields in
-  declaration order.
+  declaration order; either may arrive packed as msgpack bytes inside the list.
 - replay (ROUTER; we talk to it with a DEALER): request ``[b"", start_seq8]``, replies
   ``[b"", topic, seq8, payload]`` per buffered batch, then the end marker
   ``[b"", b"", -1 as 8 signed bytes, b""]``.
@@ -19,6 +21,7 @@ Wire facts (see docs/indexer.md):
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "MEDIA",
     "REPLAY_END_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -34,6 +38,8 @@ __all__ = [
     "EventBatch",
     "Frame",
     "Medium",
+    "MediumKind",
+    "UnknownMedium",
     "WireError",
     "decode_batch",
     "decode_frames",
@@ -43,7 +49,8 @@ __all__ = [
     "encode_replay_end",
     "encode_replay_reply",
     "encode_replay_request",
-    "normalize_medium",
+    "medium_kind",
+    "payload_hints",
 ]
 
 
@@ -59,50 +66,56 @@ class Medium(enum.IntEnum):
     STORAGE = 2
 
 
-_MEDIUM_ALIASES: dict[str, Medium] = {
-    "gpu": Medium.GPU,
-    "cuda": Medium.GPU,
-    "device": Medium.GPU,
-    "hbm": Medium.GPU,
-    "xpu": Medium.GPU,
-    "cpu": Medium.CPU,
-    "host": Medium.CPU,
-    "dram": Medium.CPU,
-    "ram": Medium.CPU,
-    "cpu_pinned": Medium.CPU,
-    "storage": Medium.STORAGE,
-    "disk": Medium.STORAGE,
-    "ssd": Medium.STORAGE,
-    "nvme": Medium.STORAGE,
-    "file": Medium.STORAGE,
-    "local_disk": Medium.STORAGE,
-    "remote": Medium.STORAGE,
+@dataclass(frozen=True, slots=True)
+class MediumKind:
+    """What a wire ``medium`` string means: the tier its blocks sit in, and whether the
+    publisher that uses it announces removals (``confirmed``). A tier whose publisher never
+    removes anything (LMCache, llm-d's FS backend) can only be believed for a while."""
+
+    tier: Medium
+    confirmed: bool = True
+
+
+# Every medium a known publisher sends, and nothing else: an unknown medium is counted and
+# its event dropped, never mapped to a tier by resemblance (a slow tier counted as GPU, or a
+# store that is never removed counted as confirmed, would make predictions false).
+MEDIA: dict[str | None, MediumKind] = {
+    # vLLM's block pool (device cache; None: vLLM before the field, device events only)
+    None: MediumKind(Medium.GPU),
+    "GPU": MediumKind(Medium.GPU),
+    # vLLM's native OffloadingConnector and kvroute's connector: stores and removals
+    "CPU": MediumKind(Medium.CPU),
+    "STORAGE": MediumKind(Medium.STORAGE),
+    # LMCache (LMCacheConnectorV1 forwards LMCache's own events): stores only
+    "cpu": MediumKind(Medium.CPU, confirmed=False),
+    # llm-d's FS offloading backend, on its own socket: stores only (eviction is external)
+    "SHARED_STORAGE": MediumKind(Medium.STORAGE, confirmed=False),
+    "OBJECT_STORE": MediumKind(Medium.STORAGE, confirmed=False),
 }
+_CANONICAL = {None: Medium.GPU, "GPU": Medium.GPU, "CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
 
 
-_MEDIUM_EXACT: dict[object, Medium] = {
-    None: Medium.GPU,
-    "GPU": Medium.GPU,
-    "CPU": Medium.CPU,
-    "STORAGE": Medium.STORAGE,
-}
+class UnknownMedium(ValueError):
+    """An event naming a medium no known publisher uses; ``medium`` is what it said."""
+
+    def __init__(self, medium: object) -> None:
+        super().__init__(f"unknown medium {medium!r}")
+        self.medium = medium if isinstance(medium, str) else repr(medium)
 
 
-def normalize_medium(value: object) -> Medium:
-    """Map a wire ``medium`` to a tier.
+def medium_kind(value: object) -> MediumKind:
+    """The tier and confirmation of a wire ``medium``; raises UnknownMedium otherwise."""
+    if value is None or isinstance(value, str):
+        kind = MEDIA.get(value)
+        if kind is not None:
+            return kind
+    raise UnknownMedium(value)
 
-    ``nil`` means the device cache: vLLM before the ``medium`` field only published device
-    events. Any other unknown value raises: guessing GPU would make a slow tier look fast.
-    """
-    if isinstance(value, str | None):
-        exact = _MEDIUM_EXACT.get(value)
-        if exact is not None:
-            return exact
-    if isinstance(value, str):
-        found = _MEDIUM_ALIASES.get(value.strip().lower())
-        if found is not None:
-            return found
-    raise ValueError(f"unknown medium {value!r}")
+
+def _medium_name(value: str | None) -> str | None:
+    """The wire string to keep on an event: None when it is one of vLLM's own names (the
+    encoder writes ``medium.name`` then), the publisher's spelling otherwise."""
+    return None if value in _CANONICAL else value
 
 
 @dataclass(slots=True)
@@ -110,8 +123,13 @@ class BlockStored:
     """Blocks that landed in a tier.
 
     ``token_ids`` holds the tokens of all listed blocks, concatenated. A tier-only update (vLLM's
-    OffloadingConnector without self-describing events) has ``token_ids=[]`` and
-    ``block_size=0``: it names blocks already known from earlier events.
+    OffloadingConnector without self-describing events, llm-d's FS backend) has
+    ``token_ids=[]`` and ``block_size=0``: it names blocks (the last block of each offloaded
+    chunk) already known from earlier events. ``extra_keys`` is None when the event did not
+    carry the field, which is not the same as carrying it with no extra keys: vLLM's block pool
+    always sends one entry per block, its offloading connector never does.
+    ``confirmed`` is False for media whose publisher never announces removals.
+    ``medium_name`` keeps the publisher's spelling when it is not one of vLLM's own.
     """
 
     block_hashes: list[int]
@@ -124,6 +142,8 @@ class BlockStored:
     extra_keys: list[Any] | None = None
     group_idx: int = 0
     locality: str | None = None
+    confirmed: bool = True
+    medium_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -133,11 +153,18 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: Medium = Medium.GPU
     group_idx: int = 0
+    confirmed: bool = True
+    medium_name: str | None = None
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
-    """The replica dropped its cache (``medium`` set: only that tier)."""
+    """A publisher dropped its cache.
+
+    vLLM's event has no fields: its block pool sends it on ``/reset_prefix_cache``, which clears
+    the device cache only (vLLM's offloading tiers are kept by default). So ``medium=None``
+    means the device tier; a medium, which only kvroute's own publishers send, that tier.
+    """
 
     medium: Medium | None = None
 
@@ -153,6 +180,7 @@ class EventBatch:
     events: list[Event]
     data_parallel_rank: int | None = None
     rejected: list[str] = field(default_factory=list)
+    unknown_media: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(slots=True, frozen=True)
@@ -246,14 +274,33 @@ def _fields(raw: object) -> tuple[str, dict[str, Any]]:
     raise ValueError(f"event is neither a tagged map nor a tagged array: {type(raw).__name__}")
 
 
+def _stored_medium(f: dict[str, Any]) -> tuple[Medium, bool, str | None]:
+    raw = f.get("medium")
+    kind = medium_kind(raw)
+    return kind.tier, kind.confirmed, _medium_name(raw)
+
+
 def _decode_event(raw: object) -> Event:
     if type(raw) is dict and raw.get("type") == "BlockRemoved" and len(raw) <= 3:
         # Fast path: vLLM sends one of these per evicted block.
         hashes = raw.get("block_hashes")
         if type(hashes) is list and len(hashes) == 1 and type(hashes[0]) is int:
             group = raw.get("group_idx", 0)
-            if type(group) is int:
-                return BlockRemoved([hashes[0] & _U64], normalize_medium(raw.get("medium")), group)
+            medium = raw.get("medium")
+            if type(group) is int and (medium is None or type(medium) is str):
+                kind = MEDIA.get(medium)
+                if kind is not None:
+                    return BlockRemoved(
+                        [hashes[0] & _U64], kind.tier, group, kind.confirmed, _medium_name(medium)
+                    )
+    if isinstance(raw, bytes):
+        # llm-d's FS backend packs each event into msgpack bytes of its own.
+        try:
+            raw = _decoder.decode(raw)
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            raise ValueError(f"packed event is not msgpack: {exc}") from exc
+        if isinstance(raw, bytes):
+            raise ValueError("packed event holds bytes again")
     tag, f = _fields(raw)
     if tag == "BlockStored":
         if "block_hashes" not in f or "token_ids" not in f:
@@ -261,9 +308,11 @@ def _decode_event(raw: object) -> Event:
         hashes = _hash_list(f["block_hashes"])
         if not hashes:
             raise ValueError("BlockStored with no block hashes")
-        parent_raw = f.get("parent_block_hash")
-        parent = None if parent_raw is None else _block_hash(parent_raw)
         tokens = _token_list(f["token_ids"])
+        parent_raw = f.get("parent_block_hash")
+        # A tier-only store names known blocks; its parent means nothing (llm-d's FS backend
+        # sends 0 for "unknown").
+        parent = None if parent_raw is None or not tokens else _block_hash(parent_raw)
         block_size = _int_field(f.get("block_size"), "block_size", default=0)
         if block_size < 0:
             raise ValueError("negative block_size")
@@ -286,29 +335,35 @@ def _decode_event(raw: object) -> Event:
         if lora_id is not None:
             lora_id = _int_field(lora_id, "lora_id")
         locality = f.get("locality")
+        tier, confirmed, name = _stored_medium(f)
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent,
             token_ids=tokens,
             block_size=block_size,
-            medium=normalize_medium(f.get("medium")),
+            medium=tier,
             lora_name=lora_name,
             lora_id=lora_id,
             extra_keys=extra,
             group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
             locality=locality if isinstance(locality, str) else None,
+            confirmed=confirmed,
+            medium_name=name,
         )
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
             raise ValueError("BlockRemoved without block_hashes")
+        tier, confirmed, name = _stored_medium(f)
         return BlockRemoved(
             block_hashes=_hash_list(f["block_hashes"]),
-            medium=normalize_medium(f.get("medium")),
+            medium=tier,
             group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
+            confirmed=confirmed,
+            medium_name=name,
         )
     if tag == "AllBlocksCleared":
         medium = f.get("medium")
-        return AllBlocksCleared(medium=None if medium is None else normalize_medium(medium))
+        return AllBlocksCleared(medium=None if medium is None else medium_kind(medium).tier)
     raise ValueError(f"unknown event type {tag!r}")
 
 
@@ -356,41 +411,58 @@ def _fast_hashes(values: list[int | bytes]) -> list[int]:
 def _from_wire(wire: _StoredWire | _RemovedWire | _ClearedWire) -> Event:
     """Typed wire struct -> event, with the checks msgspec's types cannot express."""
     if type(wire) is _RemovedWire:
+        kind = MEDIA.get(wire.medium)
+        if kind is None:
+            raise ValueError("unknown medium")  # the generic path counts it
         return BlockRemoved(
-            _fast_hashes(wire.block_hashes), normalize_medium(wire.medium), wire.group_idx or 0
+            _fast_hashes(wire.block_hashes),
+            kind.tier,
+            wire.group_idx or 0,
+            kind.confirmed,
+            _medium_name(wire.medium),
         )
     if type(wire) is _StoredWire:
         n = len(wire.block_hashes)
         tokens, bs = wire.token_ids, wire.block_size
         extra = wire.extra_keys
-        if not n or bs < 0 or (tokens and len(tokens) != n * bs) or (extra and len(extra) != n):
+        kind = MEDIA.get(wire.medium)
+        if (
+            kind is None
+            or not n
+            or bs < 0
+            or (tokens and len(tokens) != n * bs)
+            or (extra is not None and len(extra) != n)
+        ):
             raise ValueError("inconsistent BlockStored")  # the slow path says exactly why
         parent = wire.parent_block_hash
         return BlockStored(
             block_hashes=_fast_hashes(wire.block_hashes),
-            parent_block_hash=None if parent is None else _block_hash(parent),
+            parent_block_hash=None if parent is None or not tokens else _block_hash(parent),
             token_ids=tokens,
             block_size=bs,
-            medium=normalize_medium(wire.medium),
+            medium=kind.tier,
             lora_name=wire.lora_name,
             lora_id=wire.lora_id,
             extra_keys=extra,
             group_idx=wire.group_idx or 0,
             locality=wire.locality,
+            confirmed=kind.confirmed,
+            medium_name=_medium_name(wire.medium),
         )
     assert type(wire) is _ClearedWire
-    return AllBlocksCleared(None if wire.medium is None else normalize_medium(wire.medium))
+    return AllBlocksCleared(None if wire.medium is None else medium_kind(wire.medium).tier)
 
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack payload.
 
     Raises WireError when the payload is not a batch at all. Individual events that are
-    malformed are left out and described in ``EventBatch.rejected``.
+    malformed are left out and described in ``EventBatch.rejected``; events naming a medium
+    no known publisher uses are left out and counted in ``EventBatch.unknown_media``.
 
     Well-formed vLLM 0.32/0.33 batches take a typed path decoded in C; anything else (old
-    positional events, a malformed event) takes the generic path, which also says why an
-    event was rejected.
+    positional events, packed events, other publishers' media, a malformed event) takes the
+    generic path, which also says why an event was rejected.
     """
     try:
         wire = _typed_decoder.decode(payload)
@@ -414,14 +486,30 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise WireError("batch events is not a list")
     if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
         dp_rank = None
-    events: list[Event] = []
-    rejected: list[str] = []
+    batch = EventBatch(ts=float(ts), events=[], data_parallel_rank=dp_rank)
     for raw_event in events_raw:
         try:
-            events.append(_decode_event(raw_event))
+            batch.events.append(_decode_event(raw_event))
+        except UnknownMedium as exc:
+            batch.unknown_media[exc.medium] += 1
         except (ValueError, TypeError, OverflowError) as exc:
-            rejected.append(str(exc))
-    return EventBatch(ts=float(ts), events=events, data_parallel_rank=dp_rank, rejected=rejected)
+            batch.rejected.append(str(exc))
+    return batch
+
+
+# The bytes msgpack gives the strings below (fixstr headers): a payload without any of them
+# holds no such event, so a replay can be scanned without decoding every batch (a false
+# positive only costs a decode).
+_CLEAR_TAG = b"AllBlocksCleared"
+_TIER_MARKS = tuple(
+    msgspec.msgpack.encode(name) for name in MEDIA if name is not None and name != "GPU"
+)
+
+
+def payload_hints(payload: bytes) -> tuple[bool, bool]:
+    """(may hold a clear, may hold an event of a tier other than the device), from the raw
+    bytes. False is certain; True only means "decode to find out"."""
+    return _CLEAR_TAG in payload, any(mark in payload for mark in _TIER_MARKS)
 
 
 def decode_frames(frames: Sequence[bytes]) -> Frame:
@@ -453,6 +541,10 @@ def decode_replay_reply(frames: Sequence[bytes]) -> Frame | None:
 # --- encoding: used by the simulator, the test publishers and the benchmarks ------------------
 
 
+def _wire_medium(event: BlockStored | BlockRemoved) -> str:
+    return event.medium_name if event.medium_name is not None else event.medium.name
+
+
 def _event_map(event: Event) -> dict[str, Any]:
     """An event as vLLM 0.32/0.33 encodes it: tagged map, defaults omitted."""
     if isinstance(event, BlockStored):
@@ -463,7 +555,7 @@ def _event_map(event: Event) -> dict[str, Any]:
             "token_ids": event.token_ids,
             "block_size": event.block_size,
             "lora_id": event.lora_id,
-            "medium": event.medium.name,
+            "medium": _wire_medium(event),
             "lora_name": event.lora_name,
         }
         if event.extra_keys is not None:
@@ -477,7 +569,7 @@ def _event_map(event: Event) -> dict[str, Any]:
         out = {
             "type": "BlockRemoved",
             "block_hashes": event.block_hashes,
-            "medium": event.medium.name,
+            "medium": _wire_medium(event),
         }
         if event.group_idx:
             out["group_idx"] = event.group_idx
@@ -498,11 +590,11 @@ def _event_array(event: Event) -> list[Any]:
             event.token_ids,
             event.block_size,
             event.lora_id,
-            event.medium.name,
+            _wire_medium(event),
             event.lora_name,
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium.name]
+        return ["BlockRemoved", event.block_hashes, _wire_medium(event)]
     return ["AllBlocksCleared"]
 
 

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP,replay=EP,topic=T,name=N]",
+        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP]",
         help="a vLLM replica and where it publishes KV events (repeatable)",
     )
     fleet.add_argument(
@@ -52,6 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="drop a silent replica's index entries after this long",
     )
     fleet.add_argument("--index-max-entries", type=int, default=d.index_max_entries)
+    fleet.add_argument(
+        "--unconfirmed-ttl-s",
+        type=float,
+        default=d.unconfirmed_ttl_s,
+        help="how long an entry of a tier whose publisher never announces removals (LMCache, "
+        "llm-d's FS backend) is believed after its last store",
+    )
+    fleet.add_argument(
+        "--unconfirmed-max-blocks",
+        type=int,
+        default=d.unconfirmed_max_blocks,
+        help="per replica, the most blocks held in such tiers (oldest dropped first)",
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=d.host)
     server.add_argument("--port", type=int, default=d.port)
@@ -89,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cost.add_argument("--queue-knee", type=float, default=c.queue_knee)
     cost.add_argument("--waiting-s-per-request", type=float, default=c.waiting_s_per_request)
+    cost.add_argument(
+        "--unconfirmed-weight",
+        type=float,
+        default=c.unconfirmed_weight,
+        help="how much of a match held only by publishers that never announce removals "
+        "(LMCache, llm-d's FS backend) is believed (0..1)",
+    )
     proxy = parser.add_argument_group("proxy")
     proxy.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
@@ -111,6 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         learn_queue_delay=not args.no_learn_queue_delay,
         queue_knee=args.queue_knee,
         waiting_s_per_request=args.waiting_s_per_request,
+        unconfirmed_weight=args.unconfirmed_weight,
     )
     return RouterSettings(
         replicas=[parse_replica_flag(r) for r in args.replica],
@@ -119,6 +140,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         replay_timeout_s=args.replay_timeout_s,
         stale_clear_after_s=args.stale_clear_after_s,
         index_max_entries=args.index_max_entries,
+        unconfirmed_ttl_s=args.unconfirmed_ttl_s,
+        unconfirmed_max_blocks=args.unconfirmed_max_blocks,
         policy=args.policy,
         tokenizer=args.tokenizer,
         tokenizer_mode=args.tokenizer_mode,

@@ -3,10 +3,13 @@
 A replica is an OpenAI-compatible vLLM server (``url``) plus, optionally, where it publishes KV
 events (``events``: the ZMQ PUB endpoint to connect to; ``replay``: its replay ROUTER). A replica
 without events is still routed to, by load only: the index simply knows nothing about it.
+Some cache engines publish on a socket of their own beside vLLM's (llm-d's FS backend):
+``aux`` endpoints, any number, subscribed to with every topic and no replay.
 
-Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N]``.
-File syntax (YAML): ``replicas: [{url, events, replay, topic, name}, ...]`` or a bare list of
-the same mappings or URL strings. The file is re-read while the router runs (router.watcher).
+Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP]...``.
+File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...]}, ...]`` or
+a bare list of the same mappings or URL strings. The file is re-read while the router runs
+(router.watcher).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class ReplicaConfig:
     replay: str | None = None
     topic: str = ""
     name: str | None = None
+    aux: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -97,6 +101,10 @@ class CostSettings:
     # this half-life, about a session's length; router/placement_rate.py) among those
     # within the same bound.
     placement_half_life_s: float = 30.0
+    # How much of a match held only in tiers whose publisher never announces removals
+    # (LMCache, llm-d's FS backend) we believe: those entries are aged out by a timer, not by
+    # the publisher, and may be gone before they expire.
+    unconfirmed_weight: float = 0.5
     # How much of a replica's match we believe, by the freshness of its event feed.
     freshness_weight: dict[str, float] = field(
         default_factory=lambda: {
@@ -111,6 +119,8 @@ class CostSettings:
     )
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.unconfirmed_weight <= 1.0:
+            raise ConfigError("cost.unconfirmed_weight must be in [0, 1]")
         for name in (
             "prefill_s_per_token",
             "load_s_per_token_cpu",
@@ -165,6 +175,10 @@ class RouterSettings:
     replay_timeout_s: float = 5.0
     stale_clear_after_s: float = 30.0
     index_max_entries: int = 8_000_000
+    # Tiers whose publisher never announces removals (LMCache, llm-d's FS backend): how long
+    # an entry is believed after its last store, and how many blocks a replica may hold so.
+    unconfirmed_ttl_s: float = 600.0
+    unconfirmed_max_blocks: int = 262_144
     # Routing
     cost: CostSettings = field(default_factory=CostSettings)
     hint_ttl_s: float = 5.0
@@ -194,6 +208,8 @@ class RouterSettings:
         names = [r.key for r in self.replicas]
         if len(names) != len(set(names)):
             raise ConfigError(f"replica names must be unique: {names}")
+        if self.unconfirmed_ttl_s <= 0 or self.unconfirmed_max_blocks < 0:
+            raise ConfigError("unconfirmed_ttl_s must be > 0, unconfirmed_max_blocks >= 0")
 
     def replace(self, **changes: Any) -> RouterSettings:
         return dataclasses.replace(self, **changes)
@@ -203,16 +219,21 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
     """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1``."""
     url, *options = [part.strip() for part in value.split(",")]
     fields: dict[str, str] = {}
+    aux: list[str] = []
     for option in options:
         if not option:
             continue
         name, sep, val = option.partition("=")
-        if not sep or name not in ("events", "replay", "topic", "name"):
+        if not sep or name not in ("events", "replay", "topic", "name", "aux"):
             raise ConfigError(
-                f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, name="
+                f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
+                "name=, aux="
             )
-        fields[name] = val
-    return ReplicaConfig(url=url, **fields)
+        if name == "aux":
+            aux.append(val)
+        else:
+            fields[name] = val
+    return ReplicaConfig(url=url, aux=tuple(aux), **fields)
 
 
 def parse_replica(item: object) -> ReplicaConfig:
@@ -221,7 +242,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         return parse_replica_flag(item)
     if not isinstance(item, dict):
         raise ConfigError(f"replica entry must be a URL or a mapping, got {item!r}")
-    unknown = set(item) - {"url", "events", "replay", "topic", "name"}
+    unknown = set(item) - {"url", "events", "replay", "topic", "name", "aux"}
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
     if not isinstance(item.get("url"), str):
@@ -229,12 +250,18 @@ def parse_replica(item: object) -> ReplicaConfig:
     for key in ("events", "replay", "topic", "name"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
+    aux = item.get("aux") or []
+    if isinstance(aux, str):
+        aux = [aux]
+    if not isinstance(aux, list) or not all(isinstance(a, str) and a for a in aux):
+        raise ConfigError(f"replica field 'aux' must be a list of endpoints in {item!r}")
     return ReplicaConfig(
         url=item["url"],
         events=item.get("events"),
         replay=item.get("replay"),
         topic=item.get("topic") or "",
         name=item.get("name"),
+        aux=tuple(aux),
     )
 
 

@@ -15,7 +15,9 @@ kvroute cost, in seconds (est. time to first token; see docs/router.md):
 that the benefit of a cached prefix (linear in its length) is always overtaken by a growing
 queue: a hot prefix spills to other replicas instead of piling onto one.
 Matches of replicas whose event feed is not live are discounted by
-``freshness_weight``; burst hints count as GPU blocks at full weight.
+``freshness_weight``, tiers whose publisher never announces removals (LMCache, llm-d's FS
+backend: ``*_UNCONFIRMED``) by ``unconfirmed_weight`` as well; burst hints count as GPU blocks
+at full weight.
 
 Choice (bounded-load affinity): a request whose prefix has a *home* (``RouteContext.home``:
 the replica it was first placed on) goes there when the home is a near-equal of the cheapest
@@ -165,9 +167,14 @@ class KvroutePolicy(Policy):
         """Fill the view's est_ttft_s and its parts."""
         c = self.cost
         weight = 1.0 if view.freshness is None else c.freshness_weight.get(view.freshness, 0.0)
-        gpu = view.tokens_by_tier.get("GPU", 0) * weight
-        cpu = view.tokens_by_tier.get("CPU", 0) * weight
-        storage = view.tokens_by_tier.get("STORAGE", 0) * weight
+        tiers = view.tokens_by_tier
+        gpu = tiers.get("GPU", 0) * weight
+        # Tiers whose publisher never announces removals are believed in part.
+        unconfirmed = weight * c.unconfirmed_weight
+        cpu = tiers.get("CPU", 0) * weight + tiers.get("CPU_UNCONFIRMED", 0) * unconfirmed
+        storage = (
+            tiers.get("STORAGE", 0) * weight + tiers.get("STORAGE_UNCONFIRMED", 0) * unconfirmed
+        )
         # Hinted blocks beyond the index match: the replica is computing them right now.
         gpu += max(0, view.hint_tokens - view.match_tokens)
         uncached = max(0.0, prompt_tokens - gpu - cpu - storage)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import block_keys, pack_tokens, request_extra_keys
+from indexer.index import InMemoryPrefixIndex, PrefixMatch
+from indexer.keys import RequestKeys
 from indexer.subscriber import EventSubscriber
 from indexer.wire import Medium
 from router.approx import RoutingHistory
@@ -27,17 +27,36 @@ from router.replicas import Replica
 from router.requests import ParsedRequest
 from router.tokenization import TokenizerBase
 
-__all__ = ["Decision", "Router", "home_affinity", "predicted_cached_tokens"]
+__all__ = ["Decision", "Router", "home_affinity", "match_tiers", "predicted_cached_tokens"]
 
-_TIER_DROP_ORDER = (Medium.STORAGE, Medium.CPU, Medium.GPU)
+# Which tiers' tokens a match loses first when capped (the tail of a match sits in the
+# slowest tier it reaches).
+_TIER_DROP_ORDER = (
+    "STORAGE_UNCONFIRMED",
+    "STORAGE",
+    "CPU_UNCONFIRMED",
+    "CPU",
+    "GPU",
+)
 
 
 def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int) -> int:
-    """vLLM recomputes the last prompt token even on a full hit, so at most the full blocks
-    before it can be served from cache."""
+    """vLLM recomputes the last prompt token even on a full hit, so at most the whole blocks
+    (or prefix-match units, ``block_size`` being the unit then) before it are served."""
     if prompt_len <= 0 or block_size <= 0:
         return 0
     return min(match_tokens, ((prompt_len - 1) // block_size) * block_size)
+
+
+def match_tiers(match: PrefixMatch) -> dict[str, int]:
+    """A match's tokens per tier name: confirmed tiers by name, and the tiers of publishers
+    that never announce removals as ``<TIER>_UNCONFIRMED``."""
+    tiers = {t.name: match.tokens_in(t) for t in Medium if match.tokens_in(t)}
+    for t in Medium:
+        n = match.unconfirmed_tokens_in(t)
+        if n:
+            tiers[f"{t.name}_UNCONFIRMED"] = n
+    return tiers
 
 
 def home_affinity(keys: Sequence[int], held_blocks: Sequence[int], fallback: bytes) -> bytes:
@@ -152,7 +171,8 @@ class Router:
         decision.lora_name = lora
         affinity = req.model.encode()
         if tokens:
-            self._match(decision, views, tokens, lora, req.cache_salt)
+            request = RequestKeys(tokens, lora_name=lora, cache_salt=req.cache_salt)
+            self._match(decision, views, request)
             bs = next(iter(decision.keys))
             held = [
                 v.predicted_cached_tokens // bs
@@ -160,7 +180,7 @@ class Router:
                 if (v.block_size or self.settings.default_block_size) == bs
             ]
             # A prompt shorter than one block has no keys: its (few) tokens are its affinity.
-            affinity = home_affinity(decision.keys[bs], held, pack_tokens(tokens[:bs]))
+            affinity = home_affinity(decision.keys[bs], held, request.packed[: 4 * bs])
         home = self.homes.get(affinity) if self.policy.uses_homes else None
         decision.affinity = affinity
         decision.home = home if home in views else None
@@ -175,40 +195,34 @@ class Router:
         return decision
 
     def _match(
-        self,
-        decision: Decision,
-        views: dict[str, ReplicaView],
-        tokens: list[int],
-        lora: str | None,
-        cache_salt: str | None,
+        self, decision: Decision, views: dict[str, ReplicaView], request: RequestKeys
     ) -> None:
-        packed = pack_tokens(tokens)
-        n = len(tokens)
+        n = request.n_tokens
         groups: dict[int, list[str]] = {}
         for view in views.values():
             groups.setdefault(view.block_size or self.settings.default_block_size, []).append(
                 view.name
             )
         for bs, names in groups.items():
-            extra = request_extra_keys(n // bs, lora_name=lora, cache_salt=cache_salt)
-            keys = block_keys(packed, bs, extra_keys=extra)
+            keys = request.keys(bs)
             decision.keys[bs] = keys
             indexed = [name for name in names if views[name].block_size is not None]
-            matches = self.index.lookup_keys(keys, indexed, bs) if indexed else {}
+            matches = self.index.lookup_keys(keys, indexed, bs, request=request) if indexed else {}
             hints = self.hints.match(names, keys)
             for name in names:
                 view = views[name]
                 m = matches.get(name)
-                if m is not None and m.blocks:
-                    cap = predicted_cached_tokens(m.tokens, n, bs)
-                    tiers = {t.name: m.tokens_in(t) for t in Medium if m.tokens_in(t)}
+                if m is not None and m.tokens:
+                    unit = self.index.partial_unit(name) if m.partial_tokens else bs
+                    cap = predicted_cached_tokens(m.tokens, n, unit or bs)
+                    tiers = match_tiers(m)
                     excess = m.tokens - cap
                     for tier in _TIER_DROP_ORDER:
                         if excess <= 0:
                             break
-                        take = min(excess, tiers.get(tier.name, 0))
+                        take = min(excess, tiers.get(tier, 0))
                         if take:
-                            tiers[tier.name] -= take
+                            tiers[tier] -= take
                             excess -= take
                     view.match_tokens = cap
                     view.tokens_by_tier = {k: v for k, v in tiers.items() if v}
@@ -216,8 +230,7 @@ class Router:
                 view.predicted_cached_tokens = max(view.match_tokens, view.hint_tokens)
         if self.policy.name == "approx_prefix":
             abs_ = self.settings.approx_block_size
-            extra = request_extra_keys(n // abs_, lora_name=lora, cache_salt=cache_salt)
-            decision.approx_keys = block_keys(packed, abs_, extra_keys=extra)
+            decision.approx_keys = request.keys(abs_)
             approx = self.history.match(list(views), decision.approx_keys)
             for name, blocks in approx.items():
                 views[name].approx_tokens = predicted_cached_tokens(blocks * abs_, n, abs_)

@@ -42,7 +42,11 @@ log = logging.getLogger(__name__)
 class RouterService:
     def __init__(self, settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> None:
         self.settings = settings
-        self.index = InMemoryPrefixIndex(max_entries=settings.index_max_entries)
+        self.index = InMemoryPrefixIndex(
+            max_entries=settings.index_max_entries,
+            unconfirmed_ttl_s=settings.unconfirmed_ttl_s,
+            unconfirmed_max_blocks=settings.unconfirmed_max_blocks,
+        )
         self.subscriber = EventSubscriber(
             self.index,
             replay_timeout_s=settings.replay_timeout_s,
@@ -206,16 +210,20 @@ class RouterService:
 
     def add_replica(self, config: ReplicaConfig) -> Replica:
         replica = self.registry.add(config)
+        sources = []
         if config.events:
-            source = EventSource(config.key, config.events, config.replay, config.topic)
-            self._feed_ops.submit(self.subscriber.add_source, source)
+            sources.append(EventSource(config.key, config.events, config.replay, config.topic))
+        # Other engines' own sockets (llm-d's FS backend): every topic, no replay.
+        sources += [EventSource(config.key, ep, None, "", stream=ep) for ep in config.aux]
+        if sources:
+            self._feed_ops.submit(self.subscriber.set_sources, config.key, sources)
         return replica
 
     def remove_replica(self, name: str) -> None:
         replica = self.registry.remove(name)
         if replica is None:
             return
-        if replica.config.events:
+        if replica.config.events or replica.config.aux:
             self._feed_ops.submit(self.subscriber.remove_source, name)
         else:
             self.index.remove_replica(name)

@@ -309,7 +309,6 @@ class TieredPrefixCache:
         tokens: list[int] = []
         for b in run:
             tokens.extend(b.tokens)
-        extra = [b.extra for b in run]
         parent = run[0].parent
         self._events.append(
             BlockStored(
@@ -318,7 +317,9 @@ class TieredPrefixCache:
                 token_ids=tokens,
                 block_size=self.block_size,
                 medium=tier,
-                extra_keys=extra if any(e is not None for e in extra) else None,
+                # One entry per block, always, as vLLM's block pool and kvroute's connector
+                # send them (None for a block without extra keys).
+                extra_keys=[b.extra for b in run],
             )
         )
 
@@ -375,17 +376,29 @@ class TieredPrefixCache:
     # --- whole-cache operations ---------------------------------------------------------------
 
     def reset(self) -> bool:
-        """Drop every tier (vLLM's /reset_prefix_cache); refused while requests hold blocks."""
+        """vLLM's /reset_prefix_cache: the device tier is dropped and AllBlocksCleared
+        published; the lower tiers are kept (vLLM resets offloading only when asked to).
+        Refused while requests hold blocks. Lower-tier blocks whose parent was on the device
+        go too (the module's invariant), each with its BlockRemoved."""
         if self._private or any(b.ref for b in self._blocks.values()):
             return False
-        for b in self._blocks.values():
-            b.tier = None
-            b.kids = set()
-        self._blocks.clear()
-        for lru in self._lru.values():
-            lru.clear()
-        self._gpu_cached = 0
         self._events.append(AllBlocksCleared())
+        device = [b for b in self._blocks.values() if b.tier is Medium.GPU]
+        for b in device:
+            self._lru[Medium.GPU].pop(b.digest, None)
+            b.tier = Medium.GPU  # still set: _drop below removes it and its descendants
+        for b in device:
+            if b.tier is None:
+                continue  # dropped with an ancestor already
+            # The clear covered the device copies: only lower tiers' removals are announced.
+            n_events = len(self._events)
+            self._drop(b)
+            self._events[n_events:] = [
+                e
+                for e in self._events[n_events:]
+                if not (isinstance(e, BlockRemoved) and e.medium is Medium.GPU)
+            ]
+        self._gpu_cached = 0
         return True
 
     def restart(self) -> list[CachedBlock]:

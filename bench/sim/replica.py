@@ -225,7 +225,8 @@ class SimReplica:
             self.publisher = None
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's POST /reset_prefix_cache: every tier dropped, AllBlocksCleared published."""
+        """vLLM's POST /reset_prefix_cache: the device tier dropped, AllBlocksCleared published
+        (lower tiers kept, as vLLM keeps its offloaded tiers)."""
         ok = self.cache.reset()
         if ok:
             self._publish(self.cache.take_events())

@@ -20,7 +20,7 @@ from indexer.wire import (
     encode_frames,
     encode_replay_end,
     encode_replay_reply,
-    normalize_medium,
+    medium_kind,
 )
 
 enc = msgspec.msgpack.encode
@@ -85,7 +85,7 @@ def test_positional_array_events_from_older_vllm() -> None:
         [
             2.0,
             [
-                ["BlockStored", [5], None, [7, 8], 2, None, "cpu", None],
+                ["BlockStored", [5], None, [7, 8], 2, None, "CPU", None],
                 ["BlockRemoved", [5], "GPU"],
                 ["BlockStored", [6], 5, [9, 9], 2, None],  # shorter: medium missing -> GPU
                 ["AllBlocksCleared"],
@@ -117,31 +117,59 @@ def test_bytes_hashes_become_their_low_64_bits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("raw", "expected"),
+    ("raw", "tier", "confirmed"),
     [
-        (None, Medium.GPU),
-        ("GPU", Medium.GPU),
-        ("gpu", Medium.GPU),
-        ("cuda", Medium.GPU),
-        ("CPU", Medium.CPU),
-        ("cpu", Medium.CPU),
-        ("host", Medium.CPU),
-        ("STORAGE", Medium.STORAGE),
-        ("disk", Medium.STORAGE),
-        (" Storage ", Medium.STORAGE),
+        (None, Medium.GPU, True),
+        ("GPU", Medium.GPU, True),
+        ("CPU", Medium.CPU, True),
+        ("STORAGE", Medium.STORAGE, True),
+        ("cpu", Medium.CPU, False),  # LMCache: stores only
+        ("SHARED_STORAGE", Medium.STORAGE, False),  # llm-d's FS backend: stores only
+        ("OBJECT_STORE", Medium.STORAGE, False),
     ],
 )
-def test_medium_normalised(raw: object, expected: Medium) -> None:
-    assert normalize_medium(raw) is expected
+def test_media_of_known_publishers(raw: object, tier: Medium, confirmed: bool) -> None:
+    kind = medium_kind(raw)
+    assert (kind.tier, kind.confirmed) == (tier, confirmed)
 
 
-@pytest.mark.parametrize("raw", ["tape", "", 3, ["GPU"]])
-def test_unknown_medium_is_rejected_never_counted_as_gpu(raw: object) -> None:
+def test_other_publishers_media_keep_their_spelling_on_the_wire() -> None:
+    events = [
+        BlockStored([5], None, [7, 8], 2, medium=Medium.CPU, confirmed=False, medium_name="cpu"),
+        BlockStored([6], None, [], 0, Medium.STORAGE, confirmed=False, medium_name="OBJECT_STORE"),
+    ]
+    assert decode_batch(encode_batch(events, ts=1.0)).events == events
+
+
+@pytest.mark.parametrize("raw", ["tape", "", "gpu", "cuda", "disk", "Storage", 3, ["GPU"]])
+def test_unknown_medium_is_counted_never_guessed(raw: object) -> None:
     with pytest.raises(ValueError):
-        normalize_medium(raw)
-    batch = decode_batch(enc([0.0, [stored_map(medium=raw), stored_map(block_hashes=[1, 2])]]))
-    assert len(batch.events) == 1 and len(batch.rejected) == 1
-    assert "medium" in batch.rejected[0]
+        medium_kind(raw)
+    removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": raw}
+    batch = decode_batch(
+        enc([0.0, [stored_map(medium=raw), stored_map(block_hashes=[1, 2]), removed]])
+    )
+    assert len(batch.events) == 1 and batch.rejected == []
+    assert sum(batch.unknown_media.values()) == 2
+
+
+def test_llmd_fs_backend_nested_positional_events() -> None:
+    """llm-d's FS backend: each event msgpack-packed on its own, positional, parent 0 meaning
+    unknown, no data-parallel rank in the batch."""
+    inner = enc(["BlockStored", [2**64 - 1, 7], 0, [], 0, None, "SHARED_STORAGE"])
+    batch = decode_batch(enc([1.0, [inner, enc(["BlockStored", [8], 0, [], 0, None, "TAPE"])]]))
+    assert batch.events == [
+        BlockStored(
+            [2**64 - 1, 7],
+            None,
+            [],
+            0,
+            medium=Medium.STORAGE,
+            confirmed=False,
+            medium_name="SHARED_STORAGE",
+        )
+    ]
+    assert batch.unknown_media == {"TAPE": 1} and batch.data_parallel_rank is None
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,18 @@ def test_replica_flag() -> None:
             parse_replica_flag(bad)
 
 
+def test_a_replica_may_publish_on_several_streams(tmp_path: Path) -> None:
+    """llm-d's FS backend has a socket of its own beside vLLM's (``aux``, any number)."""
+    r = parse_replica_flag("http://h:1,events=tcp://h:5557,aux=tcp://h:5559,aux=tcp://h:5560")
+    assert r.aux == ("tcp://h:5559", "tcp://h:5560") and r.events == "tcp://h:5557"
+    f = tmp_path / "r.yaml"
+    f.write_text("- url: http://a:1\n  aux: [tcp://a:5559]\n- url: http://b:1\n  aux: tcp://b:9\n")
+    assert [r.aux for r in load_replicas_file(f)] == [("tcp://a:5559",), ("tcp://b:9",)]
+    f.write_text("- url: http://a:1\n  aux: [5]\n")
+    with pytest.raises(ConfigError, match="aux"):
+        load_replicas_file(f)
+
+
 def test_replicas_file_forms(tmp_path: Path) -> None:
     f = tmp_path / "r.yaml"
     f.write_text("replicas:\n  - url: http://a:1\n    events: tcp://a:2\n  - http://b:1,name=b\n")
