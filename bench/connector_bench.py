@@ -15,26 +15,35 @@ do not depend on the machine:
   also timed, for context only (it measures the chunk-size choice, not the tier).
 * TTFT: a prompt as long as the model takes, recomputed (cold) vs served from the RAM tier
   after the device prefix cache was reset, on a tiny Llama built locally.
+* CUDA (torch with CUDA only, no vLLM): our asynchronous store (device -> pinned RAM slot:
+  gather of scattered blocks + one D2H copy per chunk, on the copy stream, until its
+  event completed) and load (one H2D copy per chunk + scatter) of a FlashAttention-layout
+  KV cache vs one plain pinned-memory copy of the same bytes in each direction, as
+  ratios, with the device name. Without a CUDA device: ``"cuda": "unavailable"``.
 
 Result keys: ``cpu_tier_vs_baseline`` and ``disk_tier_vs_baseline`` (the lower of the
-store and load ratios), ``cpu_hit_ttft_speedup``, plus the raw figures.
+store and load ratios), ``cpu_hit_ttft_speedup``, ``cuda``, plus the raw figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from connector.copiers import Copier
 from connector.disk_format import file_name
-from connector.disk_tier import unlink_chunk
+from connector.disk_tier import rank_directory, unlink_chunk
+from connector.identity import RankInfo
 from connector.plan import StepPlan, StoreOp
 from connector.planner import Planner
 from connector.transfer import PagedKV
@@ -104,6 +113,8 @@ class _Setup:
         self.chunk_bytes = args.layers * self.bpc * self.paged.block_bytes()
         self.total_bytes = self.chunk_bytes * self.n
         self.disk_dir = disk_dir
+        # The executor's files live in its rank's directory (a single worker: tp0-pp0).
+        self.rank_dir = rank_directory(disk_dir, RankInfo()) if disk_dir is not None else None
         # Scattered block ids, like a long-running cache.
         perm = torch.randperm(self.num_blocks, generator=gen).tolist()
         self.src_blocks = perm[: self.n * self.bpc]
@@ -116,10 +127,10 @@ class _Setup:
     def fresh(self, disk: bool) -> tuple[Planner, WorkerExecutor]:
         self._round += 1
         if disk:
-            assert self.disk_dir is not None
-            for p in self.disk_dir.iterdir():
+            assert self.rank_dir is not None
+            for p in self.rank_dir.iterdir():
                 p.unlink()
-        d = self.disk_dir
+        d = self.rank_dir
         planner = Planner(
             block_size=self.bs,
             blocks_per_chunk=self.bpc,
@@ -280,7 +291,7 @@ def _disk_tier(s: _Setup, repeats: int, base_dir: Path) -> dict[str, float]:
         t0 = time.perf_counter()
         for x in plan.stores:
             assert x.disk_header is not None
-            ex.writer.submit(x.key, x.disk_header, ex.pool.slot(x.slot))
+            ex.writer.submit(x.key, ex.stamp(x.disk_header), ex.pool.slot(x.slot))
         ex.writer.flush(600)
         planner.on_reports(ex.take_reports())
         dt = time.perf_counter() - t0
@@ -290,7 +301,7 @@ def _disk_tier(s: _Setup, repeats: int, base_dir: Path) -> dict[str, float]:
     def our_load(planner: Planner, ex: WorkerExecutor) -> float:
         for c in range(s.n):
             key = s.hashes[(c + 1) * s.bpc - 1]
-            _drop_page_cache(s.disk_dir / file_name(key))  # type: ignore[operator]
+            _drop_page_cache(s.rank_dir / file_name(key))  # type: ignore[operator]
         planner.reset_cpu()  # RAM copies gone: loads must come from disk
         planner.take_events()
         t0 = time.perf_counter()
@@ -325,6 +336,113 @@ def _disk_tier(s: _Setup, repeats: int, base_dir: Path) -> dict[str, float]:
         "disk_one_big_file_write_gbps": _gbps(s.total_bytes, min(w_big)),
         "disk_one_big_file_read_gbps": _gbps(s.total_bytes, min(r_big)),
     }
+
+
+# ---------------------------------------------------------------------------- CUDA
+def _device_tiers(
+    args: argparse.Namespace,
+    device: torch.device,
+    sync: Callable[[], None],
+    *,
+    pin: bool,
+    copier: Callable[[PagedKV], Copier] | None = None,
+) -> dict[str, Any]:
+    """Store/load of our executor on ``device`` vs plain pinned copies of the same bytes.
+
+    ``sync`` waits for the device; ``copier`` overrides the platform's copier (tests run
+    this on CPU with a fake device)."""
+    bs, bpc, n = args.block_size, args.chunk_tokens // args.block_size, args.chunks
+    num_blocks = 2 * n * bpc + 8
+    gen = torch.Generator().manual_seed(0)
+    # FlashAttention's layout: per layer [2, num_blocks, block_size, kv_heads, head_size],
+    # each layer its own allocation.
+    shape = (2, num_blocks, bs, args.kv_heads, args.head_size)
+    layers = [
+        torch.randn(shape, generator=gen).to(torch.bfloat16).to(device) for _ in range(args.layers)
+    ]
+    paged = PagedKV(layers, num_blocks)
+    chunk_bytes = args.layers * bpc * paged.block_bytes()
+    total = chunk_bytes * n
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    src_blocks, dst_blocks = perm[: n * bpc], perm[n * bpc : 2 * n * bpc + 1]
+    tokens = list(range(n * args.chunk_tokens + 1))
+    hashes = [i.to_bytes(8, "big") * 4 for i in range(1, n * bpc + 1)]
+    ex = WorkerExecutor(
+        paged,
+        blocks_per_chunk=bpc,
+        num_slots=n,
+        identity=IDENTITY,
+        pin_memory=pin,
+        copier=copier(paged) if copier is not None else None,
+    )
+    dev_buf = torch.empty(total, dtype=torch.uint8, device=device)
+    host_buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return time.perf_counter() - t0, out
+
+    def store() -> Planner:
+        planner = Planner(
+            block_size=bs,
+            blocks_per_chunk=bpc,
+            num_slots=n,
+            chunk_payload_bytes=chunk_bytes,
+            identity=IDENTITY,
+        )
+        planner.on_scheduled("r", src_blocks, hashes, tokens, len(tokens))
+        plan = planner.take_plan()
+        ex.after_forward(plan)
+        ex.wait_idle()  # the host waits here only to stop the clock
+        planner.on_reports(ex.take_reports())
+        assert len(planner.cpu) == n
+        return planner
+
+    def load(planner: Planner) -> None:
+        res = planner.lookup("q", hashes, tokens, len(tokens), 0)
+        planner.on_alloc("q", dst_blocks, res.num_tokens)
+        ex.before_forward(planner.take_plan())
+        planner.on_reports(ex.take_reports())
+        planner.request_finished("q")
+
+    try:
+        planner = store()  # warm-up: pinned allocator, kernels, streams
+        load(planner)
+        d2h_base, h2d_base, t_store, t_load = [], [], [], []
+        for _ in range(args.repeats):  # interleaved: both sides see the same device load
+            d2h_base.append(timed(lambda: host_buf.copy_(dev_buf, non_blocking=True))[0])
+            h2d_base.append(timed(lambda: dev_buf.copy_(host_buf, non_blocking=True))[0])
+            dt, planner = timed(store)
+            t_store.append(dt)
+            t_load.append(timed(functools.partial(load, planner))[0])
+        idx_s = torch.tensor(src_blocks, device=device)
+        idx_d = torch.tensor(dst_blocks[: len(src_blocks)], device=device)
+        assert all(torch.equal(t.index_select(1, idx_s), t.index_select(1, idx_d)) for t in layers)
+    finally:
+        ex.close()
+    out = {
+        "chunk_bytes": chunk_bytes,
+        "bytes_per_measurement": total,
+        "d2h_pinned_copy_gbps": _gbps(total, min(d2h_base)),
+        "d2h_store_gbps": _gbps(total, min(t_store)),
+        "h2d_pinned_copy_gbps": _gbps(total, min(h2d_base)),
+        "h2d_load_gbps": _gbps(total, min(t_load)),
+    }
+    out["store_vs_pinned_copy"] = out["d2h_store_gbps"] / out["d2h_pinned_copy_gbps"]
+    out["load_vs_pinned_copy"] = out["h2d_load_gbps"] / out["h2d_pinned_copy_gbps"]
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def _cuda_tiers(args: argparse.Namespace) -> dict[str, Any]:
+    """The CUDA section: needs torch with CUDA only (no vLLM)."""
+    if not torch.cuda.is_available():
+        return {"cuda": "unavailable"}
+    device = torch.device("cuda", torch.cuda.current_device())
+    res = _device_tiers(args, device, torch.cuda.synchronize, pin=True)
+    return {"cuda": {"device": torch.cuda.get_device_name(device), **res}}
 
 
 # ---------------------------------------------------------------------------- TTFT
@@ -452,6 +570,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with torch.inference_mode():
                 result.update(_ram_tier(s, args.repeats))
                 result.update(_disk_tier(s, args.repeats, base))
+                result.update(_cuda_tiers(args))
         finally:
             s.close()
             torch.set_num_threads(old_threads)

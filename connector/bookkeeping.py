@@ -103,16 +103,44 @@ class TierIndex:
 
 
 class SlotAllocator:
-    """Free list of RAM pool slots (lowest slot first, so reuse is predictable)."""
+    """Free list of RAM pool slots (lowest slot first, so reuse is predictable).
+
+    A slot may still be read by the worker after its entry left the index: a load
+    planned before a reset, or a write-through disk write that reads the slot without
+    a copy. Such readers ``hold`` the slot; ``free`` of a held slot parks it, and it
+    returns to the free list when the last hold is released, so a store never
+    overwrites a slot something still reads.
+    """
 
     def __init__(self, num_slots: int) -> None:
         self._free = list(range(num_slots - 1, -1, -1))
+        self._holds: dict[int, int] = {}
+        self._parked: set[int] = set()
 
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None
 
     def free(self, slot: int) -> None:
-        self._free.append(slot)
+        if self._holds.get(slot, 0) > 0:
+            self._parked.add(slot)
+        else:
+            self._free.append(slot)
+
+    def hold(self, slot: int) -> None:
+        self._holds[slot] = self._holds.get(slot, 0) + 1
+
+    def unhold(self, slot: int) -> None:
+        left = self._holds.get(slot, 0) - 1
+        if left > 0:
+            self._holds[slot] = left
+            return
+        self._holds.pop(slot, None)
+        if slot in self._parked:
+            self._parked.discard(slot)
+            self._free.append(slot)
+
+    def is_held(self, slot: int) -> bool:
+        return self._holds.get(slot, 0) > 0
 
     @property
     def num_free(self) -> int:

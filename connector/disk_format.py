@@ -1,4 +1,4 @@
-"""On-disk chunk file format (version 1).
+"""On-disk chunk file format (version 2).
 
 Layout::
 
@@ -6,10 +6,15 @@ Layout::
     version u32 LE   FORMAT_VERSION
     hlen    u32 LE   length of the JSON header
     hsum    u64 LE   xxh3_64 of the JSON header bytes
-    header  hlen     UTF-8 JSON: identity, key, block hashes, parent, token ids,
-                     block size, chunk tokens, dtype, shape, payload_bytes,
-                     payload_xxh3 (xxh3_64 of the payload)
+    header  hlen     UTF-8 JSON: identity (layout + rank of the writer), key, block
+                     hashes, parent, token ids, block size, chunk tokens, lora_id,
+                     lora_name, extra_keys (per block, see ``extra_keys``), dtype,
+                     shape, payload_bytes, payload_xxh3 (xxh3_64 of the payload)
     payload          raw tensor bytes, C order
+
+Version 2 added the writer's rank to the identity and the LoRA / extra keys of the
+blocks (so a chunk found at start-up is announced exactly as the device announced it).
+A version 1 file lacks both: it is foreign (removed by the scan, never served).
 
 Files are written to a temporary name in the same directory and renamed when complete,
 so a crash leaves a temp file (removed by the next scan), never a half file under a
@@ -31,16 +36,18 @@ from typing import BinaryIO
 import torch
 import xxhash
 
+from connector.extra_keys import decode_extra_keys, encode_extra_keys
 from connector.keys import ChunkInfo
 
 MAGIC = b"KVRCHUNK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sIIQ")
 PREFIX_SIZE = _PREFIX.size
 SUFFIX = ".kvc"
 TMP_MARK = ".tmp-"
-# Room for the fields the worker adds (dtype, shape, checksum) to the planner's header.
-_HEADER_SLACK = 512
+# Room for what the worker adds to the planner's header (its rank in the identity,
+# dtype, shape, checksum): only used to reserve disk capacity before a write.
+_HEADER_SLACK = 1024
 # iovecs per preadv call (IOV_MAX is 1024 on Linux)
 _IOV_BATCH = 512
 
@@ -74,7 +81,9 @@ def file_name(key: bytes) -> str:
 
 
 def header_for_chunk(info: ChunkInfo, *, identity: str, payload_bytes: int) -> dict:
-    """The self-describing part of a header (the worker adds dtype/shape/checksum)."""
+    """The self-describing part of a header (the worker replaces ``identity`` with its
+    rank identity and adds dtype/shape/checksum). Raises ``TypeError`` when the chunk's
+    extra keys cannot be stored (the chunk then stays out of the disk tier)."""
     return {
         "identity": identity,
         "key": info.key.hex(),
@@ -84,6 +93,9 @@ def header_for_chunk(info: ChunkInfo, *, identity: str, payload_bytes: int) -> d
         "token_ids": list(info.token_ids),
         "block_size": info.block_size,
         "chunk_tokens": info.num_tokens,
+        "lora_id": info.lora_id,
+        "lora_name": info.lora_name,
+        "extra_keys": encode_extra_keys(info.extra_keys),
         "payload_bytes": payload_bytes,
     }
 
@@ -96,6 +108,9 @@ def info_from_header(h: dict) -> ChunkInfo:
         parent_hash=bytes.fromhex(h["parent_hash"]) if h["parent_hash"] else None,
         token_ids=tuple(int(t) for t in h["token_ids"]),
         block_size=int(h["block_size"]),
+        lora_id=None if h["lora_id"] is None else int(h["lora_id"]),
+        lora_name=None if h["lora_name"] is None else str(h["lora_name"]),
+        extra_keys=decode_extra_keys(h["extra_keys"]),
     )
 
 
@@ -186,7 +201,7 @@ def read_chunk_header(path: Path, identity: str) -> dict:
 
 def _check_identity(header: dict, identity: str, path: Path) -> None:
     if header.get("identity") != identity:
-        raise ChunkFileError("foreign file (model identity differs)")
+        raise ChunkFileError("foreign file (layout or rank identity differs)")
     if path.name != file_name(bytes.fromhex(header.get("key", ""))):
         raise ChunkFileError("file name does not match its key")
 

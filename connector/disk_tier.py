@@ -1,7 +1,10 @@
-"""Disk tier: a directory of chunk files (see ``disk_format``).
+"""Disk tier: where chunk files live, and the worker's background writer.
 
-* ``scan_directory`` (scheduler side, at start): serve what is there; remove temp
-  leftovers, cut-short, corrupted-header and foreign files.
+Layout: ``<disk_dir>/<layout digest>/tp<r>-pp<p>/<key hex>.kvc``. The layout digest
+separates models, settings and parallel layouts (see ``identity``); the rank directory
+separates the workers of one layout, whose files for the same chunk hold different
+slices of its KV. The start-up scan is in ``disk_scan``.
+
 * ``DiskWriter`` (worker side): a background thread writes files so the forward pass
   never waits on disk. Pending bytes are bounded; over the bound a write is dropped and
   reported (a dropped write is only a future miss). ENOSPC, and the optional
@@ -14,36 +17,30 @@ import logging
 import os
 import queue
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from connector.disk_format import (
-    SUFFIX,
-    TMP_MARK,
-    ChunkFileError,
-    DiskFullError,
-    file_name,
-    info_from_header,
-    max_file_size,
-    read_chunk_header,
-    write_chunk_file,
-)
-from connector.keys import ChunkInfo
+from connector.disk_format import DiskFullError, file_name, max_file_size, write_chunk_file
+from connector.identity import RankInfo
 
 logger = logging.getLogger(__name__)
 
-# Temp files younger than this may belong to a live writer sharing the directory.
-STALE_TMP_S = 600.0
-
 
 def tier_directory(base: Path, identity_digest: str) -> Path:
-    """Files of one model identity live in their own sub-directory, so replicas of
-    different models can share a base directory without ever seeing each other."""
+    """Files of one layout identity live in their own sub-directory, so replicas of
+    different models, settings or parallel layouts can share a base directory without
+    ever seeing each other's files."""
     d = Path(base) / identity_digest
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def rank_directory(layout_dir: Path | str, rank: RankInfo) -> Path:
+    """The directory of one rank's files (created on first use by either side)."""
+    d = Path(layout_dir) / rank.dir_name
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -62,42 +59,11 @@ def unlink_chunk(directory: Path | str, key: bytes) -> None:
         logger.warning("kvroute: could not remove %s: %s", key.hex(), exc)
 
 
-def scan_directory(directory: Path, identity: str) -> list[tuple[ChunkInfo, int]]:
-    """Return (chunk, file size) for every valid file, oldest first (LRU order by mtime).
-    Invalid files are removed: a bad file must never be served."""
-    found: list[tuple[float, ChunkInfo, int]] = []
-    now = time.time()
-    for entry in os.scandir(directory):
-        if not entry.is_file(follow_symlinks=False):
-            continue
-        path = Path(entry.path)
-        try:
-            st = entry.stat()
-        except FileNotFoundError:
-            continue
-        if TMP_MARK in entry.name:
-            if now - st.st_mtime > STALE_TMP_S:
-                _remove(path, "stale temp file")
-            continue
-        if not entry.name.endswith(SUFFIX):
-            continue
-        try:
-            header = read_chunk_header(path, identity)
-            info = info_from_header(header)
-        except (ChunkFileError, OSError, KeyError, ValueError, TypeError) as exc:
-            _remove(path, f"invalid chunk file ({exc})")
-            continue
-        found.append((st.st_mtime, info, st.st_size))
-    found.sort(key=lambda x: x[0])
-    return [(info, size) for _, info, size in found]
-
-
-def _remove(path: Path, why: str) -> None:
-    logger.warning("kvroute: removing %s: %s", path.name, why)
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+def unlink_chunk_all_ranks(layout_dir: Path | str, ranks: Iterable[RankInfo], key: bytes) -> None:
+    """Remove every rank's file of a chunk: the scheduler drops a chunk as a whole (one
+    rank's file without the others' can never be served)."""
+    for rank in ranks:
+        unlink_chunk(Path(layout_dir) / rank.dir_name, key)
 
 
 @dataclass

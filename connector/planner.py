@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from connector.bookkeeping import EntryState, SlotAllocator, TierEntry, TierIndex
 from connector.disk_format import header_for_chunk, max_file_size
-from connector.keys import ChunkInfo, chunk_info, chunk_key
+from connector.keys import NO_EXTRAS, ChunkInfo, ExtrasSource, chunk_info, chunk_key
 from connector.plan import (
     CPU,
     DISK,
@@ -81,12 +81,18 @@ class PlannerStats:
     disk_write_failures: int = 0
     disk_full_events: int = 0
     load_failures: int = 0
+    store_skipped_in_flight: int = 0
     evictions_cpu: int = 0
     evictions_disk: int = 0
 
 
 class Planner:
-    """Decides tier placement and builds one ``StepPlan`` per scheduler step."""
+    """Decides tier placement and builds one ``StepPlan`` per scheduler step.
+
+    ``num_workers`` workers execute every plan (TP x PP ranks): an entry is READY only
+    when all of them confirmed it. ``files_per_chunk`` is how many files a chunk takes
+    on disk (one per rank), for the disk byte bound.
+    """
 
     def __init__(
         self,
@@ -100,6 +106,7 @@ class Planner:
         disk_enabled: bool = False,
         disk_policy: str = "write_through",
         num_workers: int = 1,
+        files_per_chunk: int = 1,
         disk_full_retry_s: float = 30.0,
         unlink: Callable[[bytes], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -110,6 +117,7 @@ class Planner:
         self.payload_bytes = chunk_payload_bytes
         self.identity = identity
         self.num_workers = num_workers
+        self.files_per_chunk = files_per_chunk
         self.cpu = TierIndex(CPU, num_slots)
         self.slots = SlotAllocator(num_slots)
         self.disk_enabled = disk_enabled
@@ -122,18 +130,23 @@ class Planner:
         self._plan = StepPlan()
         self._events: list[TierEvent] = []
         self._reqs: dict[str, ReqState] = {}
-        # Loads in flight: req_id -> list of (tier, key) pinned for it.
-        self._pinned: dict[str, list[tuple[str, bytes]]] = {}
+        # Loads in flight: req_id -> (tier, entry) pinned for it. The entry object, not
+        # its key: a reset may drop it and a new entry may take the same key.
+        self._pinned: dict[str, list[tuple[str, TierEntry]]] = {}
         self._load_reports_left: dict[tuple[str, bytes], int] = {}
-        # RAM slots whose contents a write-through disk write is still reading: the
-        # worker writes straight from the slot, without a copy, so an evicted slot is
-        # reused only after the write reported back.
-        self._draining: dict[bytes, list[int]] = {}
+        # Write-through disk writes read their RAM slot without a copy: key -> [slot,
+        # reports still to come]. The slot is held until every worker reported.
+        self._slot_writes: dict[bytes, list[int]] = {}
+        # Reports still to come for entries dropped while in flight (reset, failure on
+        # another worker): (tier, key) -> count. They must not confirm a newer entry of
+        # the same key, and a file that lands after its entry was dropped is removed.
+        self._orphans: dict[tuple[str, bytes], int] = {}
         self.stats = PlannerStats()
 
     # ------------------------------------------------------------------ startup
     def add_disk_entries(self, entries: Sequence[tuple[ChunkInfo, int]]) -> None:
-        """Register files found by the start-up scan as READY (they are complete)."""
+        """Register files found by the start-up scan as READY (they are complete on
+        every rank; ``size`` is their bytes over all ranks)."""
         for info, size in entries:
             if info.key in self.disk or self.disk.used + size > self.disk.capacity:
                 self._unlink(info.key)
@@ -212,7 +225,7 @@ class Planner:
             logger.warning("kvroute: alloc with external tokens but no lookup for %s", req_id)
             return False
         remaining = num_external_tokens
-        pins: list[tuple[str, bytes]] = []
+        pins: list[tuple[str, TierEntry]] = []
         loads: list[tuple[Hit, list[int]]] = []
         for h in res.hits:
             if remaining <= 0:
@@ -227,20 +240,20 @@ class Planner:
                 break
             remaining -= nblocks * self.block_size
             loads.append((h, targets))
-        for h, _ in loads:
+        disk_ops: list[LoadOp] = []
+        for h, targets in loads:
             idx = self.cpu if h.tier == CPU else self.disk
             e = idx.get(h.info.key)
             assert e is not None and e.state is EntryState.READY
             e.pins += 1  # a pinned source is never evicted (slot reused / file removed)
             idx.touch(h.info.key)
-            pins.append((h.tier, h.info.key))
+            pins.append((h.tier, e))
             # Every worker reports each load once; unpin after the last report.
-            self._load_reports_left[(req_id, h.info.key)] = self.num_workers
-        disk_ops: list[LoadOp] = []
-        for h, targets in loads:
+            k = (req_id, h.info.key)
+            self._load_reports_left[k] = self._load_reports_left.get(k, 0) + self.num_workers
             if h.tier == CPU:
-                e = self.cpu.get(h.info.key)
-                assert e is not None
+                # The slot outlives its entry until the load reported (see reset).
+                self.slots.hold(e.slot)
                 self._plan.cpu_loads.append(
                     LoadOp(req_id, h.info.key, CPU, e.slot, h.block_offset, targets)
                 )
@@ -250,7 +263,8 @@ class Planner:
                 self.stats.disk_hits_tokens += len(targets) * self.block_size
         if disk_ops:
             self._plan.disk_loads[req_id] = disk_ops
-        self._pinned[req_id] = pins
+        if pins:  # added to any still held (a request allocated again before reports)
+            self._pinned.setdefault(req_id, []).extend(pins)
         st.loading = bool(disk_ops)
         # Promotion of disk hits into RAM needs no extra read: once the load completed
         # the chunks sit in the request's device blocks, and ``on_scheduled`` stores every
@@ -265,9 +279,12 @@ class Planner:
         block_hashes: Sequence[bytes],
         token_ids: Sequence[int],
         num_computed_after: int,
+        extras: ExtrasSource | None = None,
     ) -> None:
         """The request will have ``num_computed_after`` tokens of KV after this step:
-        store the full chunks that became complete."""
+        store the full chunks that became complete. ``extras`` describes a block range
+        of the request as vLLM's events do (LoRA, extra keys); without it a chunk is
+        described by hashes and tokens only."""
         st = self._reqs.setdefault(req_id, ReqState(req_id))
         if block_ids is not None:
             st.block_ids = list(block_ids)
@@ -280,26 +297,43 @@ class Planner:
             if key in self.cpu:
                 self.cpu.touch(key)
                 continue
-            info = chunk_info(block_hashes, token_ids, self.block_size, self.bpc, c)
+            if (CPU, key) in self._orphans:
+                # An older store of this key is still reporting: its report must not
+                # be taken for this one's.
+                self.stats.store_skipped_in_flight += 1
+                continue
+            b0 = c * self.bpc
+            info = chunk_info(
+                block_hashes,
+                token_ids,
+                self.block_size,
+                self.bpc,
+                c,
+                extras(b0, b0 + self.bpc) if extras is not None else NO_EXTRAS,
+            )
             slot = self._reserve_cpu(info)
             if slot < 0:
                 self.stats.store_skipped_full += 1
                 continue
             header = None
-            if (
-                self.disk_policy == "write_through"
-                and key not in self.disk
-                and self._reserve_disk(info)
-            ):
-                header = self._header(info)
+            if self.disk_policy == "write_through" and key not in self.disk:
+                header = self._reserve_disk(info)
+            if header is not None:
+                # The worker writes the file straight from the slot.
+                self._slot_writes[key] = [slot, self.num_workers]
+                self.slots.hold(slot)
             self._plan.stores.append(
-                StoreOp(key, slot, list(st.block_ids[c * self.bpc : (c + 1) * self.bpc]), header)
+                StoreOp(key, slot, list(st.block_ids[b0 : b0 + self.bpc]), header)
             )
             self.stats.stores += 1
 
     def on_resumed(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """A preempted request comes back: its KV is rebuilt from chunk 0 (recomputed or
+        loaded), so every chunk is offered to the tiers again (already stored ones are
+        only touched)."""
         st = self._reqs.setdefault(req_id, ReqState(req_id))
         st.block_ids = list(block_ids)
+        st.next_store_chunk = 0
 
     def on_new_blocks(self, req_id: str, new_block_ids: Sequence[int]) -> None:
         st = self._reqs.setdefault(req_id, ReqState(req_id))
@@ -330,35 +364,35 @@ class Planner:
         assert e is not None
         self.stats.evictions_cpu += 1
         self._events.append(TierEvent("removed", CPU, e.info))
-        demoted = False
-        if (
-            self.disk_enabled
-            and self.disk_policy == "demote"
-            and key not in self.disk
-            and self._reserve_disk(e.info)
-        ):
-            # The worker snapshots the slot before any store of this step reuses it.
-            self._plan.demotes.append(DemoteOp(key, e.slot, self._header(e.info)))
-            demoted = True
-        d = self.disk.get(key)
-        if not demoted and d is not None and d.state is EntryState.PENDING:
-            self._draining.setdefault(key, []).append(e.slot)
-        else:
-            self.slots.free(e.slot)
+        if self.disk_enabled and self.disk_policy == "demote" and key not in self.disk:
+            header = self._reserve_disk(e.info)
+            if header is not None:
+                # The worker snapshots the slot before any store of this step reuses it.
+                self._plan.demotes.append(DemoteOp(key, e.slot, header))
+        # A slot still read by a write-through write or a load is parked until then.
+        self.slots.free(e.slot)
 
-    def _reserve_disk(self, info: ChunkInfo) -> bool:
+    def _reserve_disk(self, info: ChunkInfo) -> dict | None:
+        """Add a PENDING disk entry and return the file header to write, or None."""
         if not self.disk_enabled or self._clock() < self._disk_blocked_until:
-            return False
-        size = max_file_size(self._header(info), self.payload_bytes)
+            return None
+        if (DISK, info.key) in self._orphans:
+            return None  # an older write of this key is still reporting
+        try:
+            header = self._header(info)
+        except TypeError as exc:  # extra keys that a file header cannot hold
+            logger.warning("kvroute: chunk kept out of the disk tier: %s", exc)
+            return None
+        size = self.files_per_chunk * max_file_size(header, self.payload_bytes)
         victims = self.disk.plan_room(size)
         if victims is None:
-            return False
+            return None
         for key in victims:
             self._drop_disk(key, unlink=True)
             self.stats.evictions_disk += 1
         self.disk.add(TierEntry(info=info, size=size, confirmations_left=self.num_workers))
         self.stats.disk_writes += 1
-        return True
+        return header
 
     def _drop_disk(self, key: bytes, *, unlink: bool) -> None:
         e = self.disk.remove(key)
@@ -366,8 +400,14 @@ class Planner:
             return
         if e.state is EntryState.READY:
             self._events.append(TierEvent("removed", DISK, e.info))
+        else:
+            self._orphan(DISK, key, e.confirmations_left)
         if unlink:
             self._unlink(key)
+
+    def _orphan(self, tier: str, key: bytes, reports: int) -> None:
+        if reports > 0:
+            self._orphans[(tier, key)] = self._orphans.get((tier, key), 0) + reports
 
     # ------------------------------------------------------------------ reports
     def on_reports(self, reports: Sequence[Report]) -> None:
@@ -377,21 +417,45 @@ class Planner:
             elif r.kind == LOADED:
                 self._on_loaded(r)
             elif r.kind == REMOVED and r.tier == DISK:
-                # A bad file: it is gone; the entry must not be offered again.
-                e = self.disk.get(r.key)
-                if e is not None:
-                    e.pins = 0
-                self._drop_disk(r.key, unlink=False)
+                # A bad file on one rank: the chunk can no longer be served from any,
+                # so every rank's file goes and the entry is not offered again.
+                self._drop_disk(r.key, unlink=True)
+
+    def _write_reported(self, key: bytes) -> None:
+        """One worker finished (or gave up) a disk write of ``key``: release the slot a
+        write-through read once all workers did."""
+        w = self._slot_writes.get(key)
+        if w is None:
+            return
+        w[1] -= 1
+        if w[1] <= 0:
+            del self._slot_writes[key]
+            self.slots.unhold(w[0])
+
+    def _take_orphan(self, r: Report) -> bool:
+        n = self._orphans.get((r.tier, r.key), 0)
+        if n <= 0:
+            return False
+        if n == 1:
+            del self._orphans[(r.tier, r.key)]
+        else:
+            self._orphans[(r.tier, r.key)] = n - 1
+        if r.tier == DISK and r.ok:
+            self._unlink(r.key)  # landed after its entry was dropped: never served
+        return True
 
     def _on_stored(self, r: Report) -> None:
-        if r.tier == DISK and r.key in self._draining:
-            for slot in self._draining.pop(r.key):
-                self.slots.free(slot)
+        if r.tier == DISK:
+            self._write_reported(r.key)
+        if self._take_orphan(r):
+            return
         idx = self.cpu if r.tier == CPU else self.disk
         e = idx.get(r.key)
         if e is None or e.state is EntryState.READY:
             return
         if not r.ok:
+            # The chunk cannot land on every worker: drop it; the other workers'
+            # reports are orphans (a disk file of theirs that lands is removed).
             if r.tier == DISK:
                 self.stats.disk_write_failures += 1
                 if r.error == "disk_full":
@@ -403,10 +467,12 @@ class Planner:
                         self.disk_full_retry_s,
                     )
                 self.disk.remove(r.key)
+                self._orphan(DISK, r.key, e.confirmations_left - 1)
+                self._unlink(r.key)
             else:
-                removed = self.cpu.remove(r.key)
-                if removed is not None:
-                    self.slots.free(removed.slot)
+                self.cpu.remove(r.key)
+                self._orphan(CPU, r.key, e.confirmations_left - 1)
+                self.slots.free(e.slot)
             return
         e.confirmations_left -= 1
         if e.confirmations_left <= 0:
@@ -426,30 +492,52 @@ class Planner:
             self._load_reports_left[(r.req_id, r.key)] = left
             return
         self._load_reports_left.pop((r.req_id, r.key), None)
-        # Release the source pin of this key.
-        for tier, key in list(pins):
-            if key != r.key:
+        # Release the source pin of this key (on the entry object: it may have been
+        # dropped by a reset since, and its slot is only reusable now).
+        kept: list[tuple[str, TierEntry]] = []
+        for tier, e in pins:
+            if e.info.key != r.key:
+                kept.append((tier, e))
                 continue
-            idx = self.cpu if tier == CPU else self.disk
-            e = idx.get(key)
-            if e is not None and e.pins > 0:
+            if e.pins > 0:
                 e.pins -= 1
-            pins.remove((tier, key))
-        if not pins:
+            if tier == CPU:
+                self.slots.unhold(e.slot)
+        if kept:
+            self._pinned[r.req_id] = kept
+        else:
             del self._pinned[r.req_id]
             st = self._reqs.get(r.req_id)
             if st is not None:
                 st.loading = False
 
-    # ------------------------------------------------------------------ misc
+    # ------------------------------------------------------------------ resets
     def reset_cpu(self) -> None:
-        """Forget RAM contents that nobody reads (``reset_prefix_cache``)."""
+        """Forget every RAM entry. Announced ones get ``BlockRemoved(CPU)``; pending
+        ones were never announced and their late reports are swallowed. A slot that a
+        load or a write-through write still reads is reused only after it reported."""
         for e in self.cpu.entries():
-            if e.pins == 0 and e.state is EntryState.READY:
-                self.cpu.remove(e.info.key)
-                self.slots.free(e.slot)
+            self.cpu.remove(e.info.key)
+            if e.state is EntryState.READY:
                 self._events.append(TierEvent("removed", CPU, e.info))
+            else:
+                self._orphan(CPU, e.info.key, e.confirmations_left)
+            self.slots.free(e.slot)
 
+    def reset_disk(self) -> None:
+        """Forget every disk entry and remove its files on every rank. Announced ones
+        get ``BlockRemoved(STORAGE)``; a pending write's file is removed when it lands.
+        A load already reading a file either finishes or fails and is recomputed."""
+        for e in self.disk.entries():
+            self._drop_disk(e.info.key, unlink=True)
+
+    def reset(self) -> None:
+        """``reset_prefix_cache(reset_connector=True)``: nothing cached before may be
+        served after (weights may have changed), so both tiers are emptied."""
+        self.reset_cpu()
+        self.reset_disk()
+
+    # ------------------------------------------------------------------ misc
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         return plan

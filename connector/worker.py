@@ -3,16 +3,21 @@
 It decides nothing. Order within a step matters and is fixed here:
 
 1. ``before_forward``: snapshot demoted RAM slots into the disk writer (the slot may be
-   reused by a store later in the same step), run RAM loads synchronously (the layers
-   need them this step), start disk loads on reader threads, one task per chunk, read
-   straight into the request's blocks (vLLM waits for the request's
-   ``finished_recving``).
+   reused by a store later in the same step), issue RAM loads (the layers need them
+   this step: complete on CPU, ordered before the forward on CUDA), start disk loads
+   on reader threads, one task per chunk, read straight into the request's blocks
+   (vLLM waits for the request's ``finished_recving``).
 2. ``after_forward``: copy newly full chunks from the paged cache into their RAM slots
-   (the forward has written them) and queue write-through disk writes straight from
-   those slots (the planner does not reuse a slot before its write reported).
+   (the forward has written them). A store is reported STORED, and its write-through
+   disk write (straight from the slot; the planner does not reuse a slot before its
+   write reported) is queued, once its copy completed: at once on CPU, when its CUDA
+   event completed on CUDA (checked whenever reports are taken).
 
-Every outcome becomes a ``Report`` collected by ``take_reports``; failed loads add
-their target blocks to ``take_load_errors`` so vLLM recomputes them.
+The executor belongs to one rank of the TP x PP layout: it reads and writes only its
+rank's directory, stamps its rank identity into every header it writes and checks it
+on every read, so another rank's file (same key, same shape, other heads or layers)
+is foreign. Every outcome becomes a ``Report`` collected by ``take_reports``; failed
+loads add their target blocks to ``take_load_errors`` so vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from pathlib import Path
 
 import torch
 
+from connector.copiers import Copier, make_copier
+from connector.copy_ledger import Fence, PendingStore, StoreLedger
 from connector.cpu_tier import CpuPool
 from connector.disk_format import ChunkFileError, read_chunk_file, read_chunk_into
-from connector.disk_tier import DiskWriter, chunk_path, unlink_chunk
+from connector.disk_tier import DiskWriter, chunk_path, rank_directory, unlink_chunk
+from connector.identity import RankInfo, rank_identity
 from connector.plan import CPU, DISK, LOADED, REMOVED, STORED, LoadOp, Report, StepPlan
 from connector.transfer import PagedKV
 
@@ -34,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerExecutor:
+    """Executes plans for one worker (one rank). ``identity`` is the layout identity
+    and ``disk_dir`` the layout directory, both from the scheduler; ``rank`` is this
+    worker's place in the layout (only the worker knows it)."""
+
     def __init__(
         self,
         paged: PagedKV,
@@ -42,31 +54,41 @@ class WorkerExecutor:
         num_slots: int,
         identity: str,
         disk_dir: Path | None = None,
+        rank: RankInfo | None = None,
         disk_fsync: bool = False,
         disk_max_pending_bytes: int = 256 << 20,
         disk_byte_cap: int | None = None,
         pin_memory: bool = False,
         prefault: bool = True,
         disk_read_threads: int = 2,
+        copier: Copier | None = None,
     ) -> None:
         self.paged = paged
         self.bpc = blocks_per_chunk
         self.identity = identity
+        self.rank = rank if rank is not None else RankInfo()
+        # What this rank's headers carry and what its reads must find.
+        self.file_identity = rank_identity(identity, self.rank)
         self.chunk_shape = paged.chunk_shape(blocks_per_chunk)
+        self.copier = copier if copier is not None else make_copier(paged, blocks_per_chunk)
+        # Pinned host buffers (RAM pool, disk staging) when copies are asynchronous.
+        self._pin = pin_memory
         self.pool = CpuPool(
             num_slots, self.chunk_shape, paged.dtype, pin_memory=pin_memory, prefault=prefault
         )
         self.disk_dir = disk_dir
+        self.rank_dir = rank_directory(disk_dir, self.rank) if disk_dir is not None else None
         self.writer = (
             DiskWriter(
-                disk_dir,
+                self.rank_dir,
                 fsync=disk_fsync,
                 max_pending_bytes=disk_max_pending_bytes,
                 byte_cap=disk_byte_cap,
             )
-            if disk_dir is not None
+            if self.rank_dir is not None
             else None
         )
+        self._stores = StoreLedger()
         self._reader = ThreadPoolExecutor(
             max(1, disk_read_threads), thread_name_prefix="kvroute-disk-reader"
         )
@@ -96,32 +118,53 @@ class WorkerExecutor:
                 continue
             buf.copy_(self.pool.slot(d.slot))
             self.writer.submit(
-                d.key, d.disk_header, buf, on_written=lambda b=buf: self._free_staging(b)
+                d.key,
+                self.stamp(d.disk_header),
+                buf,
+                on_written=lambda b=buf: self._free_staging(b),
             )
         for op in plan.cpu_loads:
             self._load_from_cpu(op)
+        if plan.cpu_loads:
+            self.copier.loads_issued()
+        after = self.copier.compute_marker() if plan.disk_loads else None
         for req_id, ops in plan.disk_loads.items():
             # One task per chunk: several reads in flight keep the device busy while
             # other chunks are verified and scattered (their target blocks are disjoint).
             with self._lock:
                 self._ops_left[req_id] = self._ops_left.get(req_id, 0) + len(ops)
             for op in ops:
-                fut = self._reader.submit(self._load_task, req_id, op)
+                fut = self._reader.submit(self._load_task, req_id, op, after)
                 with self._lock:
                     self._futures.add(fut)
                 fut.add_done_callback(self._forget_future)
 
     def after_forward(self, plan: StepPlan) -> None:
         for s in plan.stores:
-            self.paged.gather(s.block_ids, self.pool.slot(s.slot))
+            fence = self.copier.store(s.block_ids, s.slot, self.pool.slot(s.slot))
             self.pool.mark(s.slot, s.key)
-            self._report(Report(STORED, s.key, CPU))
-            if s.disk_header is not None:
-                if self.writer is None:
-                    self._report(Report(STORED, s.key, DISK, ok=False, error="no_disk"))
-                else:
-                    # No copy: the planner keeps the slot out of use until it reports.
-                    self.writer.submit(s.key, s.disk_header, self.pool.slot(s.slot))
+            self._stores.add(PendingStore(s.key, s.slot, fence, s.disk_header))
+        self._release_stores()
+
+    def _release_stores(self, *, wait: bool = False) -> None:
+        """Report the stores whose copy completed and queue their disk writes."""
+        for st in self._stores.take_completed(wait=wait):
+            self._report(Report(STORED, st.key, CPU))
+            if st.disk_header is None:
+                continue
+            if self.writer is None:
+                self._report(Report(STORED, st.key, DISK, ok=False, error="no_disk"))
+            elif self.pool.key_of(st.slot) != st.key:
+                # Cannot happen while the planner holds the slot for the write.
+                logger.error("kvroute: RAM slot %d reused before its disk write", st.slot)
+                self._report(Report(STORED, st.key, DISK, ok=False, error="slot_mismatch"))
+            else:
+                # No copy: the planner keeps the slot out of use until it reports.
+                self.writer.submit(st.key, self.stamp(st.disk_header), self.pool.slot(st.slot))
+
+    def stamp(self, header: dict) -> dict:
+        """The planner's header with this rank's identity (the scheduler has no rank)."""
+        return dict(header, identity=self.file_identity)
 
     def _staging_buffer(self) -> torch.Tensor | None:
         with self._lock:
@@ -130,7 +173,7 @@ class WorkerExecutor:
             if self._staging_count >= self._staging_max:
                 return None
             self._staging_count += 1
-        return torch.empty(self.chunk_shape, dtype=self.pool.dtype)
+        return torch.empty(self.chunk_shape, dtype=self.pool.dtype, pin_memory=self._pin)
 
     def _free_staging(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -143,8 +186,7 @@ class WorkerExecutor:
             logger.error("kvroute: RAM slot %d does not hold the expected chunk", op.slot)
             self._fail_load(op, "slot_mismatch")
             return
-        src = self.pool.slot(op.slot)[:, op.block_offset : op.block_offset + len(op.block_ids)]
-        self.paged.scatter(op.block_ids, src)
+        self.copier.load(op.slot, self.pool.slot(op.slot), op.block_offset, op.block_ids)
         self._report(Report(LOADED, op.key, CPU, req_id=op.req_id))
 
     def _forget_future(self, fut: Future) -> None:
@@ -152,11 +194,11 @@ class WorkerExecutor:
             self._futures.discard(fut)
 
     @torch.inference_mode()
-    def _load_task(self, req_id: str, op: LoadOp) -> None:
+    def _load_task(self, req_id: str, op: LoadOp, after: Fence | None = None) -> None:
         # inference_mode: vLLM's KV tensors are inference tensors, which may only be
         # updated in place under inference mode (a new thread starts outside it).
         try:
-            self._load_one_from_disk(op)
+            self._load_one_from_disk(op, after)
         except Exception as exc:  # never let a reader error wedge the request
             logger.exception("kvroute: disk load failed: %s", exc)
             self._fail_load(op, "io")
@@ -168,45 +210,46 @@ class WorkerExecutor:
             else:
                 self._ops_left[req_id] = left
 
-    def _load_one_from_disk(self, op: LoadOp) -> None:
-        assert self.disk_dir is not None
-        path = chunk_path(self.disk_dir, op.key)
+    def _load_one_from_disk(self, op: LoadOp, after: Fence | None = None) -> None:
+        assert self.rank_dir is not None
+        path = chunk_path(self.rank_dir, op.key)
         if self.paged.direct_io:
             self._load_direct(op, path)
             return
-        # Other layouts (e.g. CUDA): read into a staging buffer, verify, then scatter.
+        # Other layouts (e.g. CUDA): read into a (pinned) staging buffer, verify, then
+        # copy into the blocks.
         buf = self._thread_buffer()
         try:
-            cf = read_chunk_file(path, self.identity, key=op.key, out=buf)
+            cf = read_chunk_file(path, self.file_identity, key=op.key, out=buf)
             if tuple(cf.payload.shape) != self.chunk_shape or cf.payload.dtype != self.pool.dtype:
                 raise ChunkFileError("payload shape/dtype does not match this KV cache")
         except (ChunkFileError, OSError) as exc:
             self._bad_file(op, path, exc)
             return
-        n = len(op.block_ids)
-        self.paged.scatter(op.block_ids, cf.payload[:, op.block_offset : op.block_offset + n])
+        self.copier.load_host_chunk(cf.payload, op.block_offset, op.block_ids, after)
         self._report(Report(LOADED, op.key, DISK, req_id=op.req_id))
 
     def _bad_file(self, op: LoadOp, path: Path, exc: Exception) -> None:
         """A missing, cut-short, corrupted or foreign file: a miss, removed, recomputed."""
-        assert self.disk_dir is not None
+        assert self.rank_dir is not None
         logger.warning("kvroute: bad or missing chunk file %s: %s", path.name, exc)
         if not isinstance(exc, FileNotFoundError):
-            unlink_chunk(self.disk_dir, op.key)
+            unlink_chunk(self.rank_dir, op.key)
         self._report(Report(REMOVED, op.key, DISK, ok=False, error="corrupt"))
         self._fail_load(op, "corrupt")
 
     def _thread_buffer(self) -> torch.Tensor:
         buf = getattr(self._tls, "read_buf", None)
         if buf is None:
-            buf = torch.empty(self.pool.chunk_bytes, dtype=torch.uint8)
+            pin = self._pin and self.copier.pinned_host
+            buf = torch.empty(self.pool.chunk_bytes, dtype=torch.uint8, pin_memory=pin)
             self._tls.read_buf = buf
         return buf
 
     def _load_direct(self, op: LoadOp, path: Path) -> None:
         """Read the file straight into the destination blocks (blocks the request does
         not need go to a scratch buffer; the checksum covers all)."""
-        assert self.disk_dir is not None
+        assert self.rank_dir is not None
         scratch = memoryview(self._thread_buffer().numpy())
         bb = self.paged.block_bytes()
         n = len(op.block_ids)
@@ -221,7 +264,7 @@ class WorkerExecutor:
         try:
             read_chunk_into(
                 path,
-                self.identity,
+                self.file_identity,
                 key=op.key,
                 buffers=buffers,
                 shape=self.chunk_shape,
@@ -245,6 +288,7 @@ class WorkerExecutor:
             self._reports.append(r)
 
     def take_reports(self) -> list[Report]:
+        self._release_stores()
         if self.writer is not None:
             for w in self.writer.take_results():
                 self._report(Report(STORED, w.key, DISK, ok=w.ok, error=w.error))
@@ -263,7 +307,8 @@ class WorkerExecutor:
         return out
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        """Block until reads and writes in flight are done (tests, shutdown)."""
+        """Block until copies, reads and writes in flight are done (tests, shutdown)."""
+        self._release_stores(wait=True)
         with self._lock:
             futs = list(self._futures)
         for f in futs:

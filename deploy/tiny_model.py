@@ -5,7 +5,7 @@ the benchmarks need a *real* vLLM replica. This module writes a complete Hugging
 model directory (config, byte-level BPE tokenizer with a ChatML template, random
 safetensors weights) in a few seconds.
 
-Design points (see BRIEF.md section 5):
+Design points:
 
 * The tokenizer is a byte-level BPE trained with ``tokenizers`` on a small built-in corpus.
   ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` explicitly so that

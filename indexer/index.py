@@ -24,6 +24,8 @@ read from its block pool and offloading connector (docs/indexer.md restates them
 - ``AllBlocksCleared`` without a medium is the block pool's: the device tier only.
 - A partial block (vLLM's prefix-match unit finer than its block size) is held under a key of
   its own (indexer.keys.partial_key); a lookup probes it past the last full block.
+- On a hybrid model a hit must end where every KV-cache group holds its block: the other
+  groups' device blocks are tracked and cut the device prefix back (``_cap_hybrid``).
 - Media whose publisher never removes anything (LMCache's, llm-d's FS backend) are held as
   *unconfirmed*: apart from the confirmed tiers, counted separately by lookups, and dropped
   after ``unconfirmed_ttl_s`` or beyond ``unconfirmed_max_blocks`` per replica. Chunks larger
@@ -35,9 +37,10 @@ Layout, chosen for memory and lookup speed:
   shared objects.
 - per replica, ``engine_to_key``: vLLM's block hash -> our key, for blocks held in a confirmed
   tier. Insertion order is age, so the oldest entries go first when the entry cap is hit.
-  Reference counts beyond one, parent links (only once the replica sends tier-only stores),
-  resolved chunks and unconfirmed holdings are side tables that stay empty on replicas that
-  do not need them.
+  Parent links are kept for the last few thousand device blocks (for all of them once the
+  replica sends tier-only stores). Reference counts beyond one, resolved chunks, other KV
+  cache groups' blocks and unconfirmed holdings are side tables that stay empty on replicas
+  that do not need them.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from indexer.keys import ExtraKeys, RequestKeys, block_keys, pack_tokens, partial_key, root_key
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
@@ -72,6 +76,10 @@ _GPU = int(Medium.GPU)
 _MAX_CHUNK_BLOCKS = 1024
 _MAX_WALK = 8192
 _GHOST_MAX = 8192
+# Parent links kept before a replica sends its first tier-only store: enough for the chunks
+# that store describes (vLLM offloads a chunk a step or two after computing it).
+_WARM_CHAIN = 4096
+_MAX_UNSIZED = 1024
 _CLASS_NAMES = tuple(
     [t.name for t in (Medium.GPU, Medium.CPU, Medium.STORAGE)]
     + [t.name + "_UNCONFIRMED" for t in (Medium.GPU, Medium.CPU, Medium.STORAGE)]
@@ -225,7 +233,9 @@ class _ReplicaState:
         "confirmed_sources",
         "engine_to_key",
         "ghost",
+        "groups",
         "held",
+        "landing",
         "name",
         "partial_unit",
         "refs",
@@ -233,6 +243,9 @@ class _ReplicaState:
         "slot",
         "tier_counts",
         "unconfirmed_blocks",
+        "unsized",
+        "warm_chain",
+        "whole_loads",
     )
 
     def __init__(self, name: str, slot: int) -> None:
@@ -247,14 +260,28 @@ class _ReplicaState:
         self.tier_counts = [0] * _W
         # (key, class) -> holdings beyond the first (only keys stored more than once)
         self.refs: dict[tuple[int, int], int] = {}
-        # block hash -> parent hash; None until the replica sends a tier-only store
-        self.chain: dict[int, int | None] | None = None
+        # block hash -> parent hash of device stores. Only the last ``_WARM_CHAIN`` or so
+        # (``warm_chain``) until the replica sends a tier-only store, all of them after.
+        self.chain: dict[int, int | None] = {}
+        self.warm_chain = True
+        # class -> hashes of the tier-only stores of the batch being applied: a chunk's walk
+        # stops at them too, as vLLM announces one step's chunks in no particular order
+        self.landing: dict[int, set[int]] = {}
+        # class -> last hashes of chunks stored before the chunk length was learned
+        self.unsized: dict[int, list[int]] = {}
+        # classes published by vLLM's offloading connector (tier-only stores, or stores
+        # without extra keys): it skips a load shorter than one chunk (see ``_trim``)
+        self.whole_loads: set[int] = set()
         # class -> blocks per offloaded chunk, once learned; and the observations so far
         self.chunk_blocks: dict[int, int] = {}
         self.chunk_obs: dict[int, tuple[int, int]] = {}
         # (class, chunk's last hash) -> [the chunk's block hashes, times stored], for tier-only
         # stores: their removal names the last hash only
         self.chunks: dict[tuple[int, int], list] = {}
+        # hybrid models: group (> 0) -> vLLM hash -> [our key, holdings], and our key ->
+        # holdings, of the device blocks that group caches (a Mamba group keeps its state at
+        # a few positions only; vLLM's hit must end on one)
+        self.groups: dict[int, tuple[dict[int, list[int]], dict[int, int]]] = {}
         # recently forgotten hash -> key; None until a store needs resolving by hash only
         self.ghost: dict[int, int] | None = None
         # source -> (class, chunk id) -> unconfirmed holding, oldest first
@@ -374,8 +401,9 @@ class InMemoryPrefixIndex(PrefixIndex):
             state.tier_counts[c] = 0
         state.refs = {k: v for k, v in state.refs.items() if k[1] >= 3}
         state.chunks = {}
-        if state.chain is not None:
-            state.chain = {}
+        state.chain = {}
+        state.unsized = {}
+        state.groups = {}
         if state.ghost is not None:
             state.ghost = {}
 
@@ -423,12 +451,13 @@ class InMemoryPrefixIndex(PrefixIndex):
             state = self._state(replica)
             if state.held:
                 self._expire_state(state, self._clock())
+            events = list(events)
+            state.landing = self._landing(events)
             for event in events:
                 try:
                     if isinstance(event, BlockStored):
                         if event.group_idx:
-                            # Only the full-attention group (0) decides prefix hits we predict.
-                            result.ignored += 1
+                            self._store_group(state, event, result)
                             continue
                         if event.confirmed:
                             state.confirmed_sources.add(source)
@@ -437,7 +466,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                             self._store_unconfirmed(state, event, source, result)
                     elif isinstance(event, BlockRemoved):
                         if event.group_idx:
-                            result.ignored += 1
+                            self._remove_group(state, event, result)
                             continue
                         if event.confirmed:
                             state.confirmed_sources.add(source)
@@ -448,6 +477,8 @@ class InMemoryPrefixIndex(PrefixIndex):
                         state.confirmed_sources.add(source)
                         tier = Medium.GPU if event.medium is None else event.medium
                         self._clear_class(state, int(tier))
+                        if tier is Medium.GPU:
+                            state.groups = {}
                         result.cleared += 1
                     else:
                         result.rejected.append(f"not an event: {type(event).__name__}")
@@ -456,6 +487,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                     result.rejected.append(str(exc))
                     continue
                 result.applied += 1
+            state.landing = {}
             if self._entries > self.max_entries:
                 self._evict(self._entries - self.max_entries)
             if len(self._interned) > 1 << 16:
@@ -482,6 +514,7 @@ class InMemoryPrefixIndex(PrefixIndex):
         if event.extra_keys is None:
             # The publisher does not say which extra keys its blocks had (vLLM's offloading
             # connector): only blocks the device events keyed can be placed.
+            state.whole_loads.add(cls)
             self._want_ghost(state)
             ghost = state.ghost
             for h in event.block_hashes:
@@ -527,11 +560,9 @@ class InMemoryPrefixIndex(PrefixIndex):
             extra = [(event.lora_name,)] * len(hashes)
         keys = block_keys(pack_tokens(event.token_ids), bs, parent=parent, extra_keys=extra)
         chain = state.chain
-        if chain is not None:
-            prev = event.parent_block_hash
-            for h in hashes:
-                chain[h] = prev
-                prev = h
+        chain.update(zip(hashes, (event.parent_block_hash, *hashes[:-1]), strict=False))
+        if state.warm_chain and len(chain) > 2 * _WARM_CHAIN:
+            state.chain = dict(islice(chain.items(), len(chain) - _WARM_CHAIN, None))
         # From the start of a prompt, a store of blocks already held is vLLM re-announcing a
         # prefix-cache hit (never removed): idempotent. Anywhere else it is another copy.
         self._hold_run(state, hashes, keys, _GPU, result, count_dup=parent is not None)
@@ -544,7 +575,13 @@ class InMemoryPrefixIndex(PrefixIndex):
         bs, known = event.block_size, state.block_size
         assert known is not None
         if bs < known and known % bs == 0 and len(event.block_hashes) == 1:
-            parent = self._parent_key(state, event.parent_block_hash)
+            try:
+                parent = self._parent_key(state, event.parent_block_hash)
+            except ValueError:
+                # The parent is a partial unit vLLM hashed but never published (a unit
+                # below half the block): nothing to key this one with.
+                result.unresolved += 1
+                return
             if parent is None:
                 parent = root_key(known)
             extra = event.extra_keys[0] if event.extra_keys else None
@@ -553,8 +590,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             key = partial_key(parent, event.token_ids, extra)
             state.partial_unit = bs
             h = event.block_hashes[0]
-            if state.chain is not None:
-                state.chain[h] = event.parent_block_hash
+            state.chain[h] = event.parent_block_hash
             self._hold(state, h, key, _GPU, result, count_dup=False)
             result.partial_blocks += 1
             return
@@ -673,66 +709,176 @@ class InMemoryPrefixIndex(PrefixIndex):
             return
         if state.engine_to_key.pop(h, None) is not None:
             self._entries -= 1
-        if state.chain is not None:
-            state.chain.pop(h, None)
+        state.chain.pop(h, None)
         ghost = state.ghost
         if ghost is not None:
             ghost[h] = key
             if len(ghost) > _GHOST_MAX:
                 del ghost[next(iter(ghost))]
 
+    # --- hybrid models: the device blocks of the other KV cache groups -----------------------
+
+    def _store_group(self, state: _ReplicaState, event: BlockStored, result: ApplyResult) -> None:
+        """A device store of KV cache group > 0 (Mamba, sliding window). Its blocks carry the
+        same vLLM hashes as group 0's at the same positions, so they are placed through the
+        replica's hash map; a lower tier of such a group is not tracked (never claimed)."""
+        if event.medium is not Medium.GPU or not event.confirmed:
+            result.ignored += 1
+            return
+        by_hash, by_key = state.groups.setdefault(event.group_idx, ({}, {}))
+        for h in event.block_hashes:
+            rec = by_hash.get(h)
+            if rec is None:
+                key = state.engine_to_key.get(h)
+                if key is None:
+                    result.unresolved += 1
+                    continue
+                by_hash[h] = [key, 1]
+                by_key[key] = by_key.get(key, 0) + 1
+            else:
+                rec[1] += 1
+
+    def _remove_group(self, state: _ReplicaState, event: BlockRemoved, result: ApplyResult) -> None:
+        if event.medium is not Medium.GPU or not event.confirmed:
+            result.ignored += 1
+            return
+        group = state.groups.get(event.group_idx)
+        if group is None:
+            result.unresolved += len(event.block_hashes)
+            return
+        by_hash, by_key = group
+        for h in event.block_hashes:
+            rec = by_hash.get(h)
+            if rec is None:
+                result.unresolved += 1
+                continue
+            rec[1] -= 1
+            if rec[1] <= 0:
+                del by_hash[h]
+                key = rec[0]
+                left = by_key.get(key, 0) - 1
+                if left > 0:
+                    by_key[key] = left
+                else:
+                    by_key.pop(key, None)
+
+    def _cap_hybrid(
+        self,
+        request: RequestKeys | None,
+        keys: Sequence[int],
+        states: list[_ReplicaState],
+        block_size: int,
+        out: dict[str, PrefixMatch],
+    ) -> None:
+        """On a hybrid model vLLM's hit is the longest device prefix at whose end every other
+        group holds its block too (a Mamba group's state at that point). Lower tiers of such
+        replicas are not counted: their other groups' copies are not tracked."""
+        for state in states:
+            if not state.groups:
+                continue
+            holders = [by_key for _by_hash, by_key in state.groups.values()]
+            match = out[state.name]
+            device = match.blocks_by_tier.get(Medium.GPU, 0)
+            if match.partial_tokens and device == match.blocks and request is not None:
+                unit = state.partial_unit or block_size
+                pieces = dict(request.partial_keys(block_size, device, unit))
+                key = pieces.get(match.partial_tokens)
+                if key is not None and all(key in h for h in holders):
+                    match.blocks_by_tier = {Medium.GPU: device}
+                    match.unconfirmed_by_tier = {}
+                    continue
+            b = device
+            while b and not all(keys[b - 1] in h for h in holders):
+                b -= 1
+            match.blocks = b
+            match.blocks_by_tier = {Medium.GPU: b} if b else {}
+            match.unconfirmed_by_tier = {}
+            match.partial_tokens = 0
+
     # --- tier-only stores: resolving offloaded chunks ------------------------------------------
+
+    @staticmethod
+    def _landing(events: list[Event]) -> dict[int, set[int]]:
+        """Per class, the hashes a batch's tier-only stores name (see ``_chunk_members``)."""
+        out: dict[int, set[int]] = {}
+        for e in events:
+            if isinstance(e, BlockStored) and not e.token_ids and not e.group_idx:
+                out.setdefault(_cls(e.medium, e.confirmed), set()).update(e.block_hashes)
+        return out
 
     def _store_tier_only(
         self, state: _ReplicaState, hashes: list[int], cls: int, result: ApplyResult
     ) -> None:
-        if state.chain is None:
-            state.chain = {}  # from now on the device stores record their parent links
+        state.warm_chain = False  # from now on every parent link is kept
+        state.whole_loads.add(cls)
         for h in hashes:
-            members = self._chunk_members(state, h, cls)
+            members = self._chunk_members(state, h, cls, result)
             if not members:
                 result.unresolved += 1
                 continue
-            if len(members) > 1:
-                rec = state.chunks.get((cls, h))
-                if rec is None:
-                    state.chunks[(cls, h)] = [members, 1]
-                else:
-                    members = rec[0]
-                    rec[1] += 1
-            for m in members:
-                key = state.engine_to_key.get(m)
-                if key is None:
-                    result.unresolved += 1
-                    continue
-                self._hold(state, m, key, cls, result, count_dup=True)
+            self._hold_chunk(state, h, members, cls, result)
 
-    def _chunk_members(self, state: _ReplicaState, h: int, cls: int) -> tuple[int, ...]:
+    def _hold_chunk(
+        self,
+        state: _ReplicaState,
+        h: int,
+        members: tuple[int, ...],
+        cls: int,
+        result: ApplyResult,
+    ) -> None:
+        if len(members) > 1:
+            rec = state.chunks.get((cls, h))
+            if rec is None:
+                state.chunks[(cls, h)] = [members, 1]
+            else:
+                members = rec[0]
+                rec[1] += 1
+        for m in members:
+            key = state.engine_to_key.get(m)
+            if key is None:
+                result.unresolved += 1
+                continue
+            self._hold(state, m, key, cls, result, count_dup=True)
+
+    def _chunk_members(
+        self, state: _ReplicaState, h: int, cls: int, result: ApplyResult | None = None
+    ) -> tuple[int, ...]:
         """The block hashes of the offloaded chunk whose last block is ``h``.
 
         Offloading stores a prompt's chunks in order, skipping those already held, so when a
-        chunk lands the one before it is held in the same class: the chunk is ``h`` and the
-        blocks before it back to that one, at most a chunk's length. The length is learned
-        per class: until two walks (back to the previous chunk, or to the prompt's start)
-        agree on a gcd, only ``h`` is claimed. Claiming less than the replica holds only
-        loses a prediction; the walk never claims a block past the previous chunk.
+        chunk lands the one before it is held in the same class, or lands in the same batch
+        (vLLM announces one step's chunks in set order): the chunk is ``h`` and the blocks
+        before it back to that one, at most a chunk's length. The length is learned per
+        class: until two walks (back to the previous chunk, or to the prompt's start) agree
+        on a gcd, only ``h`` is claimed, and the chunk is resolved again once the length is
+        known. Claiming less than the replica holds only loses a prediction; the walk never
+        claims a block past the previous chunk.
         """
-        engine_to_key = state.engine_to_key
-        if h not in engine_to_key:
+        if h not in state.engine_to_key:
             return ()
-        chain = state.chain
-        assert chain is not None
         n = state.chunk_blocks.get(cls)
         if n is None:
             self._observe_chunk(state, h, cls)
-            return (h,)
+            n = state.chunk_blocks.get(cls)
+            if n is None or result is None:
+                if n is None:
+                    pending = state.unsized.setdefault(cls, [])
+                    if len(pending) < _MAX_UNSIZED:
+                        pending.append(h)
+                return (h,)
+            self._resolve_unsized(state, cls, n, result)
+        return self._walk_chunk(state, h, cls, n)
+
+    def _walk_chunk(self, state: _ReplicaState, h: int, cls: int, n: int) -> tuple[int, ...]:
+        chain, engine_to_key = state.chain, state.engine_to_key
+        landing = state.landing.get(cls, ())
         bit = 1 << (_W * state.slot + cls)
         masks = self._masks
         members = [h]
         cur = h
         while len(members) < n:
             parent = chain.get(cur)
-            if parent is None:
+            if parent is None or parent in landing:
                 break
             key = engine_to_key.get(parent)
             if key is None or masks.get(key, 0) & bit:
@@ -741,9 +887,37 @@ class InMemoryPrefixIndex(PrefixIndex):
             cur = parent
         return tuple(members)
 
+    def _resolve_unsized(self, state: _ReplicaState, cls: int, n: int, result: ApplyResult) -> None:
+        """The chunk length was just learned: claim the rest of the chunks stored before,
+        which only their last block held so far."""
+        bit = 1 << (_W * state.slot + cls)
+        if cls >= 3:
+            for h in state.unsized.pop(cls, ()):
+                for held in state.held.values():
+                    rec = held.get((cls, h))
+                    if rec is None or len(rec.keys) != 1:
+                        continue
+                    members = self._walk_chunk(state, h, cls, n)
+                    keys = tuple(state.engine_to_key[m] for m in reversed(members))
+                    if len(keys) > 1:
+                        self._unhold(state, rec)
+                        self._hold_unconfirmed(
+                            state, held, (cls, h), keys, cls, rec.expires, result
+                        )
+            return
+        for h in state.unsized.pop(cls, ()):
+            key = state.engine_to_key.get(h)
+            if key is None or not self._masks.get(key, 0) & bit or (cls, h) in state.chunks:
+                continue
+            members = self._walk_chunk(state, h, cls, n)
+            if len(members) > 1:
+                state.chunks[(cls, h)] = [members, 1]
+                for m in members[1:]:
+                    self._hold(state, m, state.engine_to_key[m], cls, result, count_dup=True)
+
     def _observe_chunk(self, state: _ReplicaState, h: int, cls: int) -> None:
         chain, engine_to_key = state.chain, state.engine_to_key
-        assert chain is not None
+        landing = state.landing.get(cls, ())
         bit = 1 << (_W * state.slot + cls)
         masks = self._masks
         cur, steps = h, 0
@@ -754,6 +928,8 @@ class InMemoryPrefixIndex(PrefixIndex):
             steps += 1
             if parent is None:
                 break  # the start of the prompt
+            if parent in landing:
+                break  # the previous chunk, landing in the same batch
             key = engine_to_key.get(parent)
             if key is None:
                 return
@@ -823,15 +999,15 @@ class InMemoryPrefixIndex(PrefixIndex):
         expires = self._clock() + self.unconfirmed_ttl_s
         if not event.token_ids:
             # Tier-only (llm-d's FS backend): chunks named by their last block hash.
-            if state.chain is None:
-                state.chain = {}
+            state.warm_chain = False
+            state.whole_loads.add(cls)
             for h in event.block_hashes:
                 rec = held.get((cls, h))
                 if rec is not None:
                     rec.expires = expires
                     held.move_to_end((cls, h))
                     continue
-                members = self._chunk_members(state, h, cls)
+                members = self._chunk_members(state, h, cls, result)
                 if not members:
                     result.unresolved += 1
                     continue
@@ -1014,8 +1190,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                         if refs:
                             refs.pop((key, c), None)
                 self._set_mask(key, mask & ~(_CONFIRMED << shift))
-                if state.chain is not None:
-                    state.chain.pop(engine_hash, None)
+                state.chain.pop(engine_hash, None)
             self._entries -= len(victims)
             self.evicted_entries += len(victims)
             count -= len(victims)
@@ -1049,8 +1224,10 @@ class InMemoryPrefixIndex(PrefixIndex):
                 else:
                     by_size.setdefault(state.block_size, []).append(state)
             for block_size, states in by_size.items():
-                out.update(self._walk(request.keys(block_size), states, block_size))
+                keys = request.keys(block_size)
+                out.update(self._walk(keys, states, block_size))
                 self._probe_partials(request, states, block_size, out)
+                self._cap_hybrid(request, keys, states, block_size, out)
             return out
 
     def lookup_keys(
@@ -1068,6 +1245,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             out = self._walk(keys, states, block_size)
             if request is not None:
                 self._probe_partials(request, states, block_size, out)
+            self._cap_hybrid(request, keys, states, block_size, out)
             return out
 
     def _probe_partials(
@@ -1166,7 +1344,9 @@ class InMemoryPrefixIndex(PrefixIndex):
                 c[(bits & -bits).bit_length() - 1] += run
 
     def _trim(self, state: _ReplicaState, keys: Sequence[int], blocks: int, c: list[int]) -> int:
-        """End a lower-tier run on a whole chunk of the tier its last block is in."""
+        """End a lower-tier run on a whole chunk of the tier its last block is in. vLLM's
+        offloading connector also skips a load shorter than one chunk (a device prefix that
+        ends inside the only held chunk), so for its tiers such a run counts nothing."""
         shift = _W * state.slot
         get = self._masks.get
 
@@ -1174,8 +1354,11 @@ class InMemoryPrefixIndex(PrefixIndex):
             bits = (get(keys[i], 0) >> shift) & (_SLOT & ~1)
             return (bits & -bits).bit_length() - 1
 
-        n = state.chunk_blocks.get(fastest_lower(blocks - 1), 1)
+        cls = fastest_lower(blocks - 1)
+        n = state.chunk_blocks.get(cls, 1)
         end = max(c[0], blocks // n * n)
+        if cls in state.whole_loads and end - c[0] < n:
+            end = c[0]  # vLLM's offloading connector loads at least a chunk, or nothing
         for i in range(end, blocks):
             c[fastest_lower(i)] -= 1
         return end

@@ -19,7 +19,8 @@ from connector.disk_format import (
     read_chunk_header,
     write_chunk_file,
 )
-from connector.disk_tier import DiskWriter, chunk_path, scan_directory, unlink_chunk
+from connector.disk_scan import scan_directory
+from connector.disk_tier import DiskWriter, chunk_path, unlink_chunk
 from connector.keys import chunk_info
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, block_hashes
 
@@ -118,7 +119,8 @@ def test_writer_reports_disk_full_at_byte_cap(tmp_path: Path) -> None:
     info1, h1, p1 = _chunk(100)
     one_file = write_chunk_file(tmp_path / "..", info0.key, h0, p0)  # measure a file
     os.unlink(tmp_path / ".." / file_name(info0.key))
-    w = DiskWriter(tmp_path, byte_cap=one_file + one_file // 2)  # room for one file
+    # Room for one file (the writer reserves the header bound, not the exact size).
+    w = DiskWriter(tmp_path, byte_cap=disk_format.max_file_size(h0, p0.numel() * 2) + one_file // 2)
     assert w.submit(info0.key, h0, p0)
     assert w.submit(info1.key, h1, p1)
     assert w.flush(10)

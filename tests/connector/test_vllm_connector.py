@@ -21,6 +21,10 @@ from typing import Any
 import pytest
 
 from connector.disk_format import PREFIX_SIZE, read_chunk_file
+from tests.connector.vllm_helpers import complete as _complete
+from tests.connector.vllm_helpers import delta as _delta
+from tests.connector.vllm_helpers import source_hits as _source_hits
+from tests.connector.vllm_helpers import text as _text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -75,26 +79,6 @@ class EventCollector:
         self._ctx.term()
 
 
-def _text(seed: int, words: int) -> str:
-    vocab = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "cache",
-        "router",
-        "replica",
-        "prefix",
-        "token",
-        "block",
-        "chunk",
-        "disk",
-    ]
-    return " ".join(
-        f"{vocab[(seed * 7 + i * 3) % len(vocab)]}{(seed + i) % 97}" for i in range(words)
-    )
-
-
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from deploy.tiny_model import build_tiny_model
@@ -129,37 +113,6 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     finally:
         rep.stop()
         assert not rep.is_running()
-
-
-def _complete(rep: Any, prompt: str, max_tokens: int = 12) -> tuple[list[str], list[float]]:
-    out = rep.post(
-        "/v1/completions",
-        {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "logprobs": 1,
-            "ignore_eos": True,
-        },
-    )
-    lp = out["choices"][0]["logprobs"]
-    return lp["tokens"], lp["token_logprobs"]
-
-
-def _source_hits(rep: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, v in rep.metrics().items():
-        if k.startswith("vllm:prompt_tokens_cached_by_source_total{"):
-            src = k.split('source="', 1)[1].split('"', 1)[0]
-            out[src] = out.get(src, 0.0) + v
-    out["external"] = rep.metric_sum("vllm:external_prefix_cache_hits_total")
-    out["device"] = rep.metric_sum("vllm:prefix_cache_hits_total")
-    return out
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
 def _wait_events(col: EventCollector, pred, timeout: float = 20.0) -> list[Any]:
@@ -234,7 +187,7 @@ def test_ram_then_disk_hits_are_exact_and_published(replica: Any) -> None:
         assert d["device"] < CHUNK  # it really came from the RAM tier
 
         # Restart: RAM is gone, the disk tier is scanned and served.
-        chunk_files = sorted(Path(replica.disk_dir).glob("*/*.kvc"))
+        chunk_files = sorted(Path(replica.disk_dir).glob("*/tp0-pp0/*.kvc"))
         assert len(chunk_files) >= n_chunks
         replica.restart(timeout=300)
         time.sleep(1.0)  # the SUB socket reconnects to the new publisher
@@ -264,7 +217,7 @@ def test_corrupted_disk_chunk_is_recomputed_not_served(replica: Any) -> None:
     ids = replica.post("/tokenize", {"model": "tiny", "prompt": prompt})["tokens"]
     # Corrupt every chunk file of this prompt written in the last seconds (payload bytes
     # only, so the start-up scan still accepts the headers and the damage is found on load).
-    newest = sorted(Path(replica.disk_dir).glob("*/*.kvc"), key=lambda p: p.stat().st_mtime)
+    newest = sorted(Path(replica.disk_dir).glob("*/tp0-pp0/*.kvc"), key=lambda p: p.stat().st_mtime)
     victims = newest[-((len(ids) - 1) // CHUNK) :]
     corrupted: dict[Path, bytes] = {}
     for p in victims:
@@ -291,3 +244,60 @@ def test_corrupted_disk_chunk_is_recomputed_not_served(replica: Any) -> None:
             hlen = struct.unpack_from("<8sIIQ", raw)[2]
             ident = json.loads(raw[PREFIX_SIZE : PREFIX_SIZE + hlen])["identity"]
             read_chunk_file(p, ident)  # raises if the checksum does not verify
+
+
+def test_reset_external_empties_both_tiers_and_announces_it(replica: Any) -> None:
+    """``/reset_prefix_cache?reset_external=true``: every announced chunk gets a
+    ``BlockRemoved`` (CPU and STORAGE), files are removed, nothing is served after."""
+    from indexer.wire import BlockRemoved, BlockStored, Medium
+
+    col = EventCollector(replica.events_endpoint)
+    time.sleep(1.0)
+    try:
+        prompt = _text(95, 420)
+        ref = _complete(replica, prompt)
+
+        def stored_on_disk(ev: list[Any]) -> bool:
+            _complete(replica, _text(96, 10), max_tokens=1)  # a step delivers reports
+            return any(isinstance(e, BlockStored) and e.medium is Medium.STORAGE for e in ev)
+
+        events = _wait_events(col, stored_on_disk, timeout=60)
+        announced = {
+            m: {
+                h
+                for e in events
+                if isinstance(e, BlockStored) and e.medium is m
+                for h in e.block_hashes
+            }
+            for m in (Medium.CPU, Medium.STORAGE)
+        }
+        assert announced[Medium.CPU] and announced[Medium.STORAGE]
+        files = sorted(Path(replica.disk_dir).glob("*/tp0-pp0/*.kvc"))
+        assert files
+        assert replica.post("/reset_prefix_cache?reset_external=true") == {"success": True}
+        _complete(replica, _text(97, 10), max_tokens=1)  # the step that publishes them
+
+        def removed_both(ev: list[Any]) -> bool:
+            got = {e.medium for e in ev if isinstance(e, BlockRemoved)}
+            return {Medium.CPU, Medium.STORAGE} <= got
+
+        after = _wait_events(col, removed_both)
+        removed = {
+            m: {
+                h
+                for e in after
+                if isinstance(e, BlockRemoved) and e.medium is m
+                for h in e.block_hashes
+            }
+            for m in (Medium.CPU, Medium.STORAGE)
+        }
+        assert announced[Medium.CPU] <= removed[Medium.CPU]
+        assert announced[Medium.STORAGE] <= removed[Medium.STORAGE]
+        assert not any(p.exists() for p in files)
+        before = _source_hits(replica)
+        again = _complete(replica, prompt)
+        d = _delta(_source_hits(replica), before)
+        assert again == ref and d["external"] == 0 and d["device"] == 0  # all recomputed
+        assert col.rejected == []
+    finally:
+        col.close()

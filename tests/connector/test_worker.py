@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from connector.disk_format import file_name
-from connector.disk_tier import scan_directory, unlink_chunk
+from connector.disk_scan import scan_layout
+from connector.disk_tier import unlink_chunk_all_ranks
+from connector.identity import RankInfo
 from connector.plan import CPU
 from connector.transfer import PagedKV
 from tests.connector.helpers import (
@@ -65,7 +67,9 @@ def test_restart_serves_from_disk_exactly(tmp_path: Path) -> None:
     paged = make_paged()
     nbytes = _chunk_bytes(paged)
     kw = dict(disk_enabled=True, disk_capacity_bytes=1 << 20, payload_bytes=nbytes)
-    p = make_planner(num_slots=8, **kw, unlink=lambda k: unlink_chunk(tmp_path, k))
+    p = make_planner(
+        num_slots=8, **kw, unlink=lambda k: unlink_chunk_all_ranks(tmp_path, [RankInfo()], k)
+    )
     ex = make_executor(paged, num_slots=8, disk_dir=tmp_path)
     tokens, hashes = _prompt(2, 2)
     want = block_data(paged, list(range(2 * BPC)))
@@ -77,10 +81,12 @@ def test_restart_serves_from_disk_exactly(tmp_path: Path) -> None:
     ex.close()
 
     # "Restart": new planner from a directory scan, new executor, RAM empty.
-    p2 = make_planner(num_slots=8, **kw, unlink=lambda k: unlink_chunk(tmp_path, k))
+    p2 = make_planner(
+        num_slots=8, **kw, unlink=lambda k: unlink_chunk_all_ranks(tmp_path, [RankInfo()], k)
+    )
     from tests.connector.helpers import IDENTITY
 
-    p2.add_disk_entries(scan_directory(tmp_path, IDENTITY))
+    p2.add_disk_entries(scan_layout(tmp_path, IDENTITY, [RankInfo()]))
     assert len(p2.disk) == 2
     paged2 = make_paged()
     for t in paged2.layers:
@@ -117,7 +123,7 @@ def test_corrupt_file_on_load_is_recomputed_and_removed(tmp_path: Path) -> None:
     step(p, ex)
     p.reset_cpu()  # only the disk copy is left
     p.take_events()
-    path = tmp_path / file_name(hashes[BPC - 1])
+    path = tmp_path / RankInfo().dir_name / file_name(hashes[BPC - 1])
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x55
     path.write_bytes(bytes(data))

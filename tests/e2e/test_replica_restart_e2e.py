@@ -53,11 +53,18 @@ def test_killed_replica_then_restarted_with_its_disk_tier(fleet: LocalFleet) -> 
     assert matched > 4 * CHUNK_TOKENS
     # Our connector writes every full chunk through to disk: wait until those events landed.
     wanted = storage_before + (matched // CHUNK_TOKENS - 1) * (CHUNK_TOKENS // BLOCK_SIZE)
-    wait_for(
-        "the probe's chunks in the victim's STORAGE tier",
-        lambda: tiers(fleet, VICTIM).get("STORAGE", 0) >= wanted,
-        20,
-    )
+    # A disk write finishes after its request did, and the worker reports it with the
+    # engine's next step: an idle replica announces it with its next request, so nudge it.
+    nudges = iter(range(1000))
+
+    def on_disk() -> bool:
+        if tiers(fleet, VICTIM).get("STORAGE", 0) >= wanted:
+            return True
+        body = {"model": model, "prompt": f"nudge {next(nudges)}", "max_tokens": 1}
+        victim.post("/v1/completions", body)
+        return False
+
+    wait_for("the probe's chunks in the victim's STORAGE tier", on_disk, 20)
     resets_before = router_stats(fleet)["fleet"]["resets"]
 
     fleet.kill_replica(VICTIM)

@@ -129,14 +129,18 @@ def test_chunks_sharing_blocks_keep_them_until_both_are_gone() -> None:
 
 
 def test_tier_only_chunks_resolve_to_their_blocks_once_the_chunk_length_is_known() -> None:
-    """Chunks of 2 blocks named by their last hash: the first two chunks teach the length (each
-    claims only its last block meanwhile), later chunks resolve to both blocks."""
+    """Chunks of 2 blocks named by their last hash: the first two chunks teach the length (the
+    first claims only its last block meanwhile), then every chunk is claimed whole, the first
+    included. One batch's chunks arrive in any order (vLLM announces them from a set)."""
     index = InMemoryPrefixIndex()
-    # The first tier-only store turns on parent tracking; device events after it are tracked.
+    # Stored before the replica's first tier-only store: its recent parent links are kept.
     index.apply("a", [stored(OTHER, 0, 8), tier_only(OTHER, [1], Medium.CPU)])
+    assert index.block_tiers("a", OTHER)[:2] == [{"GPU"}, {"GPU", "CPU"}]  # learning
     index.apply("a", [stored(DOC, 0, 8)])
-    index.apply("a", [tier_only(DOC, [1, 3], Medium.CPU)])  # learning: last blocks only
+    index.apply("a", [tier_only(DOC, [3, 1], Medium.CPU)])  # later chunk first
     assert index.summary()[0].chunk_blocks == {"CPU": 2}
+    assert index.block_tiers("a", OTHER)[:2] == [{"GPU", "CPU"}] * 2  # resolved again
+    assert index.block_tiers("a", DOC)[:4] == [{"GPU", "CPU"}] * 4
     index.apply("a", [tier_only(DOC, [5, 7], Medium.CPU)])
     index.apply("a", [removed(DOC, [4, 5, 6, 7])])
     match = index.lookup(DOC)["a"]
@@ -144,10 +148,10 @@ def test_tier_only_chunks_resolve_to_their_blocks_once_the_chunk_length_is_known
     # The removal names the last block only, and takes the whole chunk.
     index.apply("a", [BlockRemoved([ehash(tuple(DOC[:32]))], Medium.CPU)])
     assert index.lookup(DOC)["a"].blocks == 6
-    # DOC 1 (also OTHER's block 1, held twice), DOC 3, and DOC 4-5
-    assert index.summary()[0].entries_by_tier["CPU"] == 4
+    # DOC 0-1 (also OTHER's, held twice), DOC 2-3 and DOC 4-5
+    assert index.summary()[0].entries_by_tier["CPU"] == 6
     index.apply("a", [removed(DOC, [0, 1, 2, 3])])
-    assert index.lookup(DOC)["a"].blocks == 0  # block 0 was never claimed in the CPU tier
+    assert index.lookup(DOC)["a"].blocks_by_tier == {Medium.CPU: 6}
 
 
 def test_device_reset_clears_the_device_tier_only() -> None:
@@ -231,10 +235,12 @@ def test_an_fs_stream_resolves_through_the_device_stream_and_keeps_its_own_histo
     index = InMemoryPrefixIndex()
     fs = {"medium": Medium.STORAGE, "confirmed": False, "medium_name": "SHARED_STORAGE"}
     index.apply("a", [stored(OTHER, 0, 8)], source="vllm")
-    index.apply("a", [tier_only(OTHER, [1, 3], **fs)], source="fs")  # turns on tracking
+    # Two chunks in one batch teach the length (2 blocks) at once.
+    index.apply("a", [tier_only(OTHER, [1, 3], **fs)], source="fs")
+    assert index.summary()[0].chunk_blocks == {"STORAGE_UNCONFIRMED": 2}
     learn, doc = list(range(300, 332)), list(range(500, 532))
     index.apply("a", [stored(learn, 0, 8), stored(doc, 0, 8)], source="vllm")
-    index.apply("a", [tier_only(learn, [1, 3], **fs)], source="fs")  # learns: 2 blocks
+    index.apply("a", [tier_only(learn, [1, 3], **fs)], source="fs")
     index.apply("a", [tier_only(doc, [1, 3, 5, 7], **fs)], source="fs")
     index.apply("a", [removed(doc, list(range(8)))], source="vllm")
     match = index.lookup(doc)["a"]
@@ -242,7 +248,7 @@ def test_an_fs_stream_resolves_through_the_device_stream_and_keeps_its_own_histo
     # A gap in the device stream clears what removals it may have missed, not the FS tier.
     index.clear_source("a", "vllm", restarted=False)
     assert index.lookup(doc)["a"].unconfirmed_by_tier == {Medium.STORAGE: 8}
-    assert index.lookup(learn)["a"].blocks == 0
+    assert index.lookup(learn)["a"].unconfirmed_by_tier == {Medium.STORAGE: 4}
     index.clear_source("a", "fs", restarted=False)  # it never removes: nothing to clear
     assert index.lookup(doc)["a"].blocks == 8
     index.clear_source("a", "fs", restarted=True)

@@ -599,7 +599,7 @@ def test_a_second_stream_of_the_replica_resolves_through_the_first(
             # Chunks of 2 blocks, named by their last block: blocks 1, 3, 5, 7.
             learn_last = [ehash(tuple(learn[: 4 * b])) for b in (2, 4, 6, 8)]
             doc_last = [ehash(tuple(DOC[: 4 * b])) for b in (2, 4, 6, 8)]
-            fs.stored(learn_last[:1])  # turns on parent tracking (nothing tracked so far)
+            fs.stored(learn_last[:1])  # one walk: the length is not known yet
             time.sleep(0.3)
             # Both prompts computed again: their device stores are tracked now.
             pub.publish([removed(learn, list(range(8))), removed(DOC, list(range(8)))])
@@ -622,10 +622,11 @@ def test_a_second_stream_of_the_replica_resolves_through_the_first(
             snapshot = collect_stats(index, subscriber).to_dict()
             assert snapshot["fleet"]["unknown_media"] == {"TAPE": 1}
             entry = snapshot["replicas"]["r1"]
-            # learn's three chunks claimed their last block only while the length was learned
-            assert entry["unconfirmed_entries_by_tier"]["STORAGE"] == 3 + 8
+            # learn's three chunks (the first claimed whole once the length was learned), DOC's 4
+            assert entry["unconfirmed_entries_by_tier"]["STORAGE"] == 6 + 8
             assert entry["chunk_blocks"] == {"STORAGE_UNCONFIRMED": 2}
-            assert entry["streams"][fs.endpoint]["unconfirmed_blocks"] == 11
+            # blocks stored by the stream, the first chunk's last block counted twice
+            assert entry["streams"][fs.endpoint]["unconfirmed_blocks"] == 15
             # vLLM's stream restarting clears its tiers, not the FS backend's
             subscriber.clear_replica("r1", "test: restart")
             assert index.lookup(DOC)["r1"].blocks == 0

@@ -1,0 +1,39 @@
+"""``kvroute bench connector``'s CUDA section: its code path runs on CPU with a fake
+device (the figures then mean nothing), and without CUDA it reports "unavailable"."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from bench.connector_bench import _cuda_tiers, _device_tiers, add_arguments
+from connector.copiers import AsyncCopier
+from tests.connector.fake_device import FakeBackend
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    small = "--chunk-tokens 8 --block-size 4 --layers 2 --kv-heads 2 --head-size 8"
+    return parser.parse_args([*small.split(), "--chunks", "3", "--repeats", "2"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_the_cuda_section_reports_unavailable_without_a_device() -> None:
+    assert _cuda_tiers(_args()) == {"cuda": "unavailable"}
+
+
+def test_the_device_section_compares_our_path_with_plain_copies() -> None:
+    args = _args()
+    res = _device_tiers(
+        args,
+        torch.device("cpu"),
+        lambda: None,
+        pin=False,
+        copier=lambda paged: AsyncCopier(paged, 2, FakeBackend()),
+    )
+    assert res["bytes_per_measurement"] == 3 * res["chunk_bytes"]
+    for k in ("store_vs_pinned_copy", "load_vs_pinned_copy", "d2h_store_gbps", "h2d_load_gbps"):
+        assert res[k] > 0
