@@ -36,6 +36,7 @@ freshness. A feed that loses history clears only what its stream can no longer v
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -75,6 +76,12 @@ log = logging.getLogger(__name__)
 _digest = xxhash.xxh3_64_intdigest
 # How often a feed's thread drops the replica's unconfirmed holdings past their time.
 _EXPIRE_EVERY_S = 1.0
+# The largest event message accepted from a publisher. vLLM sends one batch per engine step;
+# even a 128k-token prefill's batch is well under 2 MiB.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# libzmq reconnects a peer that went away by itself, but never one it dropped for a protocol
+# error (a frame past MAXMSGSIZE): a connection down this long is re-made by hand.
+_RECONNECT_AFTER_S = 3.0
 
 
 def moot_prefix(frames: Sequence[Frame]) -> tuple[int, int] | None:
@@ -486,6 +493,7 @@ class _FeedThread(threading.Thread):
         *,
         replay_timeout_s: float,
         stale_clear_after_s: float,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         name = feed.source.replica + (f"-{feed.source.stream}" if feed.source.stream else "")
         super().__init__(name=f"kv-feed-{name}", daemon=True)
@@ -493,6 +501,7 @@ class _FeedThread(threading.Thread):
         self.ctx = ctx
         self.replay_timeout_s = replay_timeout_s
         self.stale_clear_after_s = stale_clear_after_s
+        self.max_message_bytes = max_message_bytes
         self.stop_event = threading.Event()
         if feed.source.replay_endpoint:
             feed.replay = self._replay
@@ -503,6 +512,7 @@ class _FeedThread(threading.Thread):
         assert endpoint is not None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         frames: list[Frame] = []
         deadline = time.monotonic() + self.replay_timeout_s
         try:
@@ -532,6 +542,9 @@ class _FeedThread(threading.Thread):
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        # A frame past this makes ZMQ drop the publisher's connection unread (re-made below;
+        # the sequence gap then asks for a replay): one oversized publisher costs its own feed.
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
@@ -540,6 +553,7 @@ class _FeedThread(threading.Thread):
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         stale_since: float | None = None
+        down_since: float | None = None
         next_expiry = time.monotonic() + _EXPIRE_EVERY_S
         try:
             sub.connect(source.endpoint)
@@ -549,8 +563,9 @@ class _FeedThread(threading.Thread):
                     event = recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         self.feed.mark_disconnected()
-                        stale_since = time.monotonic()
+                        stale_since = down_since = time.monotonic()
                     elif event["event"] == zmq.EVENT_CONNECTED:
+                        down_since = None
                         if self.feed.mark_connected():
                             self.feed.resync()
                         else:
@@ -565,6 +580,11 @@ class _FeedThread(threading.Thread):
                             break
                         self.feed.handle_frames(frames)
                 now = time.monotonic()
+                if down_since is not None and now - down_since > _RECONNECT_AFTER_S:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sub.disconnect(source.endpoint)
+                    sub.connect(source.endpoint)
+                    down_since = now
                 if stale_since is not None and now - stale_since > self.stale_clear_after_s:
                     self.feed.publisher_gone(self.stale_clear_after_s)
                     stale_since = None
@@ -592,8 +612,10 @@ class EventSubscriber:
         context: zmq.Context | None = None,
         replay_timeout_s: float = 5.0,
         stale_clear_after_s: float = 30.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.index = index
+        self.max_message_bytes = max_message_bytes
         self.ctx = context or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
         self.stale_clear_after_s = stale_clear_after_s
@@ -614,6 +636,7 @@ class EventSubscriber:
                 feed,
                 self.ctx,
                 replay_timeout_s=self.replay_timeout_s,
+                max_message_bytes=self.max_message_bytes,
                 stale_clear_after_s=self.stale_clear_after_s,
             )
             self._threads[key] = thread

@@ -105,12 +105,14 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:
         """What the router would do with this completion or chat body, without sending it."""
-        raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
-        body = decode_json(raw)
+        raw = await read_body(
+            request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s
+        )
+        body = decode_json(raw, service.limits)
         kind = request.query_params.get("kind") or debug_kind(body)
         if kind not in ("chat", "completion"):
             raise RouterError(400, "kind must be 'chat' or 'completion'", param="kind")
-        parsed = parse_body(raw, kind)  # type: ignore[arg-type]
+        parsed = parse_body(raw, kind, service.limits)  # type: ignore[arg-type]
         candidates = service.candidates(parsed.model)
         session = request.headers.get(settings.session_header)
         decision = await service.router.decide(parsed, candidates, session)
@@ -127,8 +129,10 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     @app.post("/debug/tokenizer_check")
     async def tokenizer_check_body(request: Request) -> Response:
         """Self-check on the caller's own completion or chat body (model, prompt/messages)."""
-        raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
-        body = decode_json(raw)
+        raw = await read_body(
+            request.scope, request.receive, settings.max_body_bytes, settings.body_timeout_s
+        )
+        body = decode_json(raw, service.limits)
         sample = {k: v for k, v in body.items() if k != "model"}
         parse_body(json.dumps(body).encode(), debug_kind(body))  # 400 on a bad body
         results = await service.check_tokenizer([sample])

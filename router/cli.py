@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
     proxy.add_argument("--max-attempts", type=int, default=d.max_attempts)
     proxy.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    proxy.add_argument("--max-json-depth", type=int, default=d.max_json_depth)
+    proxy.add_argument("--max-messages", type=int, default=d.max_messages)
+    proxy.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s)
+    proxy.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
     proxy.add_argument("--max-connections", type=int, default=d.max_connections)
     health = parser.add_argument_group("health")
     health.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
@@ -152,6 +156,10 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         read_timeout_s=args.read_timeout_s,
         max_attempts=args.max_attempts,
         max_body_bytes=args.max_body_bytes,
+        max_json_depth=args.max_json_depth,
+        max_messages=args.max_messages,
+        body_timeout_s=args.body_timeout_s,
+        max_in_flight=args.max_in_flight,
         max_connections=args.max_connections,
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,

@@ -64,14 +64,23 @@ class ProxyEndpoint:
         request_id = request_id_of(scope)
         sent = _SendTracker(send)
         send = sent
+        settings = service.settings
+        service.in_flight += 1
         try:
-            raw = await read_body(scope, receive, service.settings.max_body_bytes)
+            if service.in_flight > settings.max_in_flight:
+                raise RouterError(
+                    429,
+                    f"the router is proxying its limit of {settings.max_in_flight} requests; "
+                    "retry later",
+                    headers={"retry-after": str(settings.retry_after_s)},
+                )
+            raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_timeout_s)
             if self.kind in ("completion", "chat"):
                 await self._routed(scope, receive, send, raw, request_id)
             else:
                 await self._passthrough(scope, receive, send, raw, request_id)
         except RouterError as exc:
-            outcome = "client_error" if exc.status < 500 else "unavailable"
+            outcome = "client_error" if exc.status < 500 and exc.status != 429 else "unavailable"
             service.metrics.request(self.label, outcome)
             await exc.response(request_id)(scope, receive, send)
         except ClientGone:
@@ -84,12 +93,14 @@ class ProxyEndpoint:
                 await RouterError(500, "internal router error").response(request_id)(
                     scope, receive, send
                 )
+        finally:
+            service.in_flight -= 1
 
     async def _routed(
         self, scope: Scope, receive: Receive, send: Send, raw: bytes, request_id: str
     ) -> None:
         service = self.service
-        parsed = parse_body(raw, self.kind)  # type: ignore[arg-type]
+        parsed = parse_body(raw, self.kind, service.limits)  # type: ignore[arg-type]
         candidates = service.candidates(parsed.model)
         started = time.perf_counter()
         session = _header(scope, service.settings.session_header.encode())
@@ -105,7 +116,7 @@ class ProxyEndpoint:
     ) -> None:
         """/tokenize and /detokenize: any healthy replica serving the model, least loaded."""
         service = self.service
-        body = decode_json(raw)
+        body = decode_json(raw, service.limits)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise RouterError(400, "'model' must be a string", param="model")

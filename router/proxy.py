@@ -124,8 +124,22 @@ def downstream_headers(
     return headers
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body, or 413 as soon as it is known to exceed ``limit``."""
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, timeout_s: float | None = None
+) -> bytes:
+    """The whole request body, or 413 as soon as it is known to exceed ``limit``, or 408 when
+    it has not fully arrived ``timeout_s`` after the request began (a trickling client must
+    not hold a connection and its buffer for ever)."""
+    if timeout_s is None:
+        return await _read_body(scope, receive, limit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(scope, receive, limit)
+    except TimeoutError:
+        raise RouterError(408, f"request body not received within {timeout_s:g} s") from None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:

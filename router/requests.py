@@ -15,10 +15,22 @@ import msgspec
 
 from router.errors import RouterError
 
-__all__ = ["ParsedRequest", "parse_body"]
+__all__ = ["ParsedRequest", "RequestLimits", "decode_json", "parse_body"]
 
 Kind = Literal["completion", "chat"]
 _decode = msgspec.json.Decoder().decode
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what a body may hold, so a hostile one is a quick 400, never a 500 or a stall
+    (the body's byte size is bounded before parsing: ``RouterSettings.max_body_bytes``)."""
+
+    max_json_depth: int = 128
+    max_messages: int = 10_000
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass(slots=True)
@@ -43,16 +55,40 @@ def _bad(message: str, param: str | None = None) -> RouterError:
     return RouterError(400, message, param=param)
 
 
-def decode_json(raw: bytes) -> dict[str, Any]:
+def decode_json(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     if not raw:
         raise _bad("request body is empty; expected a JSON object")
     try:
         body = _decode(raw)
     except msgspec.DecodeError as exc:
         raise _bad(f"request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise _bad(
+            f"request body is not valid UTF-8 (byte {exc.start}): JSON text must be UTF-8"
+        ) from None
+    except RecursionError:
+        raise _bad(_too_deep(limits.max_json_depth)) from None
     if not isinstance(body, dict):
         raise _bad(f"request body must be a JSON object, got {type(body).__name__}")
+    _check_depth(body, limits.max_json_depth)
     return body
+
+
+def _too_deep(limit: int) -> str:
+    return f"request body nests objects and arrays deeper than {limit} levels"
+
+
+def _check_depth(body: dict[str, Any], limit: int) -> None:
+    """Iterative, and it skips lists of scalars (token ids) at C speed."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise _bad(_too_deep(limit))
+        values = node.values() if isinstance(node, dict) else node
+        for v in values:
+            if isinstance(v, dict | list):
+                stack.append((v, depth + 1))
 
 
 def _opt(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
@@ -113,9 +149,11 @@ def _check_prompt(prompt: object) -> str | list[int]:
     )
 
 
-def _check_messages(messages: object) -> list[dict[str, Any]]:
+def _check_messages(messages: object, limit: int) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of message objects", "messages")
+    if len(messages) > limit:
+        raise _bad(f"'messages' holds {len(messages)} messages; the limit is {limit}", "messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _bad(f"messages[{i}] must be an object", "messages")
@@ -133,8 +171,8 @@ def _check_messages(messages: object) -> list[dict[str, Any]]:
     return messages
 
 
-def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
-    body = decode_json(raw)
+def parse_body(raw: bytes, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    body = decode_json(raw, limits)
     model, stream = _check_common(body)
     cache_salt = body.get("cache_salt")
     if kind == "completion":
@@ -152,7 +190,7 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
         )
     if "messages" not in body:
         raise _bad("'messages' is required", "messages")
-    messages = _check_messages(body["messages"])
+    messages = _check_messages(body["messages"], limits.max_messages)
     add_gen = _opt(body, "add_generation_prompt", bool, "a boolean")
     cont = _opt(body, "continue_final_message", bool, "a boolean") or False
     # vLLM's defaults: add_generation_prompt=True, and both True is refused.

@@ -135,8 +135,12 @@ class Router:
             else None
         )
 
-    async def tokens(self, req: ParsedRequest) -> list[int] | None:
-        return None if self.tokenizer is None else await self.tokenizer.encode(req)
+    async def tokens(
+        self, req: ParsedRequest, candidates: list[Replica] | None = None
+    ) -> list[int] | None:
+        if self.tokenizer is None:
+            return None
+        return await self.tokenizer.encode(req, _max_model_len(req.model, candidates or []))
 
     def _freshness(self, replica: Replica) -> tuple[str | None, str | None]:
         if replica.config.events is None or self.subscriber is None:
@@ -147,7 +151,7 @@ class Router:
     async def decide(
         self, req: ParsedRequest, candidates: list[Replica], session_id: str | None = None
     ) -> Decision:
-        tokens = await self.tokens(req)
+        tokens = await self.tokens(req, candidates)
         lora = req.model if any(r.is_lora(req.model) for r in candidates) else None
         views: dict[str, ReplicaView] = {}
         for r in candidates:
@@ -272,3 +276,15 @@ class Router:
         self.home_rate.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)
+
+
+def _max_model_len(model: str, candidates: list[Replica]) -> int | None:
+    """The largest context length the candidates' model cards give (vLLM's ``/v1/models``
+    reports ``max_model_len``): a prompt past it fits no candidate."""
+    lens = [
+        card["max_model_len"]
+        for r in candidates
+        if isinstance(card := r.models.get(model), dict)
+        and isinstance(card.get("max_model_len"), int)
+    ]
+    return max(lens) if lens and len(lens) == len(candidates) else None

@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.proxy import Forwarder
 from router.replicas import Replica, ReplicaRegistry
+from router.requests import RequestLimits
 from router.routing import Router
 from router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
 from router.upstream import UpstreamClient
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 class RouterService:
     def __init__(self, settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> None:
         self.settings = settings
+        self.in_flight = 0  # requests the proxied endpoints are handling (max_in_flight)
+        self.limits = RequestLimits(
+            max_json_depth=settings.max_json_depth, max_messages=settings.max_messages
+        )
         self.index = InMemoryPrefixIndex(
             max_entries=settings.index_max_entries,
             unconfirmed_ttl_s=settings.unconfirmed_ttl_s,

@@ -54,6 +54,22 @@ log = logging.getLogger(__name__)
 
 # Encoding long texts blocks the event loop; above this many characters it runs in a thread.
 _INLINE_CHARS = 4096
+# A text longer than the context length times this is first counted on its head only: past
+# the model's limit there, the whole is too long too, and tokenizing 1M words took 7.6 s.
+_HEAD_CHARS_PER_TOKEN = 8
+# BPE tokens may merge across the cut: the head's count may exceed its share by a few.
+_CUT_MARGIN = 8
+
+
+def too_long(limit: int, at_least: int, param: str) -> RouterError:
+    """vLLM's answer to a prompt past the context length, given before tokenizing it all."""
+    return RouterError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, your prompt has "
+        f"at least {at_least} tokens.",
+        param=param,
+    )
+
 
 _SELF_CHECK_SAMPLES: list[dict[str, Any]] = [
     {"prompt": "The quick brown fox jumps over the lazy dog. 12345 <b>tags</b> \u00e9t\u00e9"},
@@ -149,8 +165,9 @@ class TokenizerBase(ABC):
     mode: str
 
     @abstractmethod
-    async def encode(self, req: ParsedRequest) -> list[int]:
-        """The prompt ids the replica will see (the first prompt of a batch)."""
+    async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
+        """The prompt ids the replica will see (the first prompt of a batch). With
+        ``max_model_len``, a prompt that certainly exceeds it is a 400 (``too_long``)."""
 
     def stats(self) -> dict[str, Any]:
         return {"mode": self.mode}
@@ -277,22 +294,30 @@ class LocalTokenizer(TokenizerBase):
         self._render_cache.put(key, text)
         return text
 
-    def encode_sync(self, req: ParsedRequest) -> list[int]:
+    def encode_sync(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
         if req.kind == "completion":
             prompt = req.prompt
             if isinstance(prompt, list):
+                _check_ids(prompt, max_model_len)
                 return prompt
             assert isinstance(prompt, str)
-            return self.encode_text(prompt, req.add_special_tokens)
-        return self.encode_text(self.render_chat(req), req.add_special_tokens)
+            text, param = prompt, "prompt"
+        else:
+            text, param = self.render_chat(req), "messages"
+        if max_model_len is not None and len(text) > max_model_len * _HEAD_CHARS_PER_TOKEN:
+            head = self._encode_text(text[: max_model_len * _HEAD_CHARS_PER_TOKEN], False)
+            if len(head) - _CUT_MARGIN > max_model_len:
+                raise too_long(max_model_len, len(head) - _CUT_MARGIN, param)
+        return self.encode_text(text, req.add_special_tokens)
 
-    async def encode(self, req: ParsedRequest) -> list[int]:
+    async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
         if req.kind == "completion" and isinstance(req.prompt, list):
+            _check_ids(req.prompt, max_model_len)
             return req.prompt
         size = len(req.prompt) if isinstance(req.prompt, str) else _messages_chars(req.messages)
         if size <= _INLINE_CHARS:
-            return self.encode_sync(req)
-        return await asyncio.to_thread(self.encode_sync, req)
+            return self.encode_sync(req, max_model_len)
+        return await asyncio.to_thread(self.encode_sync, req, max_model_len)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -310,6 +335,11 @@ class LocalTokenizer(TokenizerBase):
                 "misses": self._segment_cache.misses,
             },
         }
+
+
+def _check_ids(prompt: list[int], max_model_len: int | None) -> None:
+    if max_model_len is not None and len(prompt) > max_model_len:
+        raise too_long(max_model_len, len(prompt), "prompt")
 
 
 def _messages_chars(messages: list[dict[str, Any]] | None) -> int:
@@ -339,8 +369,9 @@ class RemoteTokenizer(TokenizerBase):
         self.pick_url = pick_url
         self._cache: LRU[bytes, list[int]] = LRU(cache_entries)
 
-    async def encode(self, req: ParsedRequest) -> list[int]:
+    async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
         if req.kind == "completion" and isinstance(req.prompt, list):
+            _check_ids(req.prompt, max_model_len)
             return req.prompt
         body = tokenize_body(req)
         key = hashlib.blake2b(msgspec.msgpack.encode(body), digest_size=16).digest()

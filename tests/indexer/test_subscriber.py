@@ -632,3 +632,31 @@ def test_a_second_stream_of_the_replica_resolves_through_the_first(
             assert index.lookup(DOC)["r1"].blocks == 0
     finally:
         fs.close()
+
+
+def test_an_oversized_message_costs_its_publisher_only(index: InMemoryPrefixIndex) -> None:
+    """A frame past ``max_message_bytes`` makes ZMQ drop that publisher's connection; the
+    frame is never decoded, the other replica's feed goes on, and the publisher's next
+    batches arrive after it reconnects (the lost ones through the sequence gap's replay)."""
+    sub = EventSubscriber(index, replay_timeout_s=0.5, max_message_bytes=64 * 1024)
+    try:
+        with publisher() as big, publisher() as fine:
+            connect(sub, big, "r1")
+            connect(sub, fine, "r2")
+            time.sleep(0.4)
+            huge = list(range(100_000, 100_000 + 40_000))  # ~160 KiB of token ids
+            big.publish([stored(huge, 0, len(huge) // 4)])
+            fine.publish([stored(DOC, 0, 4)])
+            wait_for(lambda: blocks(index, "r2") == 4)
+            assert index.lookup(huge).get("r1") is None or index.lookup(huge)["r1"].blocks == 0
+
+            def back() -> bool:
+                big.publish([stored(DOC, 0, 2)])
+                time.sleep(0.1)
+                return blocks(index, "r1") == 2
+
+            wait_for(back, timeout=15)
+            assert index.lookup(huge)["r1"].blocks == 0  # the oversized batch was never applied
+            assert blocks(index, "r2") == 4
+    finally:
+        sub.close()

@@ -59,6 +59,18 @@ CASES = [
     ("/tokenize", b'{"model": "nope", "prompt": "x"}', 404, "model"),
     ("/debug/route", b'{"model": "tiny"}', 400, "prompt"),
     ("/debug/route", b"nope", 400, None),
+    # not UTF-8 inside a JSON string: msgspec raises UnicodeDecodeError, not a DecodeError
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),
+    ("/tokenize", b'{"model": "tiny", "prompt": "\xc3"}', 400, None),
+    # nesting past the parser's recursion limit, and past the router's own depth limit
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, None),
+    ("/v1/completions", b'{"a":' * 5000 + b"1" + b"}" * 5000, 400, None),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "x", "x": ' + b"[" * 200 + b"]" * 200 + b"}",
+        400,
+        None,
+    ),
 ]
 
 
@@ -103,6 +115,46 @@ def test_body_too_large(local_tokenizer) -> None:
             ).status_code
             == 200
         )
+
+
+def test_limits_are_settings_and_name_what_was_exceeded(local_tokenizer) -> None:
+    from router_fleet import make_fleet
+
+    with make_fleet(local_tokenizer, max_json_depth=4, max_messages=2) as fleet:
+        deep = {"model": "tiny", "prompt": "x", "extra": {"a": {"b": {"c": {}}}}}  # 5 levels
+        resp = httpx.post(f"{fleet.url}/v1/completions", json=deep)
+        _assert_openai_error(resp, 400, None)
+        assert "deeper than 4 levels" in resp.json()["error"]["message"]
+        ok = {"model": "tiny", "prompt": "x", "extra": {"a": {"b": {}}}}  # 4 levels
+        assert httpx.post(f"{fleet.url}/v1/completions", json=ok).status_code == 200
+        many = {"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 3}
+        resp = httpx.post(f"{fleet.url}/v1/chat/completions", json=many)
+        _assert_openai_error(resp, 400, "messages")
+        assert "the limit is 2" in resp.json()["error"]["message"]
+        assert sum(len(f.seen) for f in fleet.fakes) == 1
+
+
+def test_a_prompt_past_the_context_length_is_refused_before_it_is_tokenized(
+    fleet: Fleet,
+) -> None:
+    """The fake replicas report max_model_len 4096 in /v1/models, as vLLM does. A prompt whose
+    head alone exceeds it is refused from that head (not 1M words tokenized first)."""
+    huge = " ".join(f"w{i % 97}" for i in range(1_000_000))
+    with httpx.Client(base_url=fleet.url, timeout=60) as client:
+        resp = client.post("/v1/completions", json={"model": "tiny", "prompt": huge})
+        _assert_openai_error(resp, 400, "prompt")
+        assert "maximum context length is 4096 tokens" in resp.json()["error"]["message"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": huge}]}
+        _assert_openai_error(client.post("/v1/chat/completions", json=chat), 400, "messages")
+        ids = {"model": "tiny", "prompt": list(range(5000))}
+        resp = client.post("/v1/completions", json=ids)
+        _assert_openai_error(resp, 400, "prompt")
+        assert "at least 5000 tokens" in resp.json()["error"]["message"]
+        assert sum(len(f.seen) for f in fleet.fakes) == 0
+        # Long but within the limit: routed as usual.
+        fine = " ".join(f"w{i % 97}" for i in range(1500))
+        ok = client.post("/v1/completions", json={"model": "tiny", "prompt": fine})
+        assert ok.status_code == 200, ok.text
 
 
 def test_unknown_path_and_method(fleet: Fleet) -> None:

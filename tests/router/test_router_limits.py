@@ -1,0 +1,61 @@
+"""The router bounds what a client can make it hold: requests in flight (429 with
+Retry-After past ``max_in_flight``, not an unbounded queue) and the time a request body may
+take to arrive (408: a trickling client does not keep its connection and buffer)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+from router_fake_vllm import FakeKnobs
+from router_fleet import make_fleet
+
+
+def test_past_max_in_flight_the_router_answers_429(local_tokenizer) -> None:
+    knobs = [FakeKnobs(delay_s=1.0)]
+    with make_fleet(local_tokenizer, n=1, knobs=knobs, max_in_flight=2, hint_ttl_s=0) as fleet:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as client:
+                body = {"model": "tiny", "prompt": "hold on", "max_tokens": 1}
+                return await asyncio.gather(
+                    *(client.post("/v1/completions", json=body) for _ in range(5))
+                )
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes == [200, 200, 429, 429, 429], codes
+        refused = [r for r in asyncio.run(burst()) if r.status_code == 429]
+        assert refused and all(r.headers["retry-after"] == "2" for r in refused)
+        error = refused[0].json()["error"]
+        assert error["code"] == 429 and error["type"] == "RateLimitError"
+        # The slots are given back: one at a time, everything is served.
+        for _ in range(3):
+            ok = httpx.post(
+                f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30
+            )
+            assert ok.status_code == 200
+        assert fleet.service.in_flight == 0
+        metrics = httpx.get(f"{fleet.url}/metrics").text
+        assert 'kvroute_requests_total{endpoint="completions",outcome="unavailable"}' in metrics
+
+
+def test_a_body_that_trickles_in_is_cut_off_with_408(local_tokenizer) -> None:
+    with make_fleet(local_tokenizer, n=1, body_timeout_s=0.5) as fleet:
+        url = urlsplit(fleet.url)
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny", '
+            )
+            started = time.monotonic()
+            answer = sock.recv(65536)
+            waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b'"code":408' in answer.replace(b" ", b"")
+        assert waited < 5  # bounded by the setting, not by the client
+        assert sum(len(f.seen) for f in fleet.fakes) == 0
+        ok = httpx.post(f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert ok.status_code == 200
