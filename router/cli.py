@@ -117,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     proxy.add_argument("--max-json-depth", type=int, default=d.max_json_depth)
     proxy.add_argument("--max-messages", type=int, default=d.max_messages)
     proxy.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s)
+    proxy.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s)
     proxy.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
+    proxy.add_argument("--retry-after-s", type=int, default=d.retry_after_s)
     proxy.add_argument("--max-connections", type=int, default=d.max_connections)
     health = parser.add_argument_group("health")
     health.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
@@ -159,7 +161,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_json_depth=args.max_json_depth,
         max_messages=args.max_messages,
         body_timeout_s=args.body_timeout_s,
+        client_write_timeout_s=args.client_write_timeout_s,
         max_in_flight=args.max_in_flight,
+        retry_after_s=args.retry_after_s,
         max_connections=args.max_connections,
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,

@@ -166,6 +166,8 @@ class RouterSettings:
     max_json_depth: int = 128
     max_messages: int = 10_000
     body_timeout_s: float = 30.0  # the whole body must arrive within this (408 otherwise)
+    # A streaming client that reads nothing for this long is given up (its request cancelled)
+    client_write_timeout_s: float = 60.0
     # Requests this router proxies at once; past it, 429 with Retry-After instead of queueing
     max_in_flight: int = 4096
     retry_after_s: int = 2
@@ -217,8 +219,10 @@ class RouterSettings:
             raise ConfigError("unconfirmed_ttl_s must be > 0, unconfirmed_max_blocks >= 0")
         if self.max_body_bytes < 1 or self.max_json_depth < 2 or self.max_messages < 1:
             raise ConfigError("max_body_bytes >= 1, max_json_depth >= 2, max_messages >= 1")
-        if self.body_timeout_s <= 0 or self.max_in_flight < 1:
-            raise ConfigError("body_timeout_s must be > 0 and max_in_flight >= 1")
+        if self.body_timeout_s <= 0 or self.client_write_timeout_s <= 0:
+            raise ConfigError("body_timeout_s and client_write_timeout_s must be > 0")
+        if self.max_in_flight < 1:
+            raise ConfigError("max_in_flight must be >= 1")
 
     def replace(self, **changes: Any) -> RouterSettings:
         return dataclasses.replace(self, **changes)

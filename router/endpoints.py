@@ -161,7 +161,13 @@ class ProxyEndpoint:
                         if decision is not None:
                             service.router.first_byte(decision, replica, seconds)
 
-                    tail, error = await send_stream(send, upstream, request_id, on_first_byte)
+                    tail, error = await send_stream(
+                        send,
+                        upstream,
+                        request_id,
+                        on_first_byte,
+                        client_timeout_s=service.settings.client_write_timeout_s,
+                    )
                     delivered = cached_tokens_from_sse(tail)
                     outcome = "midstream_error" if error else "ok"
                     complete = error is None

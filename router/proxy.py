@@ -87,7 +87,7 @@ _RETRY_STATUS = frozenset({502, 503, 504})
 
 
 class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
+    """The client disconnected, or stopped reading the answer for longer than allowed."""
 
 
 def request_id_of(scope: Scope) -> str:
@@ -310,8 +310,13 @@ async def send_stream(
     request_id: str,
     on_first_byte: Callable[[float], None],
     tail_bytes: int = 8192,
+    client_timeout_s: float | None = None,
 ) -> tuple[bytes, str | None]:
-    """Relay an SSE body chunk by chunk. Returns (last bytes of the stream, error or None)."""
+    """Relay an SSE body chunk by chunk. Returns (last bytes of the stream, error or None).
+
+    The server's ``send`` waits while the client's socket buffer is full, which also stops
+    reading upstream: memory stays bounded. A client that reads nothing for
+    ``client_timeout_s`` is given up (``ClientGone``), so it cannot hold a replica's slot."""
     await send(
         {
             "type": "http.response.start",
@@ -329,7 +334,15 @@ async def send_stream(
             if first:
                 on_first_byte(time.perf_counter() - upstream.started)
                 first = False
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            message = {"type": "http.response.body", "body": chunk, "more_body": True}
+            if client_timeout_s is None:
+                await send(message)
+            else:
+                try:
+                    async with asyncio.timeout(client_timeout_s):
+                        await send(message)
+                except TimeoutError:
+                    raise ClientGone() from None
             tail = (tail + chunk)[-tail_bytes:]
     except UpstreamError as exc:
         error = f"upstream stream from {upstream.replica.name} failed: {exc!r}"

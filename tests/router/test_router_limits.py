@@ -51,7 +51,12 @@ def test_a_body_that_trickles_in_is_cut_off_with_408(local_tokenizer) -> None:
                 b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny", '
             )
             started = time.monotonic()
-            answer = sock.recv(65536)
+            answer = b""
+            while b'"code"' not in answer:
+                part = sock.recv(65536)
+                if not part:
+                    break
+                answer += part
             waited = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert b'"code":408' in answer.replace(b" ", b"")
@@ -59,3 +64,43 @@ def test_a_body_that_trickles_in_is_cut_off_with_408(local_tokenizer) -> None:
         assert sum(len(f.seen) for f in fleet.fakes) == 0
         ok = httpx.post(f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert ok.status_code == 200
+
+
+def test_a_client_that_stops_reading_a_stream_is_given_up() -> None:
+    """send_stream waits on the server's send (a full client socket buffer); past the
+    timeout it gives the client up, which closes the upstream stream (the caller cancels)."""
+    from types import SimpleNamespace
+
+    from router.proxy import ClientGone, send_stream
+
+    async def chunks():  # an endless upstream stream
+        while True:
+            yield b"data: {}\n\n"
+            await asyncio.sleep(0)
+
+    upstream = SimpleNamespace(
+        status=200,
+        raw_headers=[],
+        replica=SimpleNamespace(name="r0"),
+        started=time.perf_counter(),
+        response=SimpleNamespace(chunks=chunks),
+    )
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) > 3:
+            await asyncio.Event().wait()  # the client's buffer is full, for ever
+
+    async def relay() -> None:
+        await send_stream(send, upstream, "req", lambda _s: None, client_timeout_s=0.2)
+
+    started = time.monotonic()
+    try:
+        asyncio.run(relay())
+    except ClientGone:
+        pass
+    else:
+        raise AssertionError("a client that never reads was not given up")
+    assert time.monotonic() - started < 5
+    assert len(sent) == 4
