@@ -8,7 +8,7 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo
 STAMP := $(VENV)/.kvroute-installed-$(VLLM_EXTRA)
 PIP_QUIET := --quiet --disable-pip-version-check --no-input
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install browser test test-fast lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,13 +19,25 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import indexer, vllm, torch; print('kvroute environment ready: vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $@
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# The dashboard tests drive Debian's headless Chromium (tests/router/browser.py). Installed
+# here when missing and we can (root with apt-get); otherwise those tests FAIL saying why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium and chromium-driver (dashboard browser tests)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else \
+	    echo "WARNING: chromium/chromedriver missing and apt-get is not usable here: the dashboard tests will fail; install chromium and chromium-driver"; \
+	  fi; \
+	fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	KVROUTE_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider
@@ -33,8 +45,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not vllm" -p no:cacheprovider
 
+# The demo prints each router's dashboard URL; `make demo DEMO_ARGS=--keep` keeps it up.
 demo: $(STAMP)
-	$(VENV)/bin/kvroute demo
+	$(VENV)/bin/kvroute demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvroute bench indexer --json

@@ -313,11 +313,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=w.seed)
     parser.add_argument("--json-out", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the report, keep the fleet and routers up (watch /dashboard) until Ctrl-C",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     import httpx
-    from tqdm import tqdm
+
+    from deploy.progress import progress
 
     workload = Workload(
         conversations=args.conversations,
@@ -357,6 +363,7 @@ def main(args: argparse.Namespace) -> int:
                 + ", ".join(f"{p} {u}" for p, u in urls.items()),
                 flush=True,
             )
+            print(dashboard_line(urls), flush=True)
             _warm_up(fleet)
             runs: dict[str, list[RunResult]] = {p: [] for p in policies}
             stats: dict[str, Any] = {}
@@ -368,7 +375,7 @@ def main(args: argparse.Namespace) -> int:
                 time.sleep(0.5)  # let the AllBlocksCleared events reach the index
                 total = workload.conversations * workload.turns
                 before = served_counts(fleet)
-                with tqdm(total=total, desc=f"{policy:<12}", unit="req", leave=True) as bar:
+                with progress(total, f"{policy:<12}", "req") as bar:
                     result = run_workload(
                         urls[policy],
                         fleet.served_model_name,
@@ -390,9 +397,47 @@ def main(args: argparse.Namespace) -> int:
                     time.sleep(0.5)  # the router records a stream's usage after relaying it
                     stats = _get_json(urls["kvroute"] + "/index/stats")
             results = [_merge(runs[p]) for p in policies]
+            _print_report(stats, workload, args.rounds, results)
+            if args.keep:
+                _keep_up(urls)
     except (FleetError, ValueError, OSError, httpx.HTTPError) as exc:
         print(f"kvroute demo: {exc}", file=sys.stderr)
         return 1
+    print(f"done in {time.perf_counter() - t0:.0f}s; every process stopped.")
+    if args.json_out:
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "workload": asdict(workload),
+                    "results": [r.summary() for r in results],
+                    "index_stats": stats,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    failed = sum(r.errors for r in results)
+    return 1 if failed else 0
+
+
+def dashboard_line(urls: dict[str, str]) -> str:
+    """Where to watch each router live (GET /dashboard)."""
+    return "dashboard: " + ", ".join(f"{u}/dashboard ({p})" for p, u in urls.items())
+
+
+def _keep_up(urls: dict[str, str]) -> None:
+    """``--keep``: leave the fleet and routers up for a person to look, until Ctrl-C."""
+    print(f"--keep: the fleet stays up; {dashboard_line(urls)}. Ctrl-C stops it.", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping the fleet...", flush=True)
+
+
+def _print_report(
+    stats: dict[str, Any], workload: Workload, rounds: int, results: list[RunResult]
+) -> None:
     print()
     print("Router /index/stats (kvroute router, after its run):")
     print(format_stats(stats))
@@ -400,7 +445,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"Workload per run: {workload.conversations} conversations x {workload.turns} turns, "
         f"{workload.concurrency} at a time, shared system prompt, {workload.max_tokens} "
-        f"output tokens per turn; {args.rounds} run(s) per policy, caches reset before each."
+        f"output tokens per turn; {rounds} run(s) per policy, caches reset before each."
     )
     print(format_table(results))
     for r in results:
@@ -419,21 +464,6 @@ def main(args: argparse.Namespace) -> int:
             "note: some responses reported no cached_tokens (replica without "
             "--enable-prompt-tokens-details); they count as prompt tokens only."
         )
-    print(f"done in {time.perf_counter() - t0:.0f}s; every process stopped.")
-    if args.json_out:
-        args.json_out.write_text(
-            json.dumps(
-                {
-                    "workload": asdict(workload),
-                    "results": [r.summary() for r in results],
-                    "index_stats": stats,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    failed = sum(r.errors for r in results)
-    return 1 if failed else 0
 
 
 def _warm_up(fleet: LocalFleet) -> None:

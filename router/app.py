@@ -1,7 +1,10 @@
 """``create_app(settings)``: the router as a FastAPI app, usable in-process or under uvicorn.
 
 The proxied endpoints are raw ASGI routes (router.endpoints); the rest are ordinary FastAPI
-handlers. Every error, including unknown paths and wrong methods, is in OpenAI's schema.
+handlers. Every path the router does not serve itself, with any method, is passed through to
+a replica (a catch-all route, last), so kvroute is a drop-in gateway for a vLLM fleet: an
+unknown path gets the replica's own answer (and ``x-kvroute-replica``). The router's own
+errors are in OpenAI's schema.
 """
 
 from __future__ import annotations
@@ -18,21 +21,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.config import RouterSettings
+from router.dashboard import add_dashboard
+from router.dashboard_data import DashboardData
 from router.endpoints import ProxyEndpoint, debug_kind
 from router.errors import RouterError, error_response
+from router.openapi import PROXIED, add_proxied_paths
 from router.proxy import read_body
 from router.requests import decode_json, parse_body
+from router.response_ids import ResponseHomes
 from router.service import RouterService
 from router.tokenization import TokenizerBase
 
 __all__ = ["create_app"]
-
-_PROXIED = (
-    ("/v1/completions", "completion"),
-    ("/v1/chat/completions", "chat"),
-    ("/tokenize", "tokenize"),
-    ("/detokenize", "detokenize"),
-)
 
 
 def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> FastAPI:
@@ -51,8 +51,20 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
 
     app = FastAPI(title="kvroute router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
-    for path, kind in _PROXIED:
-        app.router.routes.append(Route(path, ProxyEndpoint(service, kind, path), methods=["POST"]))
+    # Which replica stores each Responses object (router.response_ids), for every endpoint.
+    homes = app.state.response_homes = ResponseHomes()
+    for path, operations in PROXIED.items():
+        (kind,) = {op.kind for op in operations.values()}
+        endpoint = ProxyEndpoint(service, kind, path, homes)
+        app.router.routes.append(Route(path, endpoint, methods=[m.upper() for m in operations]))
+    generated = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_proxied_paths(generated())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:
@@ -139,4 +151,10 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         ok = bool(results) and all(r["ok"] for r in results)
         return JSONResponse({"ok": ok, "results": results})
 
+    add_dashboard(app, DashboardData(service).snapshot)  # GET /dashboard, /dashboard/data
+
+    # Last: any other path, any method (a method a route above does not take included), is
+    # the replicas' to answer. ``methods=None``: every method.
+    catch_all = ProxyEndpoint(service, "other", "/", homes)
+    app.router.routes.append(Route("/{path:path}", catch_all, methods=None))
     return app

@@ -16,6 +16,7 @@ from router.config import (
     ConfigError,
     CostSettings,
     RouterSettings,
+    parse_model_tokenizer_flag,
     parse_replica_flag,
 )
 
@@ -30,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP]",
-        help="a vLLM replica and where it publishes KV events (repeatable)",
+        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP,dp=N|auto]",
+        help="a vLLM replica and where it publishes KV events (repeatable); dp=N: a "
+        "data-parallel server, each rank routed to as <name>#dp<r> (auto: ask the server)",
     )
     fleet.add_argument(
         "--replicas-file",
@@ -50,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=d.stale_clear_after_s,
         help="drop a silent replica's index entries after this long",
+    )
+    fleet.add_argument(
+        "--event-max-mib-per-s",
+        type=float,
+        default=d.event_max_mib_per_s,
+        help="per event stream: a publisher sending more is cleared and its events dropped "
+        "until it slows down (a real vLLM replica sends well under 1 MiB/s); 0: no limit",
     )
     fleet.add_argument("--index-max-entries", type=int, default=d.index_max_entries)
     fleet.add_argument(
@@ -84,6 +93,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the startup comparison with a replica's /tokenize",
     )
     routing.add_argument(
+        "--tokenizer-chat-template",
+        default=None,
+        metavar="FILE",
+        help="the chat template file the replicas run (vLLM's --chat-template), for --tokenizer",
+    )
+    routing.add_argument(
+        "--tokenizer-content-format",
+        choices=("auto", "string", "openai"),
+        default=d.tokenizer_content_format,
+        help="the replicas' --chat-template-content-format",
+    )
+    routing.add_argument(
+        "--model-tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH[,chat_template=FILE][,content_format=F]",
+        help="a model's own tokenizer (and its replicas' chat template); repeatable. "
+        "Its LoRA adapters use it too; other models use --tokenizer, or the replicas",
+    )
+    routing.add_argument(
+        "--tokenizer-check-every",
+        type=int,
+        default=d.tokenizer_check_every,
+        help="compare every Nth request's local ids with a replica's, in the background "
+        "(0: never); a mismatch switches that model to remote tokenization",
+    )
+    routing.add_argument(
+        "--tokenizer-clean-checks",
+        type=int,
+        default=d.tokenizer_clean_checks,
+        help="clean checks in a row that return a switched model to local tokenization",
+    )
+    routing.add_argument(
+        "--no-tokenizer-render",
+        action="store_true",
+        help="remote tokenization: use /tokenize only, never vLLM's render endpoints",
+    )
+    routing.add_argument(
         "--hint-ttl-s",
         type=float,
         default=d.hint_ttl_s,
@@ -116,9 +163,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     proxy.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     proxy.add_argument("--max-json-depth", type=int, default=d.max_json_depth)
     proxy.add_argument("--max-messages", type=int, default=d.max_messages)
+    proxy.add_argument(
+        "--max-n", type=int, default=d.max_n, help="most sequences (n) one request may ask for"
+    )
     proxy.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s)
+    proxy.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=d.header_timeout_s,
+        help="close a connection that has not sent a request's complete headers this long "
+        "after opening (or after its next request began)",
+    )
     proxy.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s)
     proxy.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
+    proxy.add_argument(
+        "--max-pending-per-replica",
+        type=int,
+        default=d.max_pending_per_replica,
+        help="a replica with this many requests pending takes no more; 503 when all have "
+        "(0: no bound; a few times vLLM's --max-num-seqs is a good value)",
+    )
     proxy.add_argument("--retry-after-s", type=int, default=d.retry_after_s)
     proxy.add_argument("--max-connections", type=int, default=d.max_connections)
     health = parser.add_argument_group("health")
@@ -145,6 +209,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         watch_interval_s=args.watch_interval_s,
         replay_timeout_s=args.replay_timeout_s,
         stale_clear_after_s=args.stale_clear_after_s,
+        event_max_mib_per_s=args.event_max_mib_per_s,
         index_max_entries=args.index_max_entries,
         unconfirmed_ttl_s=args.unconfirmed_ttl_s,
         unconfirmed_max_blocks=args.unconfirmed_max_blocks,
@@ -152,6 +217,12 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         tokenizer=args.tokenizer,
         tokenizer_mode=args.tokenizer_mode,
         tokenizer_check_on_start=not args.no_tokenizer_check,
+        tokenizer_chat_template=args.tokenizer_chat_template,
+        tokenizer_content_format=args.tokenizer_content_format,
+        model_tokenizers=dict(parse_model_tokenizer_flag(v) for v in args.model_tokenizer),
+        tokenizer_check_every=args.tokenizer_check_every,
+        tokenizer_clean_checks=args.tokenizer_clean_checks,
+        tokenizer_render=not args.no_tokenizer_render,
         host=args.host,
         port=args.port,
         connect_timeout_s=args.connect_timeout_s,
@@ -160,9 +231,12 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_body_bytes=args.max_body_bytes,
         max_json_depth=args.max_json_depth,
         max_messages=args.max_messages,
+        max_n=args.max_n,
         body_timeout_s=args.body_timeout_s,
+        header_timeout_s=args.header_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         max_in_flight=args.max_in_flight,
+        max_pending_per_replica=args.max_pending_per_replica,
         retry_after_s=args.retry_after_s,
         max_connections=args.max_connections,
         health_interval_s=args.health_interval_s,
@@ -179,6 +253,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
+    from router.http_protocol import header_deadline_protocol
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -198,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
         port=settings.port,
         workers=1,  # the index and the in-flight counts live in this process
         loop="uvloop" if has("uvloop") else "asyncio",
-        http="httptools" if has("httptools") else "h11",
+        http=header_deadline_protocol(settings.header_timeout_s),
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=5,

@@ -6,9 +6,13 @@ without events is still routed to, by load only: the index simply knows nothing 
 Some cache engines publish on a socket of their own beside vLLM's (llm-d's FS backend):
 ``aux`` endpoints, any number, subscribed to with every topic and no replay.
 
-Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP]...``.
-File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...]}, ...]`` or
-a bare list of the same mappings or URL strings. The file is re-read while the router runs
+A server started with vLLM's data parallelism runs N engines behind one URL: ``dp=N`` (or
+``dp=auto``: ask its ``/kv_event_sources``) makes each engine a routing target of its own
+(router/dp.py).
+
+Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]``.
+File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp}, ...]``
+or a bare list of the same mappings or URL strings. The file is re-read while the router runs
 (router.watcher).
 """
 
@@ -26,9 +30,11 @@ __all__ = [
     "POLICIES",
     "ConfigError",
     "CostSettings",
+    "ModelTokenizerConfig",
     "ReplicaConfig",
     "RouterSettings",
     "load_replicas_file",
+    "parse_model_tokenizer_flag",
     "parse_replica",
     "parse_replica_flag",
 ]
@@ -48,12 +54,31 @@ class ReplicaConfig:
     topic: str = ""
     name: str | None = None
     aux: tuple[str, ...] = ()
+    # Data parallelism (router/dp.py). On a configured server: its number of engine ranks
+    # (one routing target each) or "auto" (ask its /kv_event_sources). On a rank's target,
+    # made by the router: the rank (sent as X-data-parallel-rank) and its server's name.
+    dp: int | str | None = None
+    dp_rank: int | None = None
+    server: str | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"replica url must be http(s)://host:port, got {self.url!r}")
         object.__setattr__(self, "url", self.url.rstrip("/"))
+        if self.dp is not None:
+            if self.dp != "auto" and (
+                isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1
+            ):
+                raise ConfigError(f"replica dp must be an integer >= 1 or 'auto', got {self.dp!r}")
+            if self.aux and self.dp != 1:
+                raise ConfigError("aux= streams cannot be combined with dp= (which rank's?)")
+            if self.dp_rank is None:
+                from router.dp import static_targets  # router.dp builds on this module
+
+                static_targets(self)  # each rank's endpoints can be derived (ConfigError)
+        if self.dp_rank is None and self.name and "#" in self.name:
+            raise ConfigError(f"replica name {self.name!r}: '#' is kept for data-parallel ranks")
 
     @property
     def key(self) -> str:
@@ -115,6 +140,9 @@ class CostSettings:
             "rebuilding": 1.0,
             "stale": 0.25,
             "connecting": 0.0,
+            # Cleared when throttled; nothing is held, and a hint left from before is not
+            # believed either.
+            "throttled": 0.0,
         }
     )
 
@@ -146,6 +174,21 @@ class CostSettings:
             raise ConfigError("cost.queue_s_per_request_max must be >= queue_s_per_request")
 
 
+@dataclass(frozen=True, slots=True)
+class ModelTokenizerConfig:
+    """One model's local tokenizer (``--model-tokenizer MODEL=PATH[,chat_template=FILE]
+    [,content_format=auto|string|openai]``): ``chat_template`` is the file the replicas
+    serving the model were started with (vLLM's ``--chat-template``)."""
+
+    path: str
+    chat_template: str | None = None
+    content_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.content_format not in ("auto", "string", "openai"):
+            raise ConfigError("content_format must be auto, string or openai")
+
+
 @dataclass(slots=True)
 class RouterSettings:
     replicas: list[ReplicaConfig] = field(default_factory=list)
@@ -165,11 +208,19 @@ class RouterSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_json_depth: int = 128
     max_messages: int = 10_000
+    max_n: int = 128  # sequences per request (400 past it)
     body_timeout_s: float = 30.0  # the whole body must arrive within this (408 otherwise)
+    # A connection must send a request's complete headers within this (slowloris), or it is
+    # closed (router/http_protocol.py).
+    header_timeout_s: float = 10.0
     # A streaming client that reads nothing for this long is given up (its request cancelled)
     client_write_timeout_s: float = 60.0
     # Requests this router proxies at once; past it, 429 with Retry-After instead of queueing
     max_in_flight: int = 4096
+    # A replica with this many requests pending (vLLM's running + waiting, or this router's
+    # in flight to it) takes no more; when every candidate has, 503 with Retry-After.
+    # 0: no bound (vLLM's own queue is unbounded). Set it to a few times --max-num-seqs.
+    max_pending_per_replica: int = 0
     retry_after_s: int = 2
     # Replica health and load signals
     health_interval_s: float = 2.0
@@ -181,6 +232,9 @@ class RouterSettings:
     # Index feed
     replay_timeout_s: float = 5.0
     stale_clear_after_s: float = 30.0
+    # Per event stream: a publisher past this many MiB/s of events is cleared and dropped
+    # until it slows down (indexer/budget.py); 0 turns the budget off.
+    event_max_mib_per_s: float = 8.0
     index_max_entries: int = 8_000_000
     # Tiers whose publisher never announces removals (LMCache, llm-d's FS backend): how long
     # an entry is believed after its last store, and how many blocks a replica may hold so.
@@ -202,6 +256,18 @@ class RouterSettings:
     tokenizer_cache_entries: int = 4096
     tokenizer_segment_cache_entries: int = 65536
     tokenizer_check_on_start: bool = True
+    # The replicas' --chat-template (a file) and --chat-template-content-format, for the
+    # default tokenizer; per model (and its LoRA adapters): model_tokenizers.
+    tokenizer_chat_template: str | None = None
+    tokenizer_content_format: str = "auto"
+    model_tokenizers: dict[str, ModelTokenizerConfig] = field(default_factory=dict)
+    # Live check (router/token_check.py): every Nth request of a model is also tokenized by
+    # a replica, in the background (0: off); after a mismatch the model is tokenized
+    # remotely until this many clean checks in a row.
+    tokenizer_check_every: int = 100
+    tokenizer_clean_checks: int = 3
+    # Remote tokenization asks vLLM's render endpoints first (exact; multimodal hashes).
+    tokenizer_render: bool = True
     # Process-wide GC tuning; for the server process only (kvroute serve sets it).
     gc_freeze: bool = False
 
@@ -210,6 +276,10 @@ class RouterSettings:
             raise ConfigError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.tokenizer_mode not in ("local", "remote"):
             raise ConfigError("tokenizer_mode must be 'local' or 'remote'")
+        if self.tokenizer_check_every < 0 or self.tokenizer_clean_checks < 1:
+            raise ConfigError("tokenizer_check_every must be >= 0, tokenizer_clean_checks >= 1")
+        if self.tokenizer_content_format not in ("auto", "string", "openai"):
+            raise ConfigError("tokenizer_content_format must be auto, string or openai")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be >= 1")
         names = [r.key for r in self.replicas]
@@ -217,10 +287,23 @@ class RouterSettings:
             raise ConfigError(f"replica names must be unique: {names}")
         if self.unconfirmed_ttl_s <= 0 or self.unconfirmed_max_blocks < 0:
             raise ConfigError("unconfirmed_ttl_s must be > 0, unconfirmed_max_blocks >= 0")
-        if self.max_body_bytes < 1 or self.max_json_depth < 2 or self.max_messages < 1:
-            raise ConfigError("max_body_bytes >= 1, max_json_depth >= 2, max_messages >= 1")
-        if self.body_timeout_s <= 0 or self.client_write_timeout_s <= 0:
-            raise ConfigError("body_timeout_s and client_write_timeout_s must be > 0")
+        if (
+            self.max_body_bytes < 1
+            or self.max_json_depth < 2
+            or self.max_messages < 1
+            or self.max_n < 1
+        ):
+            raise ConfigError(
+                "max_body_bytes >= 1, max_json_depth >= 2, max_messages >= 1, max_n >= 1"
+            )
+        if min(self.body_timeout_s, self.client_write_timeout_s, self.header_timeout_s) <= 0:
+            raise ConfigError(
+                "body_timeout_s, client_write_timeout_s and header_timeout_s must be > 0"
+            )
+        if self.event_max_mib_per_s < 0:
+            raise ConfigError("event_max_mib_per_s must be >= 0 (0: no budget)")
+        if self.max_pending_per_replica < 0:
+            raise ConfigError("max_pending_per_replica must be >= 0 (0: no bound)")
         if self.max_in_flight < 1:
             raise ConfigError("max_in_flight must be >= 1")
 
@@ -228,8 +311,19 @@ class RouterSettings:
         return dataclasses.replace(self, **changes)
 
 
+def _parse_dp(value: object) -> int | str | None:
+    """``dp``: a rank count (``2``, ``"2"``) or ``"auto"``; anything else is refused."""
+    if value is None or value == "auto":
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"replica dp must be an integer >= 1 or 'auto', got {value!r}")
+
+
 def parse_replica_flag(value: str) -> ReplicaConfig:
-    """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1``."""
+    """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1[,dp=2]``."""
     url, *options = [part.strip() for part in value.split(",")]
     fields: dict[str, str] = {}
     aux: list[str] = []
@@ -237,16 +331,34 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
         if not option:
             continue
         name, sep, val = option.partition("=")
-        if not sep or name not in ("events", "replay", "topic", "name", "aux"):
+        if not sep or name not in ("events", "replay", "topic", "name", "aux", "dp"):
             raise ConfigError(
                 f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux="
+                "name=, aux=, dp="
             )
         if name == "aux":
             aux.append(val)
         else:
             fields[name] = val
-    return ReplicaConfig(url=url, aux=tuple(aux), **fields)
+    dp = _parse_dp(fields.pop("dp", None))
+    return ReplicaConfig(url=url, aux=tuple(aux), dp=dp, **fields)
+
+
+def parse_model_tokenizer_flag(value: str) -> tuple[str, ModelTokenizerConfig]:
+    """``MODEL=PATH[,chat_template=FILE][,content_format=F]`` -> (model, config)."""
+    head, *options = [part.strip() for part in value.split(",")]
+    model, sep, path = head.partition("=")
+    if not sep or not model or not path:
+        raise ConfigError(f"--model-tokenizer wants MODEL=PATH[,chat_template=FILE]: {value!r}")
+    fields: dict[str, str] = {}
+    for option in options:
+        name, sep, val = option.partition("=")
+        if not sep or name not in ("chat_template", "content_format"):
+            raise ConfigError(
+                f"bad --model-tokenizer option {option!r}: use chat_template=, content_format="
+            )
+        fields[name] = val
+    return model, ModelTokenizerConfig(path, **fields)
 
 
 def parse_replica(item: object) -> ReplicaConfig:
@@ -255,7 +367,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         return parse_replica_flag(item)
     if not isinstance(item, dict):
         raise ConfigError(f"replica entry must be a URL or a mapping, got {item!r}")
-    unknown = set(item) - {"url", "events", "replay", "topic", "name", "aux"}
+    unknown = set(item) - {"url", "events", "replay", "topic", "name", "aux", "dp"}
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
     if not isinstance(item.get("url"), str):
@@ -275,6 +387,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         topic=item.get("topic") or "",
         name=item.get("name"),
         aux=tuple(aux),
+        dp=_parse_dp(item.get("dp")),
     )
 
 

@@ -1,27 +1,45 @@
 """The proxied endpoints as raw ASGI apps (see router.proxy for why not framework handlers).
 
-``ProxyEndpoint(service, kind)`` serves /v1/completions, /v1/chat/completions, /tokenize and
-/detokenize: read the body (413 past the limit), validate what routing needs (400), pick the
-candidates (404/503), rank them, forward the original bytes, relay the answer, and record
-the outcome, latency and predicted vs delivered cached tokens.
+``ProxyEndpoint(service, kind, path)`` serves every path the router forwards: read the body
+(413 past the limit), find what routing needs, pick the candidates (404/503), rank them,
+forward the original bytes with the original method and query string, relay the answer
+(streamed when it is SSE), and record the outcome, latency and predicted vs delivered cached
+tokens. How a kind is ranked:
+
+- ``completion``, ``chat``: by the prompt's cached prefix (router.requests validates).
+- ``responses``, ``messages``, ``embeddings``, ``pooling``, ``classify``, ``score``,
+  ``rerank``, ``generate``: by the prompt's cached prefix too, read by router.prompts; a
+  body without a prompt the router can read goes by load. A Responses create that continues
+  a stored response (``previous_response_id``) goes where that response is stored.
+- ``response`` (``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel``): to the replica
+  that created it (router.response_ids), or, for an id the router does not know, to each
+  healthy replica in turn until one answers other than 404.
+- ``tokenize``, ``detokenize``, ``audio``, ``other`` (any path without a route of its own,
+  any method): by load, the least pending healthy replica serving the body's ``model`` when
+  the body is JSON naming a known model. Bodies (multipart included) pass untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from functools import partial
 from typing import Any
 
+import msgspec
+
 from router.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from router.errors import RouterError
+from router.prompts import PROMPT_PARSERS
 from router.proxy import (
     ClientGone,
     DisconnectWatch,
     Receive,
     Scope,
     Send,
+    Upstream,
     downstream_headers,
     read_body,
     request_id_of,
@@ -29,21 +47,37 @@ from router.proxy import (
     upstream_headers,
 )
 from router.replicas import Replica
-from router.requests import decode_json, parse_body
+from router.requests import ParsedRequest, decode_json, parse_body
+from router.response_ids import ResponseHomes, SseResponseId, id_from_body, id_in_path
 from router.routing import Decision
 from router.service import RouterService
 from router.upstream import UpstreamError
 
-__all__ = ["ProxyEndpoint"]
+__all__ = ["ENDPOINT_LABELS", "ProxyEndpoint"]
 
 log = logging.getLogger(__name__)
 
-_ENDPOINT_LABEL = {
+ENDPOINT_LABELS = {
     "completion": "completions",
     "chat": "chat",
     "tokenize": "tokenize",
     "detokenize": "detokenize",
+    "responses": "responses",
+    "response": "responses",
+    "messages": "messages",
+    "embeddings": "embeddings",
+    "pooling": "pooling",
+    "classify": "classify",
+    "score": "score",
+    "rerank": "rerank",
+    "generate": "generate",
+    "audio": "audio",
+    "other": "other",
 }
+_decode = msgspec.json.decode
+# A streamed Responses answer ends with response.completed, which repeats the whole
+# response (output included) before its usage: keep enough of the tail to read it.
+_RESPONSES_TAIL = 1 << 16
 
 
 def _outcome(status: int) -> str:
@@ -52,12 +86,30 @@ def _outcome(status: int) -> str:
     return "upstream_4xx" if status < 500 else "upstream_5xx"
 
 
+def _target(scope: Scope) -> str:
+    """The request's path and query as the client sent them (percent-encoding kept)."""
+    raw = scope.get("raw_path") or scope["path"].encode("utf-8")
+    query = scope.get("query_string") or b""
+    return (raw + b"?" + query if query else raw).decode("latin-1")
+
+
+def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
 class ProxyEndpoint:
-    def __init__(self, service: RouterService, kind: str, path: str) -> None:
+    def __init__(
+        self,
+        service: RouterService,
+        kind: str,
+        path: str,
+        homes: ResponseHomes | None = None,
+    ) -> None:
         self.service = service
         self.kind = kind
         self.path = path
-        self.label = _ENDPOINT_LABEL[kind]
+        self.label = ENDPOINT_LABELS[kind]
+        self.homes = homes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         service = self.service
@@ -76,9 +128,16 @@ class ProxyEndpoint:
                 )
             raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_timeout_s)
             if self.kind in ("completion", "chat"):
-                await self._routed(scope, receive, send, raw, request_id)
-            else:
+                parsed = parse_body(raw, self.kind, service.limits)  # type: ignore[arg-type]
+                await self._routed(scope, receive, send, raw, request_id, parsed)
+            elif self.kind in ("tokenize", "detokenize"):
                 await self._passthrough(scope, receive, send, raw, request_id)
+            elif self.kind in PROMPT_PARSERS:
+                await self._prompted(scope, receive, send, raw, request_id)
+            elif self.kind == "response":
+                await self._stored(scope, receive, send, raw, request_id)
+            else:
+                await self._by_load(scope, receive, send, raw, request_id)
         except RouterError as exc:
             outcome = "client_error" if exc.status < 500 and exc.status != 429 else "unavailable"
             service.metrics.request(self.label, outcome)
@@ -96,12 +155,19 @@ class ProxyEndpoint:
         finally:
             service.in_flight -= 1
 
+    # --- how each kind is ranked ----------------------------------------------------------
+
     async def _routed(
-        self, scope: Scope, receive: Receive, send: Send, raw: bytes, request_id: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        raw: bytes,
+        request_id: str,
+        parsed: ParsedRequest,
     ) -> None:
         service = self.service
-        parsed = parse_body(raw, self.kind, service.limits)  # type: ignore[arg-type]
-        candidates = service.candidates(parsed.model)
+        candidates = service.unsaturated(service.candidates(parsed.model), parsed.model)
         started = time.perf_counter()
         session = _header(scope, service.settings.session_header.encode())
         decision = await service.router.decide(parsed, candidates, session)
@@ -120,15 +186,134 @@ class ProxyEndpoint:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise RouterError(400, "'model' must be a string", param="model")
-        pool = service.candidates(model) if model else service.registry.healthy()
-        if not pool:
+        pool = service.candidates(model) if model else self._healthy()
+        ranked = sorted(pool, key=lambda r: r.pending)
+        await self._forward(scope, receive, send, raw, request_id, ranked, False, None)
+
+    async def _prompted(
+        self, scope: Scope, receive: Receive, send: Send, raw: bytes, request_id: str
+    ) -> None:
+        """Endpoints whose body holds a prompt (router.prompts): routed by it like a
+        completion; without one, by load."""
+        service = self.service
+        body = decode_json(raw, service.limits)
+        parsed = PROMPT_PARSERS[self.kind](body, service.limits)
+        stream = bool(body.get("stream") is True)
+        previous = body.get("previous_response_id") if self.kind == "responses" else None
+        if isinstance(previous, str) and previous:
+            ranked, probe = self._holder_first(previous, _str(body.get("model")))
+            await self._forward(
+                scope, receive, send, raw, request_id, ranked, stream, None, probe_404=probe
+            )
+            return
+        model = (parsed.model if parsed is not None else _str(body.get("model"))) or (
+            self._default_model()
+        )
+        if parsed is None or not model:
+            ranked = sorted(self._pool(model), key=lambda r: r.pending)
+            await self._forward(scope, receive, send, raw, request_id, ranked, stream, None)
+            return
+        parsed.model = model
+        await self._routed(scope, receive, send, raw, request_id, parsed)
+
+    async def _stored(
+        self, scope: Scope, receive: Receive, send: Send, raw: bytes, request_id: str
+    ) -> None:
+        """A stored response's follow-ups: where it was created, or asked around."""
+        response_id = id_in_path(scope["path"]) or ""
+        ranked, probe = self._holder_first(response_id, None)
+        await self._forward(
+            scope, receive, send, raw, request_id, ranked, False, None, probe_404=probe
+        )
+
+    async def _by_load(
+        self, scope: Scope, receive: Receive, send: Send, raw: bytes, request_id: str
+    ) -> None:
+        """Any other path: the body passes untouched (JSON or not); a JSON body naming a
+        model the fleet knows narrows the replicas to those serving it."""
+        model = None
+        if raw[:1] in (b"{", b" ", b"\n", b"\t", b"\r"):
+            with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                body = _decode(raw)
+                if isinstance(body, dict):
+                    model = _str(body.get("model"))
+        ranked = sorted(self._pool(model), key=lambda r: r.pending)
+        await self._forward(scope, receive, send, raw, request_id, ranked, False, None)
+
+    # --- candidates -----------------------------------------------------------------------
+
+    def _healthy(self) -> list[Replica]:
+        healthy = self.service.registry.healthy()
+        if not healthy:
             raise RouterError(
                 503,
                 "no healthy replica is available",
-                headers={"retry-after": str(service.settings.retry_after_s)},
+                headers={"retry-after": str(self.service.settings.retry_after_s)},
             )
-        ranked = sorted(pool, key=lambda r: r.pending)
-        await self._forward(scope, receive, send, raw, request_id, ranked, False, None)
+        return healthy
+
+    def _pool(self, model: str | None) -> list[Replica]:
+        """Replicas serving ``model`` when the fleet knows it; else every healthy one (the
+        replica is the judge of a model the router has not seen)."""
+        if model and model in self.service.registry.known_models():
+            return self.service.candidates(model)
+        return self._healthy()
+
+    def _default_model(self) -> str | None:
+        """vLLM's default when a body names no model: the one model the fleet serves."""
+        known = self.service.registry.known_models(self.service.registry.healthy())
+        bases = [m for m, card in known.items() if not card.get("parent")]
+        return bases[0] if len(bases) == 1 else None
+
+    def _holder_first(self, response_id: str, model: str | None) -> tuple[list[Replica], bool]:
+        """The replica holding ``response_id`` alone when known and healthy; otherwise every
+        healthy candidate, least pending first, to be asked in turn (probe)."""
+        assert self.homes is not None
+        name = self.homes.get(response_id) if response_id else None
+        replica = self.service.registry.get(name) if name else None
+        if replica is not None and replica.healthy:
+            return [replica], False
+        return sorted(self._pool(model), key=lambda r: r.pending), True
+
+    # --- forwarding -----------------------------------------------------------------------
+
+    async def _open(
+        self,
+        ranked: list[Replica],
+        target: str,
+        method: bytes,
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        commit: Callable[[Replica], None] | None,
+        probe_404: bool,
+    ) -> Upstream:
+        """The first answer along ``ranked`` (retries as router.proxy.Forwarder does); with
+        ``probe_404`` a 404 also moves on to the next replica, except the last one's, which
+        is the answer."""
+        forwarder = self.service.forwarder
+        assert forwarder is not None, "the app's lifespan has not started"
+        if not probe_404:
+            return await forwarder.open(ranked, target, raw, headers, commit, method=method)
+        error: RouterError | None = None
+        for i, replica in enumerate(ranked):
+            try:
+                upstream = await forwarder.open(
+                    [replica], target, raw, headers, commit, method=method
+                )
+            except RouterError as exc:
+                error = exc
+                continue
+            if upstream.status != 404 or i == len(ranked) - 1:
+                return upstream
+            complete = False
+            try:
+                await upstream.response.read()
+                complete = True
+            except UpstreamError:
+                pass
+            finally:
+                forwarder.close(upstream, complete=complete)
+        raise error or RouterError(503, "no healthy replica is available")
 
     async def _forward(
         self,
@@ -140,34 +325,44 @@ class ProxyEndpoint:
         ranked: list[Replica],
         stream: bool,
         decision: Decision | None,
+        *,
+        probe_404: bool = False,
     ) -> None:
         service = self.service
         metrics = service.metrics
         headers = upstream_headers(scope, request_id)
         forwarder = service.forwarder
         assert forwarder is not None, "the app's lifespan has not started"
+        method = scope["method"].encode("latin-1")
         outcome = "cancelled"
         async with DisconnectWatch(receive) as watch:
             # Hints are recorded as each attempt is sent, not when it answers: siblings
             # arriving during this request's prefill must already see them.
             commit = None if decision is None else partial(service.router.commit, decision)
-            upstream = await forwarder.open(ranked, self.path, raw, headers, commit)
+            upstream = await self._open(
+                ranked, _target(scope), method, raw, headers, commit, probe_404
+            )
             complete = False
             try:
-                if stream and upstream.status == 200:
+                if upstream.status == 200 and (stream or _is_sse(upstream.raw_headers)):
 
                     def on_first_byte(seconds: float, replica: Replica = upstream.replica) -> None:
                         metrics.first_byte(self.label, seconds)
                         if decision is not None:
                             service.router.first_byte(decision, replica, seconds)
 
+                    watch_id = SseResponseId() if self.kind == "responses" else None
                     tail, error = await send_stream(
                         send,
                         upstream,
                         request_id,
                         on_first_byte,
+                        tail_bytes=_RESPONSES_TAIL if self.homes is not None else 8192,
                         client_timeout_s=service.settings.client_write_timeout_s,
+                        watch=watch_id,
                     )
+                    if watch_id is not None and watch_id.id:
+                        self._remember(watch_id.id, upstream.replica)
                     delivered = cached_tokens_from_sse(tail)
                     outcome = "midstream_error" if error else "ok"
                     complete = error is None
@@ -200,22 +395,52 @@ class ProxyEndpoint:
                     await send({"type": "http.response.body", "body": body})
                     delivered = cached_tokens_from_body(body) if decision is not None else None
                     outcome = _outcome(upstream.status)
+                    if upstream.status == 200:
+                        self._learn_id(scope, body, upstream.replica)
                 metrics.latency(self.label, time.perf_counter() - upstream.started)
                 if decision is not None and outcome in ("ok", "midstream_error"):
-                    self._record_accuracy(decision, upstream.replica, delivered)
+                    streamed = stream or _is_sse(upstream.raw_headers)
+                    self._record_accuracy(decision, upstream.replica, delivered, streamed)
             finally:
                 forwarder.close(upstream, complete=complete)
         if watch.disconnected:
             outcome = "cancelled"
         metrics.request(self.label, outcome)
 
-    def _record_accuracy(self, decision: Decision, replica: Replica, delivered: int | None) -> None:
+    def _remember(self, response_id: str, replica: Replica) -> None:
+        if self.homes is not None:
+            self.homes.remember(response_id, replica.name)
+
+    def _learn_id(self, scope: Scope, body: bytes, replica: Replica) -> None:
+        if self.homes is None:
+            return
+        if self.kind == "responses":
+            found = id_from_body(body)
+            if found:
+                self._remember(found, replica)
+        elif self.kind == "response" and scope["method"] != "DELETE":
+            found = id_in_path(scope["path"])
+            if found:
+                self._remember(found, replica)
+
+    def _record_accuracy(
+        self, decision: Decision, replica: Replica, delivered: int | None, streamed: bool
+    ) -> None:
         view = decision.view(replica.name)
         predicted = view.predicted_cached_tokens if view is not None else 0
-        self.service.accuracy.record(replica.name, decision.prompt_tokens, predicted, delivered)
-        self.service.metrics.cached_tokens(
-            replica.name, decision.prompt_tokens, predicted, delivered
-        )
+        prompt_tokens = decision.prompt_tokens
+        per_prompt = decision.batch_predicted.get(replica.name)
+        if per_prompt and len(per_prompt) > 1:
+            # vLLM 0.32 reports one prompt's cached tokens for a batch: the last prompt's
+            # when not streaming, the first prompt to produce output when streaming (which
+            # one is not known here). Compare like with like, or count it unreported.
+            if streamed:
+                delivered = None
+            elif delivered is not None:
+                predicted, prompt_tokens = per_prompt[-1], decision.batch_sizes[-1]
+        decision.delivered_by, decision.delivered_cached_tokens = replica.name, delivered
+        self.service.accuracy.record(replica.name, prompt_tokens, predicted, delivered)
+        self.service.metrics.cached_tokens(replica.name, prompt_tokens, predicted, delivered)
 
 
 class _SendTracker:
@@ -237,6 +462,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def debug_kind(body: dict[str, Any]) -> str:

@@ -5,6 +5,10 @@ and ``GET /v1/models`` when its model list is older than ``models_refresh_s``. A
 routable only once its models are known, so a request is never sent to a replica that does
 not serve its model. Passive failures (refused connections while proxying) are reported to
 the same registry by the proxy, so a dead replica is ejected before the next check.
+
+The ranks of a data-parallel server (router/dp.py) are checked as one: one ``/health``, one
+``/v1/models`` and one metrics page per server, whose verdict every rank shares and whose
+``engine``-labelled gauges each rank takes its own part of (``replicas.engine_gauges``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ import time
 import httpx
 
 from router.periodic import PeriodicTask
-from router.replicas import Replica, ReplicaRegistry, parse_vllm_metrics
+from router.replicas import (
+    Replica,
+    ReplicaRegistry,
+    engine_gauges,
+    parse_vllm_metrics_by_engine,
+)
 
 __all__ = ["HealthChecker"]
 
@@ -41,48 +50,64 @@ class HealthChecker:
         self._periodic = PeriodicTask("kvroute-health", interval_s, self.check_all)
 
     async def check(self, replica: Replica) -> bool:
-        was_healthy = replica.healthy
+        """Check the replica's server (with every rank of it, for a data-parallel one)."""
+        return await self.check_group(self.registry.group(replica.group) or [replica])
+
+    async def check_group(self, members: list[Replica]) -> bool:
+        """One server's check, applied to each of its targets (they share its URL)."""
+        lead = members[0]
+        was_healthy = [m.healthy for m in members]
         try:
-            resp = await self.client.get(f"{replica.url}/health", timeout=self.timeout)
+            resp = await self.client.get(f"{lead.url}/health", timeout=self.timeout)
             if resp.status_code != 200:
                 raise RuntimeError(f"/health answered {resp.status_code}")
             now = time.monotonic()
-            if replica.models_at is None or now - replica.models_at > self.models_refresh_s:
-                resp = await self.client.get(f"{replica.url}/v1/models", timeout=self.timeout)
+            if any(
+                m.models_at is None or now - m.models_at > self.models_refresh_s for m in members
+            ):
+                resp = await self.client.get(f"{lead.url}/v1/models", timeout=self.timeout)
                 resp.raise_for_status()
                 data = resp.json().get("data")
                 if not isinstance(data, list):
                     raise RuntimeError("/v1/models has no data list")
-                replica.models = {c["id"]: c for c in data if isinstance(c, dict) and "id" in c}
-                replica.models_at = now
-            await self._scrape(replica)
+                models = {c["id"]: c for c in data if isinstance(c, dict) and "id" in c}
+                for m in members:
+                    m.models = dict(models)
+                    m.models_at = now
+            await self._scrape(members)
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-            self.registry.record_failure(replica, f"health check: {exc!r}")
-            if was_healthy and not replica.healthy:
-                log.warning("replica %s ejected: %s", replica.name, replica.last_error)
+            for m, was in zip(members, was_healthy, strict=True):
+                self.registry.record_failure(m, f"health check: {exc!r}")
+                if was and not m.healthy:
+                    log.warning("replica %s ejected: %s", m.name, m.last_error)
             return False
-        self.registry.record_success(replica)
-        if not was_healthy and replica.healthy:
-            log.info("replica %s is healthy", replica.name)
+        for m, was in zip(members, was_healthy, strict=True):
+            self.registry.record_success(m)
+            if not was and m.healthy:
+                log.info("replica %s is healthy", m.name)
         return True
 
-    async def _scrape(self, replica: Replica) -> None:
+    async def _scrape(self, members: list[Replica]) -> None:
         """Load gauges; a replica without /metrics is still healthy (router counts only)."""
         try:
-            resp = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout)
+            resp = await self.client.get(f"{members[0].url}/metrics", timeout=self.timeout)
         except httpx.HTTPError:
             return
         if resp.status_code != 200:
             return
-        gauges = parse_vllm_metrics(resp.text)
-        replica.set_gauges(
-            gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
-        )
+        by_engine = parse_vllm_metrics_by_engine(resp.text)
+        for m in members:
+            gauges = engine_gauges(by_engine, m.config.dp_rank, len(members))
+            m.set_gauges(
+                gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
+            )
 
     async def check_all(self) -> None:
-        replicas = list(self.registry)
-        if replicas:
-            await asyncio.gather(*(self.check(r) for r in replicas))
+        groups: dict[str, list[Replica]] = {}
+        for r in self.registry:
+            groups.setdefault(r.group, []).append(r)
+        if groups:
+            await asyncio.gather(*(self.check_group(members) for members in groups.values()))
 
     def start(self) -> None:
         self._periodic.start()

@@ -4,46 +4,78 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["LRU"]
+__all__ = ["LRU", "token_list_bytes"]
 
 K = TypeVar("K")
 V = TypeVar("V")
 
 
+def token_list_bytes(ids: list[int]) -> int:
+    """What a list of token ids holds in CPython: a pointer each, and an int object for every
+    id past the 256 small ints the interpreter shares (most of a vocabulary)."""
+    return 56 + 36 * len(ids)
+
+
 class LRU(Generic[K, V]):
     """Thread-safe (long prompts are tokenized in worker threads while the loop serves short
-    ones from the same caches); each operation holds the lock only for a dict operation."""
+    ones from the same caches); each operation holds the lock only for a dict operation.
 
-    __slots__ = ("_data", "_lock", "hits", "maxsize", "misses")
+    Bounded by entries and, with ``weigh``, by total weight (approximate bytes): a count
+    alone does not bound memory when one entry may be a 100-token chat turn or a 100k-token
+    document. An entry heavier than a quarter of ``max_weight`` is not kept at all.
+    """
 
-    def __init__(self, maxsize: int) -> None:
+    __slots__ = ("_data", "_lock", "_weigh", "hits", "max_weight", "maxsize", "misses", "weight")
+
+    def __init__(
+        self,
+        maxsize: int,
+        *,
+        max_weight: int | None = None,
+        weigh: Callable[[K, V], int] | None = None,
+    ) -> None:
         if maxsize <= 0:
             raise ValueError("maxsize must be positive")
+        if (max_weight is None) != (weigh is None) or (max_weight is not None and max_weight <= 0):
+            raise ValueError("give both max_weight (> 0) and weigh, or neither")
         self.maxsize = maxsize
-        self._data: OrderedDict[K, V] = OrderedDict()
+        self.max_weight = max_weight
+        self._weigh = weigh
+        self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.weight = 0
 
     def get(self, key: K) -> V | None:
         with self._lock:
-            value = self._data.get(key)
-            if value is None:
+            item = self._data.get(key)
+            if item is None:
                 self.misses += 1
                 return None
             self._data.move_to_end(key)
             self.hits += 1
-            return value
+            return item[0]
 
     def put(self, key: K, value: V) -> None:
+        weight = 0 if self._weigh is None else self._weigh(key, value)
+        if self.max_weight is not None and weight * 4 > self.max_weight:
+            return
         with self._lock:
             data = self._data
-            data[key] = value
-            data.move_to_end(key)
-            if len(data) > self.maxsize:
-                data.popitem(last=False)
+            old = data.pop(key, None)
+            if old is not None:
+                self.weight -= old[1]
+            data[key] = (value, weight)
+            self.weight += weight
+            while len(data) > self.maxsize or (
+                self.max_weight is not None and self.weight > self.max_weight
+            ):
+                _, (_, gone) = data.popitem(last=False)
+                self.weight -= gone
 
     def __len__(self) -> int:
         return len(self._data)
@@ -51,3 +83,4 @@ class LRU(Generic[K, V]):
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self.weight = 0

@@ -12,12 +12,27 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 __all__ = ["ENDPOINTS", "OUTCOMES", "RouterMetrics"]
 
-ENDPOINTS = ("completions", "chat", "tokenize", "detokenize")
+ENDPOINTS = (
+    "completions",
+    "chat",
+    "tokenize",
+    "detokenize",
+    "responses",
+    "messages",
+    "embeddings",
+    "pooling",
+    "classify",
+    "score",
+    "rerank",
+    "generate",
+    "audio",
+    "other",
+)
 OUTCOMES = (
     "ok",  # upstream answered 2xx
     "upstream_4xx",  # the replica refused the request
@@ -56,7 +71,13 @@ class _StateCollector(Collector):
         entries = GaugeMetricFamily(
             "kvroute_index_entries", "Index entries by replica and tier", labels=["replica", "tier"]
         )
+        throttled = CounterMetricFamily(
+            "kvroute_event_throttled_bytes",
+            "Event bytes dropped unread because the replica's publisher was over its budget",
+            labels=["replica"],
+        )
         for name, r in snap["replicas"].items():
+            throttled.add_metric([name], r.get("throttled_bytes", 0))
             healthy.add_metric([name], 1.0 if r["healthy"] else 0.0)
             in_flight.add_metric([name], r["in_flight"])
             pending.add_metric([name], r["pending"])
@@ -64,7 +85,16 @@ class _StateCollector(Collector):
                 fresh.add_metric([name, r["freshness"]], 1.0)
             for tier, n in (r.get("entries_by_tier") or {}).items():
                 entries.add_metric([name, tier], n)
-        yield from (healthy, in_flight, pending, fresh, entries)
+        yield from (healthy, in_flight, pending, fresh, entries, throttled)
+        modes = GaugeMetricFamily(
+            "kvroute_tokenizer_mode",
+            "1 for how the model's prompts are tokenized now (local, or remote after a mismatch)",
+            labels=["model", "mode"],
+        )
+        for model, mode in (snap.get("tokenizer_modes") or {}).items():
+            for m in ("local", "remote"):
+                modes.add_metric([model, m], 1.0 if m == mode else 0.0)
+        yield modes
         yield GaugeMetricFamily(
             "kvroute_index_estimated_bytes", "Index memory estimate", value=snap["index_bytes"]
         )
@@ -129,6 +159,18 @@ class RouterMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25),
             registry=r,
         )
+        self.tokenizer_checks = Counter(
+            "kvroute_tokenizer_checks",
+            "Live checks of the local tokenizer against a replica, by outcome",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.tokenizer_mismatches = Counter(
+            "kvroute_tokenizer_mismatches",
+            "Live checks whose router ids differed from the replica's",
+            ["model"],
+            registry=r,
+        )
         # Pre-bind the children used on every request (label lookup is not free).
         self._requests = {(e, o): self.requests.labels(e, o) for e in ENDPOINTS for o in OUTCOMES}
         self._latency = {e: self.upstream_latency.labels(e) for e in ENDPOINTS}
@@ -153,6 +195,12 @@ class RouterMetrics:
             self.prompt_tokens.labels(replica).inc(prompt)
         if delivered is not None:
             self.delivered.labels(replica).inc(delivered)
+
+    def tokenizer_check(self, model: str, outcome: str) -> None:
+        """A live tokenizer check ended: ``clean``, ``mismatch`` or ``error``."""
+        self.tokenizer_checks.labels(model, outcome).inc()
+        if outcome == "mismatch":
+            self.tokenizer_mismatches.labels(model).inc()
 
     def forget(self, replica: str) -> None:
         for metric in (self.predicted, self.delivered, self.prompt_tokens):

@@ -33,11 +33,13 @@ from router.upstream import (
 )
 
 __all__ = [
+    "DP_RANK_HEADER",
     "REPLICA_HEADER",
     "DisconnectWatch",
     "Forwarder",
     "Upstream",
     "downstream_headers",
+    "rank_headers",
     "read_body",
     "request_id_of",
     "upstream_headers",
@@ -67,6 +69,7 @@ _DROP_UP = frozenset(
     }
 )
 REPLICA_HEADER = b"x-kvroute-replica"
+DP_RANK_HEADER = b"x-data-parallel-rank"
 _DROP_DOWN = frozenset(
     {
         b"connection",
@@ -101,6 +104,18 @@ def upstream_headers(scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]
     headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_UP]
     headers.append((b"x-request-id", request_id.encode("latin-1")))
     return headers
+
+
+def rank_headers(headers: list[tuple[bytes, bytes]], replica: Replica) -> list[tuple[bytes, bytes]]:
+    """The headers for one target: a data-parallel rank's (router/dp.py) pin the request to
+    its engine with ``X-data-parallel-rank`` (read by vLLM's OpenAI server), replacing any the
+    client sent; other replicas get the headers unchanged."""
+    rank = replica.config.dp_rank
+    if rank is None:
+        return headers
+    pinned = [(k, v) for k, v in headers if k != DP_RANK_HEADER]
+    pinned.append((DP_RANK_HEADER, str(rank).encode()))
+    return pinned
 
 
 def downstream_headers(
@@ -256,6 +271,8 @@ class Forwarder:
         body: bytes,
         headers: list[tuple[bytes, bytes]],
         on_attempt: Callable[[Replica], None] | None = None,
+        *,
+        method: bytes = b"POST",
     ) -> Upstream:
         """Send to the first replica that answers; its in-flight count stays raised until
         ``close``. Raises RouterError 503 when every attempt failed before the first byte."""
@@ -269,7 +286,9 @@ class Forwarder:
             epoch = replica.begin_request()
             started = time.perf_counter()
             try:
-                response = await self.client.request(replica.url, path, body, headers)
+                response = await self.client.request(
+                    replica.url, path, body, rank_headers(headers, replica), method
+                )
             except UpstreamConnectError as exc:
                 replica.end_request(epoch)
                 refused = isinstance(exc, UpstreamUnreachable)
@@ -311,8 +330,11 @@ async def send_stream(
     on_first_byte: Callable[[float], None],
     tail_bytes: int = 8192,
     client_timeout_s: float | None = None,
+    watch: Callable[[bytes], bool] | None = None,
 ) -> tuple[bytes, str | None]:
     """Relay an SSE body chunk by chunk. Returns (last bytes of the stream, error or None).
+    ``watch`` sees the chunks in order, before they are sent, until it returns True (the
+    Responses endpoint reads the response id from the first event).
 
     The server's ``send`` waits while the client's socket buffer is full, which also stops
     reading upstream: memory stays bounded. A client that reads nothing for
@@ -334,6 +356,8 @@ async def send_stream(
             if first:
                 on_first_byte(time.perf_counter() - upstream.started)
                 first = False
+            if watch is not None and watch(chunk):
+                watch = None
             message = {"type": "http.response.body", "body": chunk, "more_body": True}
             if client_timeout_s is None:
                 await send(message)

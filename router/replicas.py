@@ -7,10 +7,15 @@ a scrape interval old. ``Replica.pending`` combines them: the gauges plus the re
 router sent since that scrape and still has in flight (which the gauges cannot hold yet), or
 the router's own count if that is larger. Without the second term, a router behind several
 others, or a burst inside one scrape interval, would see a replica as idle as its last page.
+
+A data-parallel server's ranks are replicas of their own (router/dp.py) sharing one URL and
+one metrics page: vLLM labels each engine's gauges ``engine="<rank>"``, so each rank takes its
+own (``engine_gauges``); a page without the label is divided evenly among the ranks.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,7 +23,13 @@ from typing import Any
 
 from router.config import ReplicaConfig
 
-__all__ = ["Replica", "ReplicaRegistry", "parse_vllm_metrics"]
+__all__ = [
+    "Replica",
+    "ReplicaRegistry",
+    "engine_gauges",
+    "parse_vllm_metrics",
+    "parse_vllm_metrics_by_engine",
+]
 
 _GAUGES = {
     "vllm:num_requests_running": "running",
@@ -28,9 +39,21 @@ _GAUGES = {
 }
 
 
-def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """The load gauges from a Prometheus text page, summed over label sets (engines)."""
-    out: dict[str, float] = {}
+_ENGINE_LABEL = re.compile(r'[{,]engine="([^"]*)"')
+
+
+def _fold(out: dict[str, float], key: str, value: float) -> None:
+    """Counts add up over engines; KV usage is the fullest engine's."""
+    if key == "kv_usage":
+        out[key] = max(out.get(key, 0.0), value)
+    else:
+        out[key] = out.get(key, 0.0) + value
+
+
+def parse_vllm_metrics_by_engine(text: str) -> dict[str, dict[str, float]]:
+    """The load gauges from a Prometheus text page per ``engine`` label value ("" for series
+    without one), summed over the other labels."""
+    out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -39,16 +62,51 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         key = _GAUGES.get(line[:name_end])
         if key is None:
             continue
-        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[name_end:]
+        engine = ""
+        if brace >= 0:
+            close = line.rfind("}")
+            match = _ENGINE_LABEL.search(line, brace, close + 1)
+            if match is not None:
+                engine = match.group(1)
+            rest = line[close + 1 :]
+        else:
+            rest = line[name_end:]
         try:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
             continue
-        if key == "kv_usage":
-            out[key] = max(out.get(key, 0.0), value)
-        else:
-            out[key] = out.get(key, 0.0) + value
+        _fold(out.setdefault(engine, {}), key, value)
     return out
+
+
+def _combined(by_engine: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for gauges in by_engine.values():
+        for key, value in gauges.items():
+            _fold(out, key, value)
+    return out
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The load gauges from a Prometheus text page, summed over label sets (engines)."""
+    return _combined(parse_vllm_metrics_by_engine(text))
+
+
+def engine_gauges(
+    by_engine: dict[str, dict[str, float]], rank: int | None, ranks: int
+) -> dict[str, float]:
+    """One target's gauges from its server's page: the whole server for a replica without
+    ranks; a rank's own ``engine`` series; for a page without engine labels, an even share
+    of the server's counts (a rank the labels do not name has none)."""
+    if rank is None:
+        return _combined(by_engine)
+    own = by_engine.get(str(rank))
+    if own is not None:
+        return dict(own)
+    if any(by_engine):
+        return {}
+    total = _combined(by_engine)
+    return {k: v if k == "kv_usage" else v / max(ranks, 1) for k, v in total.items()}
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +138,11 @@ class Replica:
     @property
     def url(self) -> str:
         return self.config.url
+
+    @property
+    def group(self) -> str:
+        """The server behind this target: a data-parallel rank's server, else itself."""
+        return self.config.server or self.config.key
 
     @property
     def pending(self) -> float:
@@ -129,6 +192,8 @@ class Replica:
             "pending": self.pending,
             "models": sorted(self.models),
             "events": self.config.events,
+            "server": self.group,
+            "data_parallel_rank": self.config.dp_rank,
         }
 
 
@@ -166,6 +231,10 @@ class ReplicaRegistry:
     def healthy(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.healthy]
 
+    def group(self, server: str) -> list[Replica]:
+        """The targets behind one server (its data-parallel ranks, or the replica alone)."""
+        return [r for r in self._replicas.values() if r.group == server]
+
     def candidates(self, model: str) -> list[Replica]:
         return [r for r in self._replicas.values() if r.healthy and model in r.models]
 
@@ -197,3 +266,10 @@ class ReplicaRegistry:
         if replica.healthy and (eject_now or replica.consecutive_failures >= self.unhealthy_after):
             replica.healthy = False
             replica.ejections += 1
+        if eject_now and replica.config.dp_rank is not None:
+            # Nobody listens at the server's URL: none of its ranks can answer either.
+            for sibling in self.group(replica.group):
+                if sibling is not replica and sibling.healthy:
+                    sibling.last_error = reason
+                    sibling.healthy = False
+                    sibling.ejections += 1

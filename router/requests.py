@@ -15,7 +15,15 @@ import msgspec
 
 from router.errors import RouterError
 
-__all__ = ["ParsedRequest", "RequestLimits", "decode_json", "parse_body"]
+__all__ = [
+    "ParsedRequest",
+    "RequestLimits",
+    "check_messages",
+    "check_prompts",
+    "decode_json",
+    "optional",
+    "parse_body",
+]
 
 Kind = Literal["completion", "chat"]
 _decode = msgspec.json.Decoder().decode
@@ -28,6 +36,9 @@ class RequestLimits:
 
     max_json_depth: int = 128
     max_messages: int = 10_000
+    # Sequences one request may ask for (OpenAI's own limit): each is a full decode on the
+    # replica, so n is a multiplier on its work that no body-size limit bounds.
+    max_n: int = 128
 
 
 DEFAULT_LIMITS = RequestLimits()
@@ -39,8 +50,11 @@ class ParsedRequest:
     body: dict[str, Any]
     model: str
     stream: bool
-    # completions: the first prompt (routing follows it; see docs/router.md for batches)
+    # completions: the first prompt (what the tokenizer encodes)
     prompt: str | list[int] | None = None
+    # a batch: every prompt, the first included (None for one prompt). vLLM serves a batch
+    # on one replica, so it is routed as a whole (router.routing, docs/router.md).
+    batch: list[str | list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -49,6 +63,9 @@ class ParsedRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     cache_salt: str | None = None
+    # vLLM keeps the last k prompt tokens (-1: the context length); "right": the first k
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
 
 
 def _bad(message: str, param: str | None = None) -> RouterError:
@@ -101,11 +118,14 @@ def _opt(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: 
     return value
 
 
+optional = _opt  # for the other endpoints' parsers (router.prompts)
+
+
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _check_common(body: dict[str, Any]) -> tuple[str, bool]:
+def _check_common(body: dict[str, Any], limits: RequestLimits) -> tuple[str, bool]:
     model = body.get("model")
     if model is None:
         raise _bad("'model' is required", "model")
@@ -117,80 +137,90 @@ def _check_common(body: dict[str, Any]) -> tuple[str, bool]:
         value = _opt(body, name, int, "an integer")
         if value is not None and value < 0:
             raise _bad(f"'{name}' must be >= 0", name)
+    n = body.get("n")
+    if n is not None and n > limits.max_n:
+        raise _bad(f"'n' is {n}; this router allows at most {limits.max_n}", "n")
     for name in ("temperature", "top_p"):
         _opt(body, name, (int, float), "a number")
     _opt(body, "cache_salt", str, "a string")
+    keep = _opt(body, "truncate_prompt_tokens", int, "an integer")
+    if keep is not None and keep < -1:
+        raise _bad("'truncate_prompt_tokens' must be >= -1", "truncate_prompt_tokens")
+    if body.get("truncation_side") not in (None, "left", "right"):
+        raise _bad("'truncation_side' must be 'left' or 'right'", "truncation_side")
     return model, stream
 
 
-def _check_prompt(prompt: object) -> str | list[int]:
-    """vLLM accepts a string, a list of strings, a token list, or a list of token lists."""
+def _is_id(t: object) -> bool:
+    """A token id: an int in [0, 2**32), what vLLM's ids and our block keys hold."""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+
+
+def check_prompts(prompt: object, param: str = "prompt") -> list[str | list[int]]:
+    """Every prompt of a body. vLLM accepts a string, a list of strings, a token list, or a
+    list of token lists."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            return prompt
+        if all(_is_id(t) for t in prompt):
+            return [prompt]
         if all(isinstance(p, str) for p in prompt):
-            return first
-        if all(
-            isinstance(p, list)
-            and p
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
-            for p in prompt
-        ):
-            return first
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+            return list(prompt)
     if isinstance(prompt, list) and not prompt:
-        raise _bad("'prompt' must not be empty", "prompt")
+        raise _bad(f"'{param}' must not be empty", param)
     raise _bad(
-        "'prompt' must be a string, a list of strings, a list of token ids, "
+        f"'{param}' must be a string, a list of strings, a list of token ids, "
         "or a list of token-id lists",
-        "prompt",
+        param,
     )
 
 
-def _check_messages(messages: object, limit: int) -> list[dict[str, Any]]:
+def check_messages(messages: object, limit: int, param: str = "messages") -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list of message objects", "messages")
+        raise _bad(f"'{param}' must be a non-empty list of message objects", param)
     if len(messages) > limit:
-        raise _bad(f"'messages' holds {len(messages)} messages; the limit is {limit}", "messages")
+        raise _bad(f"'{param}' holds {len(messages)} messages; the limit is {limit}", param)
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object", "messages")
+            raise _bad(f"{param}[{i}] must be an object", param)
         if not isinstance(message.get("role"), str):
-            raise _bad(f"messages[{i}].role must be a string", "messages")
+            raise _bad(f"{param}[{i}].role must be a string", param)
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise _bad(f"messages[{i}].content must be a string or a list of parts", "messages")
+            raise _bad(f"{param}[{i}].content must be a string or a list of parts", param)
         if isinstance(content, list):
             for part in content:
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise _bad(
-                        f"messages[{i}].content parts must be objects with a 'type'", "messages"
-                    )
+                    raise _bad(f"{param}[{i}].content parts must be objects with a 'type'", param)
     return messages
 
 
 def parse_body(raw: bytes, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
     body = decode_json(raw, limits)
-    model, stream = _check_common(body)
+    model, stream = _check_common(body, limits)
     cache_salt = body.get("cache_salt")
     if kind == "completion":
         if "prompt" not in body or body["prompt"] is None:
             raise _bad("'prompt' is required", "prompt")
         add_special = _opt(body, "add_special_tokens", bool, "a boolean")
+        prompts = check_prompts(body["prompt"])
         return ParsedRequest(
             kind=kind,
             body=body,
             model=model,
             stream=stream,
-            prompt=_check_prompt(body["prompt"]),
+            prompt=prompts[0],
+            batch=prompts if len(prompts) > 1 else None,
             add_special_tokens=True if add_special is None else add_special,
             cache_salt=cache_salt,
+            truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+            truncation_side=body.get("truncation_side"),
         )
     if "messages" not in body:
         raise _bad("'messages' is required", "messages")
-    messages = _check_messages(body["messages"], limits.max_messages)
+    messages = check_messages(body["messages"], limits.max_messages)
     add_gen = _opt(body, "add_generation_prompt", bool, "a boolean")
     cont = _opt(body, "continue_final_message", bool, "a boolean") or False
     # vLLM's defaults: add_generation_prompt=True, and both True is refused.
@@ -214,4 +244,6 @@ def parse_body(raw: bytes, kind: Kind, limits: RequestLimits = DEFAULT_LIMITS) -
         chat_template_kwargs=_opt(body, "chat_template_kwargs", dict, "an object"),
         tools=_opt(body, "tools", list, "a list"),
         cache_salt=cache_salt,
+        truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+        truncation_side=body.get("truncation_side"),
     )

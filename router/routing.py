@@ -9,7 +9,7 @@ same numbers the decision used.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from indexer.index import InMemoryPrefixIndex, PrefixMatch
@@ -18,6 +18,7 @@ from indexer.subscriber import EventSubscriber
 from indexer.wire import Medium
 from router.approx import RoutingHistory
 from router.config import RouterSettings
+from router.decision_log import DecisionLog
 from router.hints import BurstHints
 from router.lru import LRU
 from router.placement_rate import PlacementRate
@@ -86,6 +87,14 @@ class Decision:
     approx_keys: list[int] = field(default_factory=list)
     affinity: bytes = b""
     home: str | None = None
+    # A batch (several prompts, one request, one replica): each prompt's length, its
+    # predicted cached tokens per replica, and the keys of the prompts after the first.
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_predicted: dict[str, list[int]] = field(default_factory=dict)
+    batch_keys: dict[int, list[list[int]]] = field(default_factory=dict)
+    # What the replica that answered reported it served from cache (the dashboard's log).
+    delivered_by: str | None = None
+    delivered_cached_tokens: int | None = None
 
     def view(self, name: str) -> ReplicaView | None:
         return next((v for v in self.views if v.name == name), None)
@@ -119,6 +128,7 @@ class Router:
         self.policy = policy
         self.hints = BurstHints(settings.hint_ttl_s, settings.hint_max_keys)
         self.history = RoutingHistory(settings.approx_max_keys)
+        self.recent = DecisionLog()  # the last decisions sent, for GET /dashboard/data
         # Where each prefix (its home_affinity) was first placed: where it goes back to once
         # evicted everywhere (KvroutePolicy). Router-local, like the hints.
         self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
@@ -140,7 +150,23 @@ class Router:
     ) -> list[int] | None:
         if self.tokenizer is None:
             return None
-        return await self.tokenizer.encode(req, _max_model_len(req.model, candidates or []))
+        # The ids carry a rendered prompt's multimodal items (PromptIds.mm) to the keys.
+        prompt = await self.tokenizer.prompt(req, _max_model_len(req.model, candidates or []))
+        return prompt.tokens
+
+    async def batch_tokens(
+        self, req: ParsedRequest, candidates: list[Replica]
+    ) -> list[list[int]] | None:
+        """Every prompt's ids: one list, or one per prompt of a batch (vLLM serves a batch
+        on one replica, so the router weighs all of its prompts)."""
+        if self.tokenizer is None:
+            return None
+        if not req.batch:
+            return [await self.tokens(req, candidates)]  # type: ignore[list-item]
+        return [
+            await self.tokens(replace(req, prompt=prompt, batch=None), candidates)  # type: ignore[misc]
+            for prompt in req.batch
+        ]
 
     def _freshness(self, replica: Replica) -> tuple[str | None, str | None]:
         if replica.config.events is None or self.subscriber is None:
@@ -151,7 +177,8 @@ class Router:
     async def decide(
         self, req: ParsedRequest, candidates: list[Replica], session_id: str | None = None
     ) -> Decision:
-        tokens = await self.tokens(req, candidates)
+        prompts = await self.batch_tokens(req, candidates)
+        tokens = prompts[0] if prompts else None
         lora = req.model if any(r.is_lora(req.model) for r in candidates) else None
         views: dict[str, ReplicaView] = {}
         for r in candidates:
@@ -171,12 +198,20 @@ class Router:
                 freshness=fresh,
                 freshness_reason=why,
             )
-        decision = Decision(self.policy.name, "", [], [], None if tokens is None else len(tokens))
+        total = None if prompts is None else sum(len(p) for p in prompts)
+        decision = Decision(self.policy.name, "", [], [], total)
         decision.lora_name = lora
         affinity = req.model.encode()
         if tokens:
-            request = RequestKeys(tokens, lora_name=lora, cache_salt=req.cache_salt)
-            self._match(decision, views, request)
+            mm = getattr(tokens, "mm", None)
+            request = RequestKeys(tokens, lora_name=lora, cache_salt=req.cache_salt, mm=mm)
+            assert prompts is not None
+            batch = [request] + [
+                RequestKeys(p, lora_name=lora, cache_salt=req.cache_salt) for p in prompts[1:]
+            ]
+            if len(batch) > 1:
+                decision.batch_sizes = [len(p) for p in prompts]
+            self._match(decision, views, batch)
             bs = next(iter(decision.keys))
             held = [
                 v.predicted_cached_tokens // bs
@@ -199,40 +234,64 @@ class Router:
         return decision
 
     def _match(
-        self, decision: Decision, views: dict[str, ReplicaView], request: RequestKeys
+        self, decision: Decision, views: dict[str, ReplicaView], requests: list[RequestKeys]
     ) -> None:
-        n = request.n_tokens
+        """Each replica's match per prompt, summed over a batch's prompts. A prompt of a
+        batch may also hit the blocks an earlier prompt of the same batch computes (vLLM
+        caches a block as soon as it is scheduled): that share counts like a burst hint."""
         groups: dict[int, list[str]] = {}
         for view in views.values():
             groups.setdefault(view.block_size or self.settings.default_block_size, []).append(
                 view.name
             )
+        batch = len(requests) > 1
         for bs, names in groups.items():
-            keys = request.keys(bs)
-            decision.keys[bs] = keys
             indexed = [name for name in names if views[name].block_size is not None]
-            matches = self.index.lookup_keys(keys, indexed, bs, request=request) if indexed else {}
-            hints = self.hints.match(names, keys)
-            for name in names:
-                view = views[name]
-                m = matches.get(name)
-                if m is not None and m.tokens:
-                    unit = self.index.partial_unit(name) if m.partial_tokens else bs
-                    cap = predicted_cached_tokens(m.tokens, n, unit or bs)
-                    tiers = match_tiers(m)
-                    excess = m.tokens - cap
-                    for tier in _TIER_DROP_ORDER:
-                        if excess <= 0:
-                            break
-                        take = min(excess, tiers.get(tier, 0))
-                        if take:
-                            tiers[tier] -= take
-                            excess -= take
-                    view.match_tokens = cap
-                    view.tokens_by_tier = {k: v for k, v in tiers.items() if v}
-                view.hint_tokens = predicted_cached_tokens(hints.get(name, 0) * bs, n, bs)
-                view.predicted_cached_tokens = max(view.match_tokens, view.hint_tokens)
+            earlier: set[int] = set()
+            for i, request in enumerate(requests):
+                n = request.n_tokens
+                keys = request.keys(bs)
+                if i == 0:
+                    decision.keys[bs] = keys
+                else:
+                    decision.batch_keys.setdefault(bs, []).append(keys)
+                matches = (
+                    self.index.lookup_keys(keys, indexed, bs, request=request) if indexed else {}
+                )
+                hints = self.hints.match(names, keys)
+                shared = 0
+                if batch:
+                    while shared < len(keys) and keys[shared] in earlier:
+                        shared += 1
+                    earlier.update(keys)
+                for name in names:
+                    view = views[name]
+                    cap, tiers = 0, {}
+                    m = matches.get(name)
+                    if m is not None and m.tokens:
+                        unit = self.index.partial_unit(name) if m.partial_tokens else bs
+                        cap = predicted_cached_tokens(m.tokens, n, unit or bs)
+                        tiers = match_tiers(m)
+                        excess = m.tokens - cap
+                        for tier in _TIER_DROP_ORDER:
+                            if excess <= 0:
+                                break
+                            take = min(excess, tiers.get(tier, 0))
+                            if take:
+                                tiers[tier] -= take
+                                excess -= take
+                    hint = predicted_cached_tokens(max(hints.get(name, 0), shared) * bs, n, bs)
+                    view.match_tokens += cap
+                    for tier, count in tiers.items():
+                        if count:
+                            view.tokens_by_tier[tier] = view.tokens_by_tier.get(tier, 0) + count
+                    view.hint_tokens += hint
+                    view.predicted_cached_tokens += max(cap, hint)
+                    if batch:
+                        decision.batch_predicted.setdefault(name, []).append(max(cap, hint))
         if self.policy.name == "approx_prefix":
+            request = requests[0]
+            n = request.n_tokens
             abs_ = self.settings.approx_block_size
             decision.approx_keys = request.keys(abs_)
             approx = self.history.match(list(views), decision.approx_keys)
@@ -248,6 +307,7 @@ class Router:
         view = decision.view(replica.name)
         if view is None:
             return
+        self.recent.record(decision, replica.name)
         if self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
             self.home_rate.record(replica.name)
@@ -255,6 +315,8 @@ class Router:
         keys = decision.keys.get(bs)
         if keys:
             self.hints.record(replica.name, keys)
+        for more in decision.batch_keys.get(bs, ()):
+            self.hints.record(replica.name, more)
         if decision.approx_keys:
             self.history.insert(replica.name, decision.approx_keys)
 

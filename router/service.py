@@ -23,14 +23,17 @@ from indexer.stats import collect_stats
 from indexer.subscriber import EventSource, EventSubscriber
 from router.accuracy import AccuracyTracker
 from router.config import ReplicaConfig, RouterSettings
+from router.dp import DataParallelDiscovery, static_targets
 from router.errors import RouterError
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
+from router.model_tokenizers import FleetTokenizer
 from router.policies import make_policy
 from router.proxy import Forwarder
 from router.replicas import Replica, ReplicaRegistry
 from router.requests import RequestLimits
 from router.routing import Router
+from router.token_check import LiveCheck
 from router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
 from router.upstream import UpstreamClient
 from router.watcher import ReplicasFileWatcher
@@ -45,7 +48,9 @@ class RouterService:
         self.settings = settings
         self.in_flight = 0  # requests the proxied endpoints are handling (max_in_flight)
         self.limits = RequestLimits(
-            max_json_depth=settings.max_json_depth, max_messages=settings.max_messages
+            max_json_depth=settings.max_json_depth,
+            max_messages=settings.max_messages,
+            max_n=settings.max_n,
         )
         self.index = InMemoryPrefixIndex(
             max_entries=settings.index_max_entries,
@@ -56,6 +61,7 @@ class RouterService:
             self.index,
             replay_timeout_s=settings.replay_timeout_s,
             stale_clear_after_s=settings.stale_clear_after_s,
+            max_bytes_per_s=settings.event_max_mib_per_s * 2**20,
         )
         self.registry = ReplicaRegistry(
             unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after
@@ -103,6 +109,15 @@ class RouterService:
             else None
         )
         self._flag_names = {r.key for r in settings.replicas}
+        # A configured replica's routing targets: itself, or its data-parallel ranks.
+        self._targets: dict[str, list[str]] = {}
+        self.dp_discovery = DataParallelDiscovery(
+            self.health_client,
+            self._apply_dp_targets,
+            interval_s=settings.health_interval_s,
+            refresh_s=settings.models_refresh_s,
+            timeout_s=settings.health_timeout_s,
+        )
         self._file_replicas: dict[str, ReplicaConfig] = {}
         # Starting and stopping feed threads joins threads: never on the event loop. One
         # worker keeps the operations in order (a changed replica is removed, then re-added).
@@ -110,6 +125,7 @@ class RouterService:
         self.tokenizer_check: dict[str, Any] | None = None
         self._check_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._models_refreshed_at = 0.0
         self.started_at = time.time()
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -134,11 +150,13 @@ class RouterService:
             self.watcher.load_now()
         self.tokenizer = await asyncio.to_thread(self._make_tokenizer)
         self.router.tokenizer = self.tokenizer
+        await self.dp_discovery.run_once()
         await self.health.check_all()
         self.health.start()
+        self.dp_discovery.start()
         if self.watcher is not None:
             self.watcher.start()
-        if isinstance(self.tokenizer, LocalTokenizer) and self.settings.tokenizer_check_on_start:
+        if self._has_local_tokenizer() and self.settings.tokenizer_check_on_start:
             self._check_task = asyncio.create_task(self._startup_check())
         if self.settings.gc_freeze:
             # Startup leaves millions of long-lived objects (transformers, the tokenizer); a
@@ -151,6 +169,9 @@ class RouterService:
             self._check_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._check_task
+        if isinstance(self.tokenizer, FleetTokenizer):
+            await self.tokenizer.close()
+        await self.dp_discovery.stop()
         await self.health.stop()
         if self.watcher is not None:
             await self.watcher.stop()
@@ -162,22 +183,79 @@ class RouterService:
             self.upstream.close()
 
     def _make_tokenizer(self) -> TokenizerBase | None:
+        """A ``FleetTokenizer``: local tokenizers (default and per model) checked on live
+        traffic against the replicas, and remote tokenization where there is none."""
         s = self.settings
-        if self._given_tokenizer is not None:
-            return self._given_tokenizer
-        if s.tokenizer_mode == "local" and s.tokenizer:
-            return LocalTokenizer(
-                s.tokenizer,
+        given = self._given_tokenizer
+        if given is not None and not isinstance(given, LocalTokenizer):
+            return given
+        default, per_model = given, {}
+        if s.tokenizer_mode == "local":
+            if default is None and s.tokenizer:
+                default = self._load_tokenizer(
+                    s.tokenizer, s.tokenizer_chat_template, s.tokenizer_content_format
+                )
+            per_model = {
+                model: self._load_tokenizer(c.path, c.chat_template, c.content_format)
+                for model, c in s.model_tokenizers.items()
+            }
+        remote = None
+        needs_tokens = s.policy in ("kvroute", "approx_prefix")
+        if default is not None or per_model or s.tokenizer_mode == "remote" or needs_tokens:
+            remote = RemoteTokenizer(
+                self.client,
+                self.tokenize_url,
                 cache_entries=s.tokenizer_cache_entries,
-                segment_cache_entries=s.tokenizer_segment_cache_entries,
+                use_render=s.tokenizer_render,
             )
-        if s.tokenizer_mode == "remote" or s.policy in ("kvroute", "approx_prefix"):
-            if s.tokenizer_mode == "local":
-                log.warning("no --tokenizer given: tokenizing with the replicas' /tokenize")
-            return RemoteTokenizer(
-                self.client, self.tokenize_url, cache_entries=s.tokenizer_cache_entries
+        if remote is None:
+            return None
+        if default is None and not per_model and s.tokenizer_mode == "local":
+            log.warning("no --tokenizer given: tokenizing with the replicas (render or /tokenize)")
+        check = None
+        if (default is not None or per_model) and s.tokenizer_check_every > 0:
+            check = LiveCheck(
+                s.tokenizer_check_every,
+                s.tokenizer_clean_checks,
+                on_check=self.metrics.tokenizer_check,
             )
-        return None
+        return FleetTokenizer(
+            default=default,
+            per_model=per_model,
+            remote=remote,
+            base_model=self.base_model,
+            check=check,
+        )
+
+    def _load_tokenizer(
+        self, path: str, chat_template_file: str | None, content_format: str
+    ) -> LocalTokenizer:
+        template = None
+        if chat_template_file:
+            with open(chat_template_file, encoding="utf-8") as fh:
+                template = fh.read()
+        return LocalTokenizer(
+            path,
+            cache_entries=self.settings.tokenizer_cache_entries,
+            segment_cache_entries=self.settings.tokenizer_segment_cache_entries,
+            chat_template=template,
+            content_format=content_format,
+        )
+
+    def _has_local_tokenizer(self) -> bool:
+        tok = self.tokenizer
+        return isinstance(tok, LocalTokenizer) or (
+            isinstance(tok, FleetTokenizer) and tok.has_local
+        )
+
+    def base_model(self, model: str) -> str:
+        """A LoRA adapter's base model (vLLM lists adapters with a ``parent``), else the
+        model itself: adapters are tokenized by their base model's tokenizer."""
+        for replica in self.registry:
+            card = replica.models.get(model)
+            if isinstance(card, dict) and card.get("parent"):
+                return str(card["parent"])
+        return model
 
     async def _startup_check(self) -> None:
         try:
@@ -203,10 +281,11 @@ class RouterService:
         results = []
         for replica in self.registry.healthy():
             for model in sorted(replica.models)[:1]:
+                tok = self.tokenizer
+                if isinstance(tok, FleetTokenizer):  # the local ids are the ones to check
+                    tok = tok.local_for(model) or tok
                 results.append(
-                    await self_check(
-                        self.tokenizer, self.health_client, replica.url, model, samples
-                    )
+                    await self_check(tok, self.health_client, replica.url, model, samples)
                 )
         self.tokenizer_check = {"checked_at": time.time(), "results": results}
         return results
@@ -214,6 +293,17 @@ class RouterService:
     # --- replicas -------------------------------------------------------------------------
 
     def add_replica(self, config: ReplicaConfig) -> Replica:
+        """Register a configured replica: one routing target, or one per data-parallel rank
+        (``dp=N``; ``dp=auto`` starts as one and is expanded by discovery). Returns the
+        first target."""
+        targets = static_targets(config)
+        self._targets[config.key] = [t.key for t in targets]
+        if config.dp == "auto":
+            self.dp_discovery.watch(config)
+        added = [self._add_target(t) for t in targets]
+        return added[0]
+
+    def _add_target(self, config: ReplicaConfig) -> Replica:
         replica = self.registry.add(config)
         sources = []
         if config.events:
@@ -224,7 +314,34 @@ class RouterService:
             self._feed_ops.submit(self.subscriber.set_sources, config.key, sources)
         return replica
 
+    def _apply_dp_targets(self, server: ReplicaConfig, targets: list[ReplicaConfig]) -> None:
+        """A ``dp=auto`` server advertised (other) ranks: replace the targets that changed,
+        keep the feeds, counters and learned state of those that did not."""
+        wanted = {t.key: t for t in targets}
+        current = self._targets.get(server.key, [])
+        keep = set()
+        for name in current:
+            replica = self.registry.get(name)
+            if replica is not None and wanted.get(name) == replica.config:
+                keep.add(name)
+            else:
+                self._remove_target(name)
+        added = [self._add_target(t) for name, t in wanted.items() if name not in keep]
+        self._targets[server.key] = list(wanted)
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            for replica in added[:1]:  # one check covers the server's every rank
+                task = loop.create_task(self.health.check(replica))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
     def remove_replica(self, name: str) -> None:
+        """Remove a configured replica (all its data-parallel ranks)."""
+        self.dp_discovery.forget(name)
+        for target in self._targets.pop(name, [name]):
+            self._remove_target(target)
+
+    def _remove_target(self, name: str) -> None:
         replica = self.registry.remove(name)
         if replica is None:
             return
@@ -268,8 +385,41 @@ class RouterService:
         if not self.registry.healthy():
             raise RouterError(503, "no healthy replica is available", headers=retry)
         if model not in self.registry.known_models():
+            self._refresh_models_soon()
             raise RouterError(404, f"The model `{model}` does not exist.", param="model")
         raise RouterError(503, f"no healthy replica serves model `{model}`", headers=retry)
+
+    def _refresh_models_soon(self) -> None:
+        """An unknown model may be a LoRA adapter loaded since the replicas' last
+        ``/v1/models`` read: read them again now (at most once a second), so the adapter is
+        routable as soon as a replica lists it rather than a refresh interval later."""
+        now = time.monotonic()
+        if now - self._models_refreshed_at < 1.0:
+            return
+        self._models_refreshed_at = now
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            for replica in self.registry.healthy():
+                replica.models_at = None
+                task = loop.create_task(self.health.check(replica))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    def unsaturated(self, candidates: list[Replica], model: str) -> list[Replica]:
+        """The candidates with room under ``max_pending_per_replica`` (all when it is 0);
+        503 with Retry-After when none has: vLLM queues without bound, so the router must
+        be the one to say no."""
+        limit = self.settings.max_pending_per_replica
+        if not limit:
+            return candidates
+        room = [r for r in candidates if r.pending < limit]
+        if room:
+            return room
+        raise RouterError(
+            503,
+            f"every replica serving `{model}` has {limit} or more requests pending; retry later",
+            headers={"retry-after": str(self.settings.retry_after_s)},
+        )
 
     def tokenize_url(self, model: str) -> str | None:
         pool = self.registry.candidates(model) or self.registry.healthy()
@@ -281,6 +431,9 @@ class RouterService:
 
     def _metrics_state(self) -> dict[str, Any]:
         entries = {s.replica: s.entries_by_tier for s in self.index.summary()}
+        throttled: dict[str, int] = {}
+        for (replica, _), stats in self.subscriber.all_feed_stats().items():
+            throttled[replica] = throttled.get(replica, 0) + stats.throttled_bytes
         replicas = {}
         for r in self.registry:
             fresh = None
@@ -292,9 +445,12 @@ class RouterService:
                 "pending": r.pending,
                 "freshness": fresh,
                 "entries_by_tier": entries.get(r.name),
+                "throttled_bytes": throttled.get(r.name, 0),
             }
+        check = getattr(self.tokenizer, "check", None)
         return {
             "replicas": replicas,
+            "tokenizer_modes": {m: st.mode for m, st in check.models.items()} if check else {},
             "index_bytes": self.index.estimated_bytes(),
             "hint_keys": len(self.router.hints),
         }

@@ -1,20 +1,26 @@
-"""Token ids of a request exactly as the replica will compute them.
+"""Token ids of a request exactly as the replica will compute them, in process.
 
 The index is keyed by token ids, so a router whose ids differ from the replica's by a single
 token finds nothing: silent zero hits, the most common complaint about cache-aware routers.
-This module therefore copies vLLM's rules (0.32):
+``LocalTokenizer`` therefore copies vLLM's rules (0.32):
 - completions: ``tokenizer(prompt, add_special_tokens=True)`` (the request may override it);
   token-id prompts are used as given.
-- chat: ``apply_chat_template(messages, tools=..., add_generation_prompt=True,
-  continue_final_message=..., **chat_template_kwargs, tokenize=False)`` then
-  ``tokenizer(text, add_special_tokens=False)``. List contents are flattened the way vLLM's
-  "string" content format does (text parts joined by newlines), and tool-call arguments
-  given as JSON strings are parsed to objects, as vLLM does before rendering.
+- chat: the conversation rebuilt as vLLM rebuilds it (``router/chat_render.py``: content
+  format "string" or "openai" detected from the template, the developer role, tool-call
+  arguments), then ``apply_chat_template(conversation, tools=..., add_generation_prompt=...,
+  continue_final_message=..., **chat_template_kwargs the template reads, tokenize=False)``
+  and ``tokenizer(text, add_special_tokens=False)``. The template is the request's
+  ``chat_template``, else the one this tokenizer was given (the replicas'
+  ``--chat-template``), else the tokenizer's own.
+- ``truncate_prompt_tokens``: the last k ids are kept (``truncation_side: "right"``: the
+  first k), special tokens kept as HF's left truncation keeps them.
 - transformers 5: we never ask ``apply_chat_template`` for ids (it may return a BatchEncoding),
   we render text and encode it ourselves.
 
-``LocalTokenizer`` does this in-process; ``RemoteTokenizer`` asks a replica's ``/tokenize``
-(always right, one extra round trip). ``self_check`` compares the two on the same request.
+Other tokenizers: ``RemoteTokenizer`` (``router/remote_tokens.py``) asks a replica (render
+endpoint, else ``/tokenize``); ``FleetTokenizer`` (``router/model_tokenizers.py``) picks one
+per model and keeps the local ones checked against the replicas on live traffic
+(``router/token_check.py``). ``self_check`` compares ids with a replica on built-in samples.
 
 Multi-turn chats: the rendered text is split at the tokenizer's added tokens (``<|im_start|>``
 and friends), which HF tokenizers never merge across, and each piece is encoded once and
@@ -26,24 +32,36 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 import logging
 import re
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import msgspec
 
+from router.chat_render import (
+    ContentFormat,
+    conversation,
+    detect_content_format,
+    filter_template_kwargs,
+    map_developer_role,
+    truncate_ids,
+)
 from router.errors import RouterError
-from router.lru import LRU
+from router.lru import LRU, token_list_bytes
+from router.remote_tokens import RemoteTokenizer, replica_tokenize, tokenize_body
 from router.requests import ParsedRequest
+from router.token_types import Prompt, TokenizerBase, check_ids, too_long
 
 __all__ = [
     "LocalTokenizer",
+    "Prompt",
     "RemoteTokenizer",
     "TokenizerBase",
+    "first_difference",
     "flatten_messages",
     "replica_tokenize",
     "self_check",
@@ -61,16 +79,6 @@ _HEAD_CHARS_PER_TOKEN = 8
 _CUT_MARGIN = 8
 
 
-def too_long(limit: int, at_least: int, param: str) -> RouterError:
-    """vLLM's answer to a prompt past the context length, given before tokenizing it all."""
-    return RouterError(
-        400,
-        f"This model's maximum context length is {limit} tokens. However, your prompt has "
-        f"at least {at_least} tokens.",
-        param=param,
-    )
-
-
 _SELF_CHECK_SAMPLES: list[dict[str, Any]] = [
     {"prompt": "The quick brown fox jumps over the lazy dog. 12345 <b>tags</b> \u00e9t\u00e9"},
     {
@@ -86,91 +94,7 @@ _SELF_CHECK_SAMPLES: list[dict[str, Any]] = [
 
 def flatten_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as vLLM hands them to a "string"-format chat template."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        msg = dict(message)
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") == "text":
-                    texts.append(str(part.get("text", "")))
-                elif part.get("type") == "refusal":
-                    texts.append(str(part.get("refusal", "")))
-            msg["content"] = "\n".join(texts)
-        tool_calls = msg.get("tool_calls")
-        if isinstance(tool_calls, list):
-            calls = []
-            for call in tool_calls:
-                call = dict(call) if isinstance(call, dict) else call
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    fn = dict(fn)
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
-                    call["function"] = fn
-                calls.append(call)
-            msg["tool_calls"] = calls
-        out.append(msg)
-    return out
-
-
-def tokenize_body(req: ParsedRequest) -> dict[str, Any]:
-    """The ``/tokenize`` body that asks a replica for this request's prompt ids."""
-    if req.kind == "completion":
-        return {
-            "model": req.model,
-            "prompt": req.prompt,
-            "add_special_tokens": req.add_special_tokens,
-        }
-    body: dict[str, Any] = {
-        "model": req.model,
-        "messages": req.messages,
-        "add_generation_prompt": req.add_generation_prompt,
-        "continue_final_message": req.continue_final_message,
-        "add_special_tokens": req.add_special_tokens,
-    }
-    if req.chat_template_kwargs:
-        body["chat_template_kwargs"] = req.chat_template_kwargs
-    if req.tools:
-        body["tools"] = req.tools
-    if req.chat_template:
-        body["chat_template"] = req.chat_template
-    return body
-
-
-async def replica_tokenize(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
-    """POST a replica's /tokenize; a client error there is the client's (400), else 502."""
-    try:
-        resp = await client.post(f"{url}/tokenize", json=body)
-    except httpx.HTTPError as exc:
-        raise RouterError(502, f"tokenizing on {url} failed: {exc!r}") from exc
-    if resp.status_code >= 400:
-        message = resp.text
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            pass
-        status = resp.status_code if resp.status_code < 500 else 502
-        raise RouterError(status, f"replica /tokenize: {message}")
-    tokens = resp.json().get("tokens")
-    if not isinstance(tokens, list):
-        raise RouterError(502, f"replica /tokenize at {url} returned no token list")
-    return tokens
-
-
-class TokenizerBase(ABC):
-    mode: str
-
-    @abstractmethod
-    async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
-        """The prompt ids the replica will see (the first prompt of a batch). With
-        ``max_model_len``, a prompt that certainly exceeds it is a 400 (``too_long``)."""
-
-    def stats(self) -> dict[str, Any]:
-        return {"mode": self.mode}
+    return conversation(messages, "string")
 
 
 class LocalTokenizer(TokenizerBase):
@@ -183,16 +107,37 @@ class LocalTokenizer(TokenizerBase):
         cache_entries: int = 4096,
         segment_cache_entries: int = 65536,
         tokenizer: Any = None,
+        chat_template: str | None = None,
+        content_format: str = "auto",
     ) -> None:
+        """``chat_template``: the template text the replicas were started with
+        (``--chat-template``), overriding the tokenizer's; ``content_format``: their
+        ``--chat-template-content-format`` ("auto": detected from the template)."""
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        if content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"content_format must be auto, string or openai: {content_format!r}")
         self.name = name_or_path
         self.tok = tokenizer
-        self._text_cache: LRU[tuple[str, bool], list[int]] = LRU(cache_entries)
-        self._render_cache: LRU[bytes, str] = LRU(cache_entries)
-        self._segment_cache: LRU[str, list[int]] = LRU(segment_cache_entries)
+        self.chat_template = chat_template
+        self.content_format = content_format
+        self._accepted_kwargs = _template_call_params(tokenizer)
+        # Bounded in bytes too (approximate; router/lru.py): 64 + 32 + 32 MiB at most.
+        self._text_cache: LRU[tuple[str, bool], list[int]] = LRU(
+            cache_entries,
+            max_weight=64 * 2**20,
+            weigh=lambda k, v: 49 + len(k[0]) + token_list_bytes(v),
+        )
+        self._render_cache: LRU[bytes, str] = LRU(
+            cache_entries, max_weight=32 * 2**20, weigh=lambda k, v: 82 + len(v)
+        )
+        self._segment_cache: LRU[str, list[int]] = LRU(
+            segment_cache_entries,
+            max_weight=32 * 2**20,
+            weigh=lambda k, v: 49 + len(k) + token_list_bytes(v),
+        )
         added = dict(self.tok.get_added_vocab())
         self._added_ids = added
         self._split_re: re.Pattern[str] | None = None
@@ -256,6 +201,23 @@ class LocalTokenizer(TokenizerBase):
 
     # --- requests -------------------------------------------------------------------------
 
+    def template_for(self, req: ParsedRequest) -> str | None:
+        """The template vLLM resolves: the request's, else the server's, else the
+        tokenizer's own (by name for tool use when it has several)."""
+        if req.chat_template:
+            return req.chat_template
+        if self.chat_template:
+            return self.chat_template
+        try:
+            return self.tok.get_chat_template(None, tools=req.tools)
+        except Exception:  # no template at all: apply_chat_template will say so
+            return None
+
+    def format_for(self, template: str | None) -> ContentFormat:
+        if self.content_format in ("string", "openai"):
+            return self.content_format  # type: ignore[return-value]
+        return detect_content_format(template) if template else "string"
+
     def render_chat(self, req: ParsedRequest) -> str:
         assert req.messages is not None
         key = hashlib.blake2b(
@@ -267,6 +229,8 @@ class LocalTokenizer(TokenizerBase):
                     req.continue_final_message,
                     req.chat_template,
                     req.chat_template_kwargs,
+                    req.body.get("documents"),
+                    req.body.get("reasoning_effort"),
                 ]
             ),
             digest_size=16,
@@ -274,18 +238,18 @@ class LocalTokenizer(TokenizerBase):
         text = self._render_cache.get(key)
         if text is not None:
             return text
-        kwargs = dict(req.chat_template_kwargs or {})
+        template = self.template_for(req)
         try:
-            text = self.tok.apply_chat_template(
-                flatten_messages(req.messages),
-                tools=req.tools,
-                chat_template=req.chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                tokenize=False,
-                **kwargs,
+            conv = map_developer_role(
+                conversation(req.messages, self.format_for(template)), template
             )
-        except Exception as exc:  # jinja errors, bad roles, template raise_exception(...)
+            kwargs = filter_template_kwargs(_template_kwargs(req), template, self._accepted_kwargs)
+            text = self.tok.apply_chat_template(
+                conv, tools=req.tools, chat_template=template, tokenize=False, **kwargs
+            )
+        except RouterError:
+            raise
+        except Exception as exc:  # odd part values, jinja errors, template raise_exception()
             raise RouterError(
                 400, f"cannot apply the chat template: {exc}", param="messages"
             ) from exc
@@ -295,25 +259,51 @@ class LocalTokenizer(TokenizerBase):
         return text
 
     def encode_sync(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
+        keep, side = req.truncate_prompt_tokens, req.truncation_side
         if req.kind == "completion":
             prompt = req.prompt
             if isinstance(prompt, list):
-                _check_ids(prompt, max_model_len)
-                return prompt
+                if keep is None:
+                    check_ids(prompt, max_model_len)
+                return truncate_ids(prompt, keep, side, max_model_len)
             assert isinstance(prompt, str)
             text, param = prompt, "prompt"
         else:
             text, param = self.render_chat(req), "messages"
-        if max_model_len is not None and len(text) > max_model_len * _HEAD_CHARS_PER_TOKEN:
+        if (
+            keep is None
+            and max_model_len is not None
+            and len(text) > max_model_len * _HEAD_CHARS_PER_TOKEN
+        ):
             head = self._encode_text(text[: max_model_len * _HEAD_CHARS_PER_TOKEN], False)
             if len(head) - _CUT_MARGIN > max_model_len:
                 raise too_long(max_model_len, len(head) - _CUT_MARGIN, param)
-        return self.encode_text(text, req.add_special_tokens)
+        ids = self.encode_text(text, req.add_special_tokens)
+        if keep is None:
+            return ids
+        if keep < 0:
+            keep = max_model_len
+        if keep is None or len(ids) <= keep:
+            return ids
+        if req.add_special_tokens and side is None:
+            return self._truncate_with_specials(text, ids, keep)
+        return truncate_ids(ids, keep, side, max_model_len)
+
+    def _truncate_with_specials(self, text: str, ids: list[int], keep: int) -> list[int]:
+        """HF's left truncation (vLLM's default side): the special tokens the tokenizer adds
+        stay, the text's ids lose their head."""
+        plain = self.encode_text(text, False)
+        extra = len(ids) - len(plain)
+        start = next((i for i in range(extra + 1) if ids[i : i + len(plain)] == plain), None)
+        if start is None:  # specials inside the text's ids: plain slicing is all we know
+            return ids[len(ids) - keep :]
+        prefix, suffix = ids[:start], ids[start + len(plain) :]
+        room = max(0, keep - len(prefix) - len(suffix))
+        return [*prefix, *(plain[len(plain) - room :] if room else []), *suffix]
 
     async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
         if req.kind == "completion" and isinstance(req.prompt, list):
-            _check_ids(req.prompt, max_model_len)
-            return req.prompt
+            return self.encode_sync(req, max_model_len)
         size = len(req.prompt) if isinstance(req.prompt, str) else _messages_chars(req.messages)
         if size <= _INLINE_CHARS:
             return self.encode_sync(req, max_model_len)
@@ -337,9 +327,41 @@ class LocalTokenizer(TokenizerBase):
         }
 
 
-def _check_ids(prompt: list[int], max_model_len: int | None) -> None:
-    if max_model_len is not None and len(prompt) > max_model_len:
-        raise too_long(max_model_len, len(prompt), "prompt")
+def _template_call_params(tok: Any) -> frozenset[str]:
+    """Parameters ``apply_chat_template`` itself takes: request kwargs of these names reach
+    it even when the template does not read them (vLLM lets HF's standard ones through)."""
+    try:
+        params = inspect.signature(tok.apply_chat_template).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    skip = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    names = {p.name for p in params if p.kind not in skip}
+    return frozenset(names - {"chat_template", "tokenize", "conversation"})
+
+
+def _template_kwargs(req: ParsedRequest) -> dict[str, Any]:
+    """What vLLM passes the template besides the messages (``build_chat_params``): the
+    request's ``chat_template_kwargs``, overridden by ``documents``, ``reasoning_effort``
+    (which also turns ``enable_thinking`` on unless given) and the generation-prompt flags."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if "tokenize" in kwargs:
+        raise RouterError(
+            400,
+            "Found unexpected chat template kwargs from request: {'tokenize'}",
+            param="chat_template_kwargs",
+        )
+    kwargs.pop("chat_template", None)
+    effort = req.body.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = effort != "none"
+    extra = {
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+        "documents": req.body.get("documents"),
+        "reasoning_effort": effort,
+    }
+    kwargs.update({k: v for k, v in extra.items() if v is not None and v != "auto"})
+    return kwargs
 
 
 def _messages_chars(messages: list[dict[str, Any]] | None) -> int:
@@ -353,49 +375,12 @@ def _messages_chars(messages: list[dict[str, Any]] | None) -> int:
     return total
 
 
-class RemoteTokenizer(TokenizerBase):
-    """Ask a healthy replica's ``/tokenize`` (cached by request content)."""
-
-    mode = "remote"
-
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        pick_url: Callable[[str], str | None],
-        *,
-        cache_entries: int = 4096,
-    ) -> None:
-        self.client = client
-        self.pick_url = pick_url
-        self._cache: LRU[bytes, list[int]] = LRU(cache_entries)
-
-    async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
-        if req.kind == "completion" and isinstance(req.prompt, list):
-            _check_ids(req.prompt, max_model_len)
-            return req.prompt
-        body = tokenize_body(req)
-        key = hashlib.blake2b(msgspec.msgpack.encode(body), digest_size=16).digest()
-        tokens = self._cache.get(key)
-        if tokens is not None:
-            return tokens
-        url = self.pick_url(req.model)
-        if url is None:
-            raise RouterError(
-                503, "no healthy replica to tokenize on", headers={"retry-after": "2"}
-            )
-        tokens = await replica_tokenize(self.client, url, body)
-        self._cache.put(key, tokens)
-        return tokens
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "cache": {
-                "entries": len(self._cache),
-                "hits": self._cache.hits,
-                "misses": self._cache.misses,
-            },
-        }
+def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
+    """The first position where two id lists differ (a length difference counts), or None."""
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+    if first is None and len(ours) != len(theirs):
+        return min(len(ours), len(theirs))
+    return first
 
 
 async def self_check(
@@ -424,10 +409,7 @@ async def self_check(
             ok = False
             results.append({"kind": kind, "ok": False, "error": exc.message})
             continue
-        first_diff = next(
-            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-            None if len(ours) == len(theirs) else min(len(ours), len(theirs)),
-        )
+        first_diff = first_difference(ours, theirs)
         same = first_diff is None
         ok &= same
         results.append(

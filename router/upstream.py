@@ -3,8 +3,11 @@
 Why not httpx or aiohttp: on our 2-core machines the bare httpx client peaks near 200 req/s
 at 64 concurrent requests on one core and aiohttp near 2,200, while a request through this
 client costs one ``write`` and a few parser callbacks (the load generator built the same way
-passes ~15,000 req/s). The proxy needs little of HTTP: POST a body it already holds, read a
-status, headers and a (possibly chunked) body, keep connections alive per replica.
+passes ~15,000 req/s). The proxy needs little of HTTP: send a request whose body it already
+holds (any method: the router passes every vLLM path through), read a status, headers and a
+(possibly chunked) body, keep connections alive per replica. The answer to a ``HEAD`` has no
+body whatever its headers say: it is complete with its headers, and its connection is not
+reused (the parser cannot be told to expect no body).
 
 Semantics the proxy relies on:
 - ``request()`` returns once the response headers arrived; failures before that raise
@@ -68,6 +71,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reused = False
+        self.head = False  # the request in flight is a HEAD: its answer has no body
         self.response: Response | None = None
 
     # --- asyncio.Protocol -----------------------------------------------------------------
@@ -110,6 +114,9 @@ class _Connection(asyncio.Protocol):
         assert self.response is not None
         self.response.status = self.parser.get_status_code()
         self.response.headers_done = True
+        if self.head:
+            self.response.complete = True
+            self.response.keep_alive = False
         self.response._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -334,11 +341,13 @@ class UpstreamClient:
         path: str,
         body: bytes,
         headers: Sequence[tuple[bytes, bytes]],
+        method: bytes = b"POST",
     ) -> Response:
-        """POST ``body``; returns when the response headers arrived."""
+        """Send ``method path`` with ``body``; returns when the response headers arrived."""
         pool = self._pool(base_url)
         head = [
-            b"POST ",
+            method,
+            b" ",
             path.encode("latin-1"),
             b" HTTP/1.1\r\nhost: ",
             f"{pool.host}:{pool.port}".encode(),
@@ -354,6 +363,7 @@ class UpstreamClient:
             conn = await pool.get(self.connect_timeout)
             response = Response(conn, self.read_timeout)
             conn.response = response
+            conn.head = method == b"HEAD"
             reused = conn.reused
             assert conn.transport is not None
             conn.transport.write(payload)

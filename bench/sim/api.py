@@ -3,14 +3,19 @@
 Endpoints and shapes follow vLLM 0.32: /v1/completions and /v1/chat/completions (JSON or SSE
 ending in ``data: [DONE]``, ``stream_options.include_usage``, ``usage.prompt_tokens_details.
 cached_tokens``), /v1/models, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
-and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``. The app is plain
-Starlette (what FastAPI runs on) with hand-written validation: sixteen of these share two cores
-with the router and the load generator, so per-request overhead matters more than schemas.
+/version, and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``; the
+Responses API, Anthropic messages, embeddings and pooling are in bench.sim.more_api. The app
+is plain Starlette (what FastAPI runs on) with hand-written validation: sixteen of these share
+two cores with the router and the load generator, so per-request overhead matters more than
+schemas.
 
 Deviations, stated so nobody mistakes them for vLLM's: the generated text is a deterministic
 function of the prompt (see SimTokenizer.generate), every request generates exactly
-``max_tokens`` tokens (finish_reason "length"; default ``default_max_tokens`` when absent), and
-``n``, ``logprobs``, ``best_of`` and batched prompts are refused with a 400.
+``max_tokens`` tokens (finish_reason "length"; default ``default_max_tokens`` when absent),
+``n``, ``logprobs``, ``best_of`` and streamed batches of prompts are refused with a 400, and a
+wrong method is answered in vLLM's error schema (vLLM's own 404/405 are FastAPI's
+``{"detail": ...}``). A batch of prompts (non-streamed) runs its prompts concurrently and
+reports, as vLLM 0.32 does, the cached tokens of its last prompt only.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from bench.sim.more_api import MoreHandlers
 from bench.sim.replica import Generation, InjectedError, SimReplica
 from bench.sim.scheduler import ReplicaDied
 
@@ -94,6 +100,7 @@ def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
 class _Handlers:
     def __init__(self, replica: SimReplica) -> None:
         self.r = replica
+        self.more = MoreHandlers(self)
 
     @property
     def model(self) -> str:
@@ -180,12 +187,35 @@ class _Handlers:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
             )
         ):
+            self._check_vocab(prompt, "prompt")
             return list(prompt)
         raise ApiError(
             "prompt must be a string or a non-empty list of token ids (batched prompts are not "
             "supported by the simulator)",
             param="prompt",
         )
+
+    def _batch_ids(self, body: dict[str, Any]) -> list[list[int]] | None:
+        """A batch's prompts (two or more strings or token lists), else None."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or len(prompt) < 2:
+            return None
+        if not all(isinstance(p, str) for p in prompt) and not all(
+            isinstance(p, list) for p in prompt
+        ):
+            return None
+        special = _opt_bool(body, "add_special_tokens", True)
+        return [self._prompt_ids({"prompt": p}, add_special_tokens=special) for p in prompt]
+
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        """vLLM's answer to a token id outside the vocabulary (a 400, not a crash)."""
+        if not ids:
+            return
+        low, high = min(ids), max(ids)
+        if low < 0:
+            raise ApiError(f"Token id {low} is out of vocabulary", param=param)
+        if high > self.r.tokenizer.max_token_id:
+            raise ApiError(f"Token id {high} is out of vocabulary", param=param)
 
     # --- endpoints ----------------------------------------------------------------------------
 
@@ -248,6 +278,7 @@ class _Handlers:
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens
             ):
                 raise ApiError("tokens must be a list of token ids", param="tokens")
+            self._check_vocab(tokens, "tokens")
         except ApiError as err:
             return error_response(err)
         return _ok({"prompt": self.r.tokenizer.tok.decode(tokens)})
@@ -270,6 +301,9 @@ class _Handlers:
             body = await _body(request)
             self._check_model(body)
             self._unsupported(body)
+            batch = None if chat else self._batch_ids(body)
+            if batch is not None:
+                return await self.more.completions_batch(body, batch)
             ids = self._chat_ids(body) if chat else self._prompt_ids(body)
             max_tokens = (
                 self._max_tokens(body, "max_completion_tokens", "max_tokens")
@@ -454,11 +488,22 @@ def create_app(replica: SimReplica) -> Starlette:
         Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
+        *h.more.routes(),
     ]
     app = Starlette(routes=routes)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return error_response(ApiError(f"no route {request.url.path}", code=404))
 
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return error_response(
+            ApiError(
+                f"method {request.method} not allowed on {request.url.path}",
+                code=405,
+                type_="MethodNotAllowed",
+            )
+        )
+
     app.add_exception_handler(404, not_found)
+    app.add_exception_handler(405, not_allowed)
     return app

@@ -8,6 +8,10 @@ JSON line when every replica listens (``ready``), then serves until SIGINT/SIGTE
 
 ``SimFleet`` runs that command as a child process and talks to its control server, so the
 fleet never competes with the caller's event loop or GIL.
+
+``data_parallel_size`` > 1 makes each replica a data-parallel server (bench.sim.dp): one HTTP
+port, that many engines, each with its own event sockets. The control server knows each
+engine as ``<replica>#dp<r>`` too (restart one rank, read one rank's cache).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -53,6 +58,8 @@ class FleetConfig:
     hash_seeds: bool = False
     seed: int = 0
     host: str = "127.0.0.1"
+    # Engines per replica: > 1 makes each replica a data-parallel server (bench.sim.dp).
+    data_parallel_size: int = 1
     latency: LatencyModel = field(default_factory=LatencyModel)
 
     def replica_config(self, i: int) -> SimReplicaConfig:
@@ -99,6 +106,7 @@ class FleetReplica:
     events: str
     replay: str
     topic: str
+    dp: int = 1  # engines behind the URL (rank r publishes on the event/replay ports + r)
 
 
 # --- the fleet process -----------------------------------------------------------------------
@@ -119,6 +127,7 @@ async def serve_fleet(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    from bench.sim.dp import SimDPServer, engines_of, make_server
     from bench.sim.looplag import LoopLagMonitor
     from bench.sim.replica import SimReplica, _Server
     from bench.sim.tokenizer import SimTokenizer, ensure_model_dir
@@ -127,8 +136,12 @@ async def serve_fleet(
         Path(config.model_dir) if config.model_dir else None, max_model_len=config.max_model_len
     )
     tokenizer = SimTokenizer(model_dir)
-    replicas = [SimReplica(config.replica_config(i), tokenizer) for i in range(config.replicas)]
-    by_name = {r.config.name: r for r in replicas}
+    replicas = [
+        make_server(config.replica_config(i), tokenizer, config.data_parallel_size)
+        for i in range(config.replicas)
+    ]
+    by_name: dict[str, SimReplica | SimDPServer] = {r.config.name: r for r in replicas}
+    by_name |= {e.config.name: e for r in replicas for e in engines_of(r) if e is not r}
     lag = LoopLagMonitor()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -136,7 +149,7 @@ async def serve_fleet(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
 
-    def replica_of(request: Request) -> SimReplica:
+    def replica_of(request: Request) -> SimReplica | SimDPServer:
         name = request.path_params["name"]
         if name not in by_name:
             raise KeyError(name)
@@ -179,7 +192,8 @@ async def serve_fleet(
                     value = float(body[key])
                     if not 0.0 <= value <= 1.0:
                         return err(f"{key} must be in [0, 1]", 400)
-                    setattr(r.config, key, value)
+                    for target in (r, *engines_of(r)):
+                        setattr(target.config, key, value)
         except KeyError as exc:
             return err(f"no replica {exc}", 404)
         except (ValueError, TypeError) as exc:
@@ -194,6 +208,8 @@ async def serve_fleet(
             r = replica_of(request)
         except KeyError as exc:
             return err(f"no replica {exc}", 404)
+        if isinstance(r, SimDPServer):
+            return err(f"{r.config.name} is a data-parallel server: ask for <name>#dp<rank>", 400)
         return JSONResponse(
             {t.name: sorted(h) for t, h in r.cache.contents().items()}
             | {
@@ -219,7 +235,7 @@ async def serve_fleet(
 
     async def stats(request: Request) -> Response:
         out = {}
-        for r in replicas:
+        for r in (e for server in replicas for e in engines_of(server)):
             st = r.scheduler.stats
             out[r.config.name] = {
                 "alive": r.alive,
@@ -287,6 +303,7 @@ async def serve_fleet(
 
         entries = [
             {k: r.describe()[k] for k in ("name", "url", "events", "replay", "topic")}
+            | ({"dp": r.size} if isinstance(r, SimDPServer) else {})
             for r in replicas
         ]
         # Written whole, then renamed: a launcher polling the file never reads half of it.
@@ -352,6 +369,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--host", default=d.host)
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=d.data_parallel_size,
+        help="engines per replica (> 1: each replica is a data-parallel server)",
+    )
     lat = LatencyModel()
     for f in fields(LatencyModel):
         parser.add_argument(
@@ -413,7 +436,14 @@ class SimFleet:
         self.control = info["control"]
         self.model_dir = info["model_dir"]
         self.replicas = [
-            FleetReplica(r["name"], r["url"], r["events"], r["replay"], r["topic"])
+            FleetReplica(
+                r["name"],
+                r["url"],
+                r["events"],
+                r["replay"],
+                r["topic"],
+                r.get("data_parallel_size", 1),
+            )
             for r in info["replicas"]
         ]
         return self
@@ -454,10 +484,10 @@ class SimFleet:
         return resp.json()
 
     def kill(self, name: str) -> None:
-        self._post(f"/replicas/{name}/kill")
+        self._post(f"/replicas/{quote(name, safe='')}/kill")
 
     def restart(self, name: str) -> None:
-        self._post(f"/replicas/{name}/restart")
+        self._post(f"/replicas/{quote(name, safe='')}/restart")
 
     def set_faults(
         self, name: str, *, error_rate: float | None = None, drop_event_rate: float | None = None
@@ -467,13 +497,13 @@ class SimFleet:
             for k, v in (("error_rate", error_rate), ("drop_event_rate", drop_event_rate))
             if v is not None
         }
-        self._post(f"/replicas/{name}/faults", body)
+        self._post(f"/replicas/{quote(name, safe='')}/faults", body)
 
     def reset_caches(self) -> None:
         self._post("/reset")
 
     def cache_contents(self, name: str) -> dict[str, Any]:
-        return self._get(f"/replicas/{name}/cache")
+        return self._get(f"/replicas/{quote(name, safe='')}/cache")
 
     def stats(self) -> dict[str, Any]:
         return self._get("/stats")

@@ -140,8 +140,8 @@ class _EngineCollector(Collector):
 class ReplicaMetrics:
     """The registry of one replica (each replica has its own; many share a process)."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
-        labels = {"engine": "0", "model_name": model_name}
+    def __init__(self, scheduler: Scheduler, model_name: str, engine: str = "0") -> None:
+        labels = {"engine": engine, "model_name": model_name}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(scheduler, labels))
         self._ttft = Histogram(

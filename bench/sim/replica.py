@@ -6,6 +6,9 @@ event publisher is gone, in-flight requests fail, device and CPU caches are lost
 binds the same ports again with a new publisher (sequence numbers from 0, an empty replay
 buffer) and keeps the STORAGE tier, which it re-announces in its first batch, as a storage
 connector that indexes its store at start-up would.
+
+A data-parallel server (bench.sim.dp) runs several replicas as its engines: each started with
+``start_engine`` (publisher and scheduler, no HTTP of its own), its events carrying its rank.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class SimReplicaConfig:
     error_rate: float = 0.0
     drop_event_rate: float = 0.0
     seed: int = 0
+    # The engine's rank inside a data-parallel server (bench.sim.dp): the ``engine`` label of
+    # its metrics and the third element of its event payloads. None: a plain replica.
+    dp_rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +81,26 @@ class _Server(uvicorn.Server):
         yield
 
 
+async def _port_released(endpoint: str, timeout_s: float = 5.0) -> None:
+    """Wait until a tcp endpoint's port can be bound again: a closed ZMQ socket releases its
+    port on ZMQ's I/O thread, a moment after ``close`` returns."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit() or int(port) == 0:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, int(port)))
+                return
+            except OSError:
+                if loop.time() > deadline:
+                    raise
+        await asyncio.sleep(0.02)
+
+
 class SimReplica:
     """A replica of the simulated fleet; every method runs on the fleet's asyncio loop."""
 
@@ -87,7 +113,7 @@ class SimReplica:
         )
         self.rng = random.Random(f"{config.seed}/{config.name}")
         self.scheduler = self._new_scheduler()
-        self.metrics = ReplicaMetrics(self.scheduler, config.model)
+        self.metrics = self._new_metrics()
         self.publisher: EventPublisher | None = None
         self.alive = False
         self.host = "127.0.0.1"
@@ -99,6 +125,12 @@ class SimReplica:
         self._server_task: asyncio.Task[None] | None = None
         self._pending_events: list[Event] = []
         self._sock: socket.socket | None = None
+        self._serves_http = True  # False for an engine of a data-parallel server
+
+    def _new_metrics(self) -> ReplicaMetrics:
+        return ReplicaMetrics(
+            self.scheduler, self.config.model, engine=str(self.config.dp_rank or 0)
+        )
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -155,15 +187,7 @@ class SimReplica:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
-        self.publisher = EventPublisher(
-            self.events_endpoint or f"tcp://{host}:0",
-            replay_endpoint=self.replay_endpoint or f"tcp://{host}:0",
-            topic=self.topic,
-            bind=True,
-        )
-        self.events_endpoint = self.publisher.endpoint
-        self.replay_endpoint = self.publisher.replay_endpoint or ""
-        self.scheduler.start()
+        self._open_engine(host)
         config = uvicorn.Config(
             create_app(self),
             log_level="warning",
@@ -182,10 +206,37 @@ class SimReplica:
                 self._server_task.result()
                 raise RuntimeError(f"replica {self.config.name} failed to start")
             await asyncio.sleep(0.01)
+        self._go_live()
+
+    def _open_engine(self, host: str) -> None:
+        """The publisher (same endpoints as before a restart) and the scheduler."""
+        self.publisher = EventPublisher(
+            self.events_endpoint or f"tcp://{host}:0",
+            replay_endpoint=self.replay_endpoint or f"tcp://{host}:0",
+            topic=self.topic,
+            bind=True,
+            data_parallel_rank=self.config.dp_rank,
+        )
+        self.events_endpoint = self.publisher.endpoint
+        self.replay_endpoint = self.publisher.replay_endpoint or ""
+        self.scheduler.start()
+
+    def _go_live(self) -> None:
         self.alive = True
         if self._pending_events:
             self._publish(self._pending_events)
             self._pending_events = []
+
+    async def start_engine(self, host: str, port: int) -> None:
+        """Start as an engine of a data-parallel server listening on ``host:port``: publisher
+        and scheduler only (set ``events_endpoint``/``replay_endpoint`` first for fixed
+        ports); the server owns HTTP."""
+        self._serves_http = False
+        self.host, self.port = host, port
+        for endpoint in (self.events_endpoint, self.replay_endpoint):
+            await _port_released(endpoint)
+        self._open_engine(host)
+        self._go_live()
 
     async def stop(self) -> None:
         """Shut down cleanly (the fleet is exiting)."""
@@ -199,12 +250,20 @@ class SimReplica:
         self._pending_events = self.cache.take_events()
 
     async def restart(self) -> None:
-        """Come back on the same ports with a fresh publisher (seq from 0)."""
+        """Come back on the same ports with a fresh publisher (seq from 0); an engine of a
+        data-parallel server restarts alone, its server still answering."""
         if self.alive:
             await self.kill()
+        self.renew()
+        if self._serves_http:
+            await self.start(self.host, self.port)
+        else:
+            await self.start_engine(self.host, self.port)
+
+    def renew(self) -> None:
+        """A new process's scheduler and metrics (the caches are the cache's business)."""
         self.scheduler = self._new_scheduler()
-        self.metrics = ReplicaMetrics(self.scheduler, self.config.model)
-        await self.start(self.host, self.port)
+        self.metrics = self._new_metrics()
 
     async def _shutdown(self, *, force: bool) -> None:
         self.alive = False

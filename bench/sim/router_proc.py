@@ -42,6 +42,7 @@ async def _serve(settings_path: Path) -> None:
     import uvicorn
 
     from router.app import create_app
+    from router.http_protocol import header_deadline_protocol
 
     settings = settings_from_dict(json.loads(settings_path.read_text()))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -52,6 +53,7 @@ async def _serve(settings_path: Path) -> None:
         log_level="warning",
         access_log=False,
         lifespan="on",
+        http=header_deadline_protocol(settings.header_timeout_s),
         timeout_keep_alive=60,
         timeout_graceful_shutdown=2,
     )
@@ -107,6 +109,10 @@ class RouterProcess:
                     self.url = json.loads(line)["url"]
         self._wait_healthy(deadline)
         return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def _poll(
         self, path: str, done: Callable[[dict[str, Any]], bool], deadline: float, every_s: float

@@ -52,6 +52,8 @@ class SimTokenizer:
         self.model_dir = Path(model_dir)
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_token_id: int = self.tok.eos_token_id
+        # vLLM refuses a token id past the tokenizer's largest (renderers' validate_token_ids).
+        self.max_token_id: int = len(self.tok) - 1
         special = set(self.tok.all_special_ids)
         # Output ids are drawn from word-start tokens so generated text reads as words.
         vocab = self.tok.get_vocab()
@@ -75,10 +77,18 @@ class SimTokenizer:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat prompt text (raises ValueError on messages the template cannot render)."""
+        """The chat prompt text (raises ValueError on messages the template cannot render).
+
+        As vLLM's "string" content format hands messages to the template: a missing content
+        is an empty string, and the ``developer`` role becomes ``system`` (merged with the
+        other system messages at the front) for a template that never names it."""
+        from router.chat_render import map_developer_role
+
+        conv = [{**m, "content": ""} if m.get("content") is None else dict(m) for m in messages]
+        conv = map_developer_role(conv, getattr(self.tok, "chat_template", None))
         try:
             text = self.tok.apply_chat_template(
-                messages,
+                conv,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -68,6 +68,11 @@ def test_demo_runs_end_to_end_on_the_simulated_fleet(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "kvroute / round_robin" in done.stdout
+    # Not a terminal: one progress line per run, no carriage-return redraws; dashboards named.
+    assert "\r" not in done.stdout + done.stderr
+    runs = [line for line in done.stderr.splitlines() if " req in " in line]
+    assert len(runs) == 2 and all(": 9/9 req in " in line for line in runs), done.stderr
+    assert "/dashboard (kvroute)" in done.stdout and "/dashboard (round_robin)" in done.stdout
     report = json.loads(out.read_text())
     results = {r["policy"]: r for r in report["results"]}
     assert set(results) == {"kvroute", "round_robin"}

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.publisher import EventPublisher
+from indexer.budget import ByteBudget
 from indexer.index import InMemoryPrefixIndex
 from indexer.stats import collect_stats
 from indexer.subscriber import (
@@ -30,6 +31,7 @@ from indexer.wire import (
     Medium,
     decode_batch,
     encode_batch,
+    encode_frames,
 )
 from tests.indexer.builders import DOC, DOCS, operation, removed, stored
 
@@ -658,5 +660,96 @@ def test_an_oversized_message_costs_its_publisher_only(index: InMemoryPrefixInde
             wait_for(back, timeout=15)
             assert index.lookup(huge)["r1"].blocks == 0  # the oversized batch was never applied
             assert blocks(index, "r2") == 4
+    finally:
+        sub.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_flooding_publisher_is_cleared_dropped_and_rebuilt_once_it_slows() -> None:
+    """Driven without sockets, on a manual clock: the budget is 1,000 bytes/s (burst 2,000)."""
+    index = InMemoryPrefixIndex()
+    clock = _Clock()
+    feed = ReplicaFeed(
+        EventSource("r", "tcp://unused"), index, budget=ByteBudget(1000, 2000, clock=clock)
+    )
+    raw = [
+        encode_frames(TOPIC, i, encode_batch([stored(DOC, i % 8, 1)], ts=0.0)) for i in range(200)
+    ]
+    within = 2000 // sum(len(f) for f in raw[0])
+    for frames in raw[:within]:
+        feed.handle_frames(frames)
+    assert within >= 4 and feed.stats.freshness is Freshness.LIVE
+    assert blocks(index, "r") == min(within, 8)
+    # The flood: 20 messages in a tenth of a second, far past 1,000 bytes/s.
+    for k, frames in enumerate(raw[within : within + 20]):
+        clock.now += 0.005
+        feed.handle_frames(frames)
+        if k == 0:
+            assert feed.stats.freshness is Freshness.THROTTLED
+            assert blocks(index, "r") == 0  # cleared: dropped batches may have removed blocks
+    assert feed.stats.throttles == 1 and feed.stats.throttled_messages == 20
+    assert feed.stats.throttled_bytes == sum(
+        len(f) for frames in raw[within : within + 20] for f in frames
+    )
+    # Still flooding a second later: a slice that fits is not let through (no flapping).
+    clock.now += 1.0
+    feed.handle_frames(raw[within + 20])
+    assert feed.stats.freshness is Freshness.THROTTLED and feed.stats.throttles == 1
+    # Quiet long enough: the next batch rebuilds from live events, without asking for the
+    # dropped ones.
+    clock.now += 5.0
+    seq = within + 21
+    feed.handle_frames(encode_frames(TOPIC, seq, encode_batch([stored(DOC, 0, 3)], ts=0.0)))
+    assert feed.stats.freshness is Freshness.REBUILDING, feed.stats.reason
+    assert blocks(index, "r") == 3 and feed.expected == seq + 1 and feed.stats.replays == 0
+
+
+def test_a_flood_costs_its_own_feed_only(index: InMemoryPrefixIndex) -> None:
+    """Real sockets: one publisher sends 10x its budget, the other is applied in full, and
+    the flooder's feed comes back once it sends at a normal rate again."""
+    rate = 64 * 1024
+    sub = EventSubscriber(
+        index, replay_timeout_s=0.5, max_message_bytes=16 * 1024, max_bytes_per_s=rate
+    )
+    try:
+        with publisher() as flood, publisher() as fine:
+            connect(sub, flood, "r1")
+            connect(sub, fine, "r2")
+            time.sleep(0.4)
+            doc = list(range(5000, 5000 + 256))  # 64 blocks of 4 tokens
+            started = time.monotonic()
+            sent = 0
+            step = 0
+            while time.monotonic() - started < 1.5:  # ~10x the budget for 1.5 s
+                flood.publish([stored(doc, 0, 64)])
+                sent += 1
+                if sent % 8 == 0:
+                    fine.publish([stored(DOC, step % 8, 1)])
+                    step += 1
+                time.sleep(0.001)
+            fine.publish([stored(DOC, 0, 8)])
+            wait_for(lambda: blocks(index, "r2") == 8)
+            stats = sub.feed_stats()
+            assert stats["r2"].freshness is Freshness.LIVE and stats["r2"].throttles == 0
+            assert stats["r2"].missed_batches == 0
+            flooded = stats["r1"]
+            assert flooded.throttles >= 1 and flooded.throttled_bytes > 2 * rate
+            assert flooded.freshness is Freshness.THROTTLED, flooded.reason
+            assert flooded.events_applied * 5 < sent  # most of the flood was never decoded
+
+            def back() -> bool:
+                flood.publish([stored(DOC, 0, 2)])
+                time.sleep(0.2)
+                return blocks(index, "r1") == 2
+
+            wait_for(back, timeout=20)
+            assert sub.freshness("r1")[0] is Freshness.REBUILDING
     finally:
         sub.close()

@@ -2,7 +2,10 @@
 
 It speaks the parts of vLLM's OpenAI API the router touches: /health, /v1/models (with LoRA
 cards), /metrics (load gauges), /tokenize and /detokenize (vLLM's rules, written plainly:
-render the chat template to text, then encode), completions and chat completions with and
+render the chat template to text, then encode; ``chat_template`` plays vLLM's
+``--chat-template``), the render endpoints of vLLM 0.32 (``/v1/chat/completions/render``,
+``/v1/completions/render``: token ids and multimodal features; ``render_status`` 403 answers
+as a vLLM without ``--enable-scale-out`` does), completions and chat completions with and
 without SSE streaming (stream_options.include_usage, data: [DONE]). It keeps a prefix cache
 of the prompts it served and, when given an EventPublisher, publishes BlockStored events for
 new blocks like vLLM does; usage.prompt_tokens_details.cached_tokens follows vLLM's rule.
@@ -40,6 +43,7 @@ class FakeKnobs:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    tokenize_delay_s: float = 0.0  # /tokenize answers this late (without blocking the server)
     headers: dict[str, str] = field(default_factory=dict)  # added to completion responses
 
 
@@ -57,6 +61,8 @@ class FakeVLLM:
     model: str = "tiny"
     loras: list[str] = field(default_factory=list)
     block_size: int = 16
+    chat_template: str | None = None  # the server's --chat-template (None: the tokenizer's)
+    render_status: int | None = 403  # None: serve the render endpoints; else answer this
     publisher: EventPublisher | None = None
     knobs: FakeKnobs = field(default_factory=FakeKnobs)
 
@@ -81,6 +87,7 @@ class FakeVLLM:
                 messages.append(m)
             text = self.tokenizer.apply_chat_template(
                 messages,
+                chat_template=body.get("chat_template") or self.chat_template,
                 tools=body.get("tools"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
@@ -196,10 +203,53 @@ class FakeVLLM:
         async def tokenize(request: Request) -> Response:
             body = await request.json()
             fake.seen.append(Seen(request.url.path, body, dict(request.headers)))
+            if fake.knobs.tokenize_delay_s:
+                await asyncio.sleep(fake.knobs.tokenize_delay_s)
             if body.get("model") not in (None, fake.model, *fake.loras):
                 return _error(404, f"The model `{body.get('model')}` does not exist.")
             tokens = fake.tokenize_prompt(body)
             return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+        async def render(request: Request, chat: bool) -> Response:
+            body = await request.json()
+            fake.seen.append(Seen(request.url.path, body, dict(request.headers)))
+            if fake.render_status is not None:
+                return _error(
+                    fake.render_status,
+                    "Scale-out endpoints are disabled. Restart vllm serve with "
+                    "--enable-scale-out to enable them.",
+                )
+            if body.get("model") not in (fake.model, *fake.loras):
+                return _error(404, f"The model `{body.get('model')}` does not exist.")
+            tokens = fake.tokenize_prompt(body)
+            keep = body.get("truncate_prompt_tokens")
+            if isinstance(keep, int) and 0 <= keep < len(tokens):
+                tokens = tokens[len(tokens) - keep :] if keep else []
+            images = [
+                p["image_url"]["url"]
+                for m in body.get("messages") or ()
+                if isinstance(m.get("content"), list)
+                for p in m["content"]
+                if p.get("type") == "image_url"
+            ]
+            features = None
+            if images:  # one placeholder token per image, at the start (the fake's layout)
+                features = {
+                    "mm_hashes": {"image": [xxhash.xxh3_64_hexdigest(u.encode()) for u in images]},
+                    "mm_placeholders": {
+                        "image": [{"offset": i, "length": 1} for i in range(len(images))]
+                    },
+                }
+            out = {"request_id": uuid.uuid4().hex, "token_ids": tokens, "features": features}
+            return JSONResponse(out if chat else [out])
+
+        @app.post("/v1/chat/completions/render")
+        async def render_chat(request: Request) -> Response:
+            return await render(request, True)
+
+        @app.post("/v1/completions/render")
+        async def render_completion(request: Request) -> Response:
+            return await render(request, False)
 
         @app.post("/detokenize")
         async def detokenize(request: Request) -> Response:

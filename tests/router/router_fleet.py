@@ -14,6 +14,7 @@ from router_servers import ServerThread, wait_until
 from bench.publisher import EventPublisher
 from router.app import create_app
 from router.config import ReplicaConfig, RouterSettings
+from router.http_protocol import header_deadline_protocol
 from router.tokenization import LocalTokenizer
 
 
@@ -91,7 +92,8 @@ def make_fleet(
         defaults.update(settings_kw)
         settings = RouterSettings(**defaults)
         router = ServerThread(
-            create_app(settings, tokenizer=tokenizer if inject_tokenizer else None)
+            create_app(settings, tokenizer=tokenizer if inject_tokenizer else None),
+            http=header_deadline_protocol(settings.header_timeout_s),  # as `kvroute serve`
         ).start()
         stack.callback(router.stop)
         fleet = Fleet(router, fakes, servers, pubs, settings)

@@ -25,7 +25,14 @@ def free_socket(port: int = 0) -> socket.socket:
 
 
 class ServerThread:
-    def __init__(self, app: Any, port: int = 0, *, startup_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        port: int = 0,
+        *,
+        startup_timeout_s: float = 30.0,
+        http: Any = "httptools",
+    ) -> None:
         self.app = app
         self.sock = free_socket(port)
         self.port = self.sock.getsockname()[1]
@@ -34,7 +41,7 @@ class ServerThread:
             app,
             log_level="warning",
             lifespan="on",
-            http="httptools",
+            http=http,
             loop="asyncio",
             timeout_graceful_shutdown=2,
         )

@@ -24,6 +24,7 @@ CASES = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "9"}', 400, "max_tokens"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": true}', 400, "max_tokens"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "cache_salt": 1}', 400, "cache_salt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 129}', 400, "n"),
     ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
@@ -157,9 +158,20 @@ def test_a_prompt_past_the_context_length_is_refused_before_it_is_tokenized(
         assert ok.status_code == 200, ok.text
 
 
-def test_unknown_path_and_method(fleet: Fleet) -> None:
-    _assert_openai_error(httpx.get(f"{fleet.url}/v1/nothing"), 404, None)
-    _assert_openai_error(httpx.get(f"{fleet.url}/v1/completions"), 405, None)
+def test_unknown_path_and_method_are_the_replicas_to_answer(fleet: Fleet) -> None:
+    """kvroute passes every path it does not serve itself, any method, to a replica: the
+    answer is the replica's own (FastAPI's ``{"detail": ...}`` for vLLM and this fake), with
+    ``x-kvroute-replica`` naming it, which the router's own errors never carry."""
+    direct = httpx.get(f"{fleet.servers[0].url}/v1/nothing")
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        resp = httpx.request(method, f"{fleet.url}{path}")
+        assert resp.status_code == status, resp.text
+        assert resp.headers["x-kvroute-replica"] in fleet.names()
+        if status == 404:
+            assert resp.content == direct.content
+    refused = httpx.post(f"{fleet.url}/v1/completions", content=b"{")
+    _assert_openai_error(refused, 400, None)
+    assert "x-kvroute-replica" not in refused.headers
 
 
 def test_openai_client_sees_typed_errors(fleet: Fleet) -> None:

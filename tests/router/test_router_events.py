@@ -62,6 +62,7 @@ def test_routing_follows_cached_prefix_from_events(local_tokenizer) -> None:
         assert f'kvroute_predicted_cached_tokens_total{{replica="{holder}"}}' in metrics
         assert 'kvroute_routing_decisions_total{policy="kvroute",reason="prefix"} 3.0' in metrics
         assert f'kvroute_index_freshness{{replica="{holder}",state="live"}} 1.0' in metrics
+        assert f'kvroute_event_throttled_bytes_total{{replica="{holder}"}} 0.0' in metrics
 
 
 def test_lora_and_cache_salt_keep_prefixes_apart(local_tokenizer) -> None:

@@ -104,3 +104,81 @@ def test_a_client_that_stops_reading_a_stream_is_given_up() -> None:
         raise AssertionError("a client that never reads was not given up")
     assert time.monotonic() - started < 5
     assert len(sent) == 4
+
+
+def test_a_connection_that_never_completes_its_headers_is_closed(local_tokenizer) -> None:
+    """Slowloris: silent connections and header tricklers are closed after
+    ``header_timeout_s``; a request whose headers arrive in time is served, also on a
+    kept-alive connection idle for less than uvicorn's keep-alive timeout."""
+    with make_fleet(local_tokenizer, n=1, header_timeout_s=0.6) as fleet:
+        url = urlsplit(fleet.url)
+
+        def closed_after(send: bytes, trickle: bytes = b"") -> float:
+            with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+                started = time.monotonic()
+                sock.sendall(send)
+                for byte in trickle:  # one byte every 0.1 s: headers never complete in time
+                    try:
+                        sock.sendall(bytes([byte]))
+                    except OSError:
+                        break
+                    time.sleep(0.1)
+                assert sock.recv(65536) == b""  # closed without an answer
+                return time.monotonic() - started
+
+        assert 0.5 < closed_after(b"") < 5
+        assert 0.5 < closed_after(b"GET /health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 100) < 5
+        # Headers in time, then a slow but complete request: served, and kept alive.
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            for _ in range(2):
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = b""
+                while not answer.endswith(b"}"):
+                    part = sock.recv(65536)
+                    assert part, answer
+                    answer += part
+                assert answer.startswith(b"HTTP/1.1 200"), answer
+                time.sleep(0.3)  # idle between requests: the header clock starts again
+        assert httpx.get(f"{fleet.url}/health").status_code == 200
+
+
+def test_saturated_replicas_take_no_more_and_then_the_router_answers_503(
+    local_tokenizer,
+) -> None:
+    """With ``max_pending_per_replica`` 1, two slow replicas take one request each; the third
+    request finds both saturated and gets 503 with Retry-After at once, not a queue."""
+    knobs = [FakeKnobs(delay_s=1.5), FakeKnobs(delay_s=1.5)]
+    with make_fleet(
+        local_tokenizer, n=2, knobs=knobs, max_pending_per_replica=1, hint_ttl_s=0
+    ) as fleet:
+
+        async def burst() -> list[tuple[int, float, str | None]]:
+            async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as client:
+
+                async def one(delay: float) -> tuple[int, float, str | None]:
+                    await asyncio.sleep(delay)
+                    started = time.monotonic()
+                    resp = await client.post(
+                        "/v1/completions", json={"model": "tiny", "prompt": "busy", "max_tokens": 1}
+                    )
+                    return (
+                        resp.status_code,
+                        time.monotonic() - started,
+                        resp.headers.get("retry-after"),
+                    )
+
+                return await asyncio.gather(one(0), one(0.1), one(0.4))
+
+        results = asyncio.run(burst())
+        assert sorted(r[0] for r in results) == [200, 200, 503], results
+        refused = next(r for r in results if r[0] == 503)
+        assert refused[1] < 1.0 and refused[2] == "2", refused
+        # Room again once the slow ones finished and the next load scrape has seen it.
+        deadline = time.monotonic() + 10
+        status = 0
+        while status != 200 and time.monotonic() < deadline:
+            status = httpx.post(
+                f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30
+            ).status_code
+            time.sleep(0.1)
+        assert status == 200
