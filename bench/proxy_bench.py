@@ -204,16 +204,9 @@ async def _load(
                     next_at = max(next_at + interval, time.perf_counter())
                 request = requests[issued % len(requests)]
                 issued += 1
-                t0 = time.perf_counter()
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line[:15].lower() == b"content-length:":
-                        length = int(line[15:])
-                await reader.readexactly(length)
-                latencies.append(time.perf_counter() - t0)
-                if not head.startswith(b"HTTP/1.1 200"):
+                seconds, status = await _exchange(reader, writer, request)
+                latencies.append(seconds)
+                if status != 200:
                     errors += 1
         finally:
             writer.close()
@@ -228,8 +221,8 @@ async def _load(
         "errors": errors,
         "seconds": round(elapsed, 3),
         "rps": round(n / elapsed, 1) if elapsed else 0.0,
-        "p50_ms": round(1000 * latencies[n // 2], 3) if n else None,
-        "p99_ms": round(1000 * latencies[min(n - 1, int(n * 0.99))], 3) if n else None,
+        "p50_ms": _quantile_ms(latencies, 0.5),
+        "p99_ms": _quantile_ms(latencies, 0.99),
         "mean_ms": round(1000 * statistics.fmean(latencies), 3) if n else None,
     }
 
@@ -243,8 +236,8 @@ def _quantile_ms(values: list[float], p: float) -> float | None:
 
 async def _exchange(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
-) -> tuple[float, bool]:
-    """One request on a keep-alive connection: (seconds, answered 200)."""
+) -> tuple[float, int]:
+    """One request on a connection, its whole answer read: (seconds, status code)."""
     t0 = time.perf_counter()
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
@@ -253,7 +246,7 @@ async def _exchange(
         if line[:15].lower() == b"content-length:":
             length = int(line[15:])
     await reader.readexactly(length)
-    return time.perf_counter() - t0, head.startswith(b"HTTP/1.1 200")
+    return time.perf_counter() - t0, int(head[9:12])
 
 
 async def _paired_load(
@@ -300,13 +293,13 @@ async def _paired_load(
                 router_first = issued % 2 == 1
                 issued += 1
                 if router_first:
-                    r_s, r_ok = await _exchange(*r_conn, request)
-                    d_s, d_ok = await _exchange(*d_conn, request)
+                    r_s, r_status = await _exchange(*r_conn, request)
+                    d_s, d_status = await _exchange(*d_conn, request)
                 else:
-                    d_s, d_ok = await _exchange(*d_conn, request)
-                    r_s, r_ok = await _exchange(*r_conn, request)
-                errors["direct"] += not d_ok
-                errors["routed"] += not r_ok
+                    d_s, d_status = await _exchange(*d_conn, request)
+                    r_s, r_status = await _exchange(*r_conn, request)
+                errors["direct"] += d_status != 200
+                errors["routed"] += r_status != 200
                 direct.append(d_s)
                 routed.append(r_s)
                 diffs.append(r_s - d_s)
@@ -369,14 +362,7 @@ async def _open_loop(
         writer = None
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            await reader.readexactly(length)
-            status = int(head[9:12])
+            _, status = await _exchange(reader, writer, request)
             statuses[status] = statuses.get(status, 0) + 1
             (served if status == 200 else refused).append(time.perf_counter() - t0)
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
@@ -413,11 +399,6 @@ async def _open_loop(
     refused.sort()
     sent = len(tasks)
 
-    def q(values: list[float], p: float) -> float | None:
-        return (
-            round(1000 * values[min(len(values) - 1, int(len(values) * p))], 3) if values else None
-        )
-
     return {
         "offered": sent,
         "offered_rps": round(sent / offered_s, 1) if offered_s else 0.0,
@@ -427,9 +408,9 @@ async def _open_loop(
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "served_share": round(len(served) / sent, 4) if sent else None,
         "refused_share": round(len(refused) / sent, 4) if sent else None,
-        "served_p50_ms": q(served, 0.5),
-        "served_p99_ms": q(served, 0.99),
-        "refused_p99_ms": q(refused, 0.99),
+        "served_p50_ms": _quantile_ms(served, 0.5),
+        "served_p99_ms": _quantile_ms(served, 0.99),
+        "refused_p99_ms": _quantile_ms(refused, 0.99),
     }
 
 

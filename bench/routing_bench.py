@@ -259,25 +259,18 @@ def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> FleetConf
 
 def _router_settings(fleet: SimFleet, policy: str, config: FleetConfig) -> dict[str, Any]:
     lat = config.latency
-    return {
-        "replicas": [
-            {"url": r.url, "events": r.events, "replay": r.replay, "topic": r.topic, "name": r.name}
-            for r in fleet.replicas
-        ],
-        "policy": policy,
-        "tokenizer": fleet.model_dir,
-        "tokenizer_mode": "local",
-        "default_block_size": config.block_size,
-        "health_interval_s": 0.5,
+    return fleet.router_settings(
+        policy=policy,
+        health_interval_s=0.5,
         # An operator sets the cost model to the hardware; here the hardware is the simulator,
         # whose simulated seconds last time_scale wall seconds (the router lives in wall time
         # and learns its queue term from wall-clock first bytes).
-        "cost": {
+        cost={
             "prefill_s_per_token": lat.prefill_s_per_token * lat.time_scale,
             "load_s_per_token_cpu": lat.load_cpu_s_per_token * lat.time_scale,
             "load_s_per_token_storage": lat.load_storage_s_per_token * lat.time_scale,
         },
-    }
+    )
 
 
 def workload_sizes(

@@ -448,6 +448,27 @@ class SimFleet:
         ]
         return self
 
+    def router_settings(self, **overrides: Any) -> dict[str, Any]:
+        """``RouterSettings`` fields for a router in front of this fleet: every replica with
+        its event and replay sockets, and the fleet's own tokenizer used locally (the ids a
+        replica computes). ``overrides`` add or replace fields."""
+        return {
+            "replicas": [
+                {
+                    "url": r.url,
+                    "events": r.events,
+                    "replay": r.replay,
+                    "topic": r.topic,
+                    "name": r.name,
+                }
+                for r in self.replicas
+            ],
+            "tokenizer": self.model_dir,
+            "tokenizer_mode": "local",
+            "default_block_size": self.config.block_size,
+            **overrides,
+        }
+
     def _read_ready(self) -> str:
         assert self._proc is not None and self._proc.stdout is not None
         deadline = time.monotonic() + self.start_timeout_s

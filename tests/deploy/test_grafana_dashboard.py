@@ -91,14 +91,7 @@ def queried(dashboard: dict) -> dict[str, set[str]]:
 def scraped() -> set[str]:
     config = FleetConfig(replicas=1, gpu_blocks=64, latency=LatencyModel(time_scale=0.01))
     with SimFleet(config) as fleet:
-        (r,) = fleet.replicas
-        settings = {
-            "replicas": [{"url": r.url, "events": r.events, "replay": r.replay,
-                          "topic": r.topic, "name": r.name}],
-            "tokenizer": fleet.model_dir,
-            "tokenizer_mode": "local",
-            "default_block_size": config.block_size,
-        }  # fmt: skip
+        settings = fleet.router_settings()
         with RouterProcess(settings) as router:
             assert router.wait_feeds_settled(30)
             body = {"model": "kvroute-sim", "prompt": "hello " * 40, "max_tokens": 2}

@@ -55,17 +55,7 @@ def router() -> Iterator[tuple[SimFleet, RouterProcess]]:
         stream_interval_s=0.002,
     )
     with SimFleet(config) as fleet:
-        settings = {
-            "replicas": [
-                {"url": r.url, "events": r.events, "replay": r.replay, "topic": r.topic,
-                 "name": r.name}
-                for r in fleet.replicas
-            ],
-            "tokenizer": fleet.model_dir,
-            "tokenizer_mode": "local",
-            "default_block_size": config.block_size,
-            "health_interval_s": 0.5,
-        }  # fmt: skip
+        settings = fleet.router_settings(health_interval_s=0.5)
         with RouterProcess(settings) as proc:
             assert proc.wait_feeds_settled(30)
             yield fleet, proc

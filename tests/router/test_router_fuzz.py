@@ -61,23 +61,7 @@ def router_url() -> Iterator[str]:
         stream_interval_s=0.001,
     )
     with SimFleet(config) as fleet:
-        settings_ = {
-            "replicas": [
-                {
-                    "url": r.url,
-                    "events": r.events,
-                    "replay": r.replay,
-                    "topic": r.topic,
-                    "name": r.name,
-                }
-                for r in fleet.replicas
-            ],
-            "tokenizer": fleet.model_dir,
-            "tokenizer_mode": "local",
-            "default_block_size": config.block_size,
-            "health_interval_s": 0.5,
-            "max_json_depth": 64,
-        }
+        settings_ = fleet.router_settings(health_interval_s=0.5, max_json_depth=64)
         with RouterProcess(settings_) as router:
             yield router.url
 

@@ -91,29 +91,16 @@ def soak_fleet() -> Iterator[tuple[SimFleet, RouterProcess, EventPublisher]]:
     )
     aux = EventPublisher("tcp://127.0.0.1:0", topic="", bind=True)
     with SimFleet(config) as fleet:
-        replicas = []
-        for r in fleet.replicas:
-            entry: dict[str, Any] = {
-                "url": r.url,
-                "events": r.events,
-                "replay": r.replay,
-                "topic": r.topic,
-                "name": r.name,
-            }
-            if r.name == "sim-0":
+        settings = fleet.router_settings(
+            health_interval_s=0.25,
+            unhealthy_after=1,
+            event_max_mib_per_s=1.0,
+            stale_clear_after_s=2.0,
+            client_write_timeout_s=5.0,
+        )
+        for entry in settings["replicas"]:
+            if entry["name"] == "sim-0":
                 entry["aux"] = [aux.endpoint]
-            replicas.append(entry)
-        settings = {
-            "replicas": replicas,
-            "tokenizer": fleet.model_dir,
-            "tokenizer_mode": "local",
-            "default_block_size": config.block_size,
-            "health_interval_s": 0.25,
-            "unhealthy_after": 1,
-            "event_max_mib_per_s": 1.0,
-            "stale_clear_after_s": 2.0,
-            "client_write_timeout_s": 5.0,
-        }
         with RouterProcess(settings) as router:
             yield fleet, router, aux
     aux.close()
