@@ -37,6 +37,11 @@ def test_past_max_in_flight_the_router_answers_429(local_tokenizer) -> None:
                 f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30
             )
             assert ok.status_code == 200
+        # The handler gives its slot back just after the answer's last byte, which the client
+        # may read first: wait for it (a slot that leaked would never come back).
+        deadline = time.monotonic() + 5
+        while fleet.service.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert fleet.service.in_flight == 0
         metrics = httpx.get(f"{fleet.url}/metrics").text
         assert 'kvroute_requests_total{endpoint="completions",outcome="unavailable"}' in metrics
