@@ -26,7 +26,6 @@ set by the ASGI wrapper below, so bench.sim.api needs no DP code.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import dataclasses
@@ -35,9 +34,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import uvicorn
 
-from bench.sim.replica import Generation, SimReplica, SimReplicaConfig, _Server
+from bench.sim.http_server import SocketHTTPServer
+from bench.sim.replica import Generation, SimReplica, SimReplicaConfig
 from bench.sim.tokenizer import SimTokenizer
 
 __all__ = ["RANK_HEADER", "SERVED_RANK_HEADER", "SimDPServer", "engines_of", "make_server"]
@@ -145,9 +144,7 @@ class SimDPServer:
         self.port = 0
         self.events_port = 0
         self.replay_port = 0
-        self._server: _Server | None = None
-        self._server_task: asyncio.Task[None] | None = None
-        self._sock: socket.socket | None = None
+        self._http = SocketHTTPServer()
 
     # --- what the HTTP handlers (bench.sim.api) use -------------------------------------------
 
@@ -231,10 +228,7 @@ class SimDPServer:
         from bench.sim.api import create_app
 
         self.host = host
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.port = sock.getsockname()[1]
+        self.port = self._http.bind(host, port)
         if not self.events_port:
             self.events_port = _free_port_run(host, self.size, {self.port})
             avoid = {self.port, *range(self.events_port, self.events_port + self.size)}
@@ -243,39 +237,12 @@ class SimDPServer:
             engine.events_endpoint = f"tcp://{host}:{self.events_port + r}"
             engine.replay_endpoint = f"tcp://{host}:{self.replay_port + r}"
             await engine.start_engine(host, self.port)
-        config = uvicorn.Config(
-            _DPApp(create_app(self), self),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_keep_alive=30,
-            timeout_graceful_shutdown=1,
-        )
-        self._server = _Server(config)
-        self._sock = sock
-        self._server_task = asyncio.get_running_loop().create_task(
-            self._server.serve(sockets=[sock])
-        )
-        while not self._server.started:
-            if self._server_task.done():
-                self._server_task.result()
-                raise RuntimeError(f"server {self.config.name} failed to start")
-            await asyncio.sleep(0.01)
+        await self._http.serve(_DPApp(create_app(self), self), f"server {self.config.name}")
         self.alive = True
 
     async def _shutdown(self, *, force: bool) -> None:
         self.alive = False
-        if self._server is not None:
-            self._server.should_exit = True
-            self._server.force_exit = force
-            if self._server_task is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._server_task, 5)
-        self._server = None
-        self._server_task = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        await self._http.shutdown(force=force)
 
     async def stop(self) -> None:
         await self._shutdown(force=False)

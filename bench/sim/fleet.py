@@ -121,15 +121,15 @@ async def serve_fleet(
 ) -> None:
     """Run the fleet until ``stop`` is set (or SIGINT/SIGTERM). ``ready(info)`` is called once
     every replica and the control server listen."""
-    import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     from bench.sim.dp import SimDPServer, engines_of, make_server
+    from bench.sim.http_server import SocketHTTPServer
     from bench.sim.looplag import LoopLagMonitor
-    from bench.sim.replica import SimReplica, _Server
+    from bench.sim.replica import SimReplica
     from bench.sim.tokenizer import SimTokenizer, ensure_model_dir
 
     model_dir = ensure_model_dir(
@@ -275,22 +275,9 @@ async def serve_fleet(
     for r in replicas:
         await r.start(config.host)
     lag.start()
-    control = _Server(
-        uvicorn.Config(
-            control_app,
-            host=config.host,
-            port=0,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-        )
-    )
-    control_task = loop.create_task(control.serve())
-    while not control.started:
-        if control_task.done():
-            control_task.result()
-        await asyncio.sleep(0.01)
-    port = control.servers[0].sockets[0].getsockname()[1]
+    control = SocketHTTPServer()
+    port = control.bind(config.host, 0)
+    await control.serve(control_app, "fleet control")
     info = {
         "ready": True,
         "control": f"http://{config.host}:{port}",
@@ -315,12 +302,10 @@ async def serve_fleet(
     try:
         await stop.wait()
     finally:
-        control.should_exit = True
         await lag.stop()
         for r in replicas:
             await r.stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(control_task, 5)
+        await control.shutdown(force=False)
 
 
 # --- command line ---------------------------------------------------------------------------

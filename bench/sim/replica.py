@@ -14,17 +14,15 @@ A data-parallel server (bench.sim.dp) runs several replicas as its engines: each
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import uvicorn
 
 from bench.publisher import EventPublisher
 from bench.sim.cache import TieredPrefixCache
 from bench.sim.hashing import EngineHasher
+from bench.sim.http_server import SocketHTTPServer
 from bench.sim.latency import LatencyModel
 from bench.sim.metrics import ReplicaMetrics
 from bench.sim.scheduler import ReplicaDied, Scheduler, SimRequest
@@ -73,14 +71,6 @@ class Generation:
     output: list[int] = field(default_factory=list)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal capture: many servers share one loop; the fleet owns signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def _port_released(endpoint: str, timeout_s: float = 5.0) -> None:
     """Wait until a tcp endpoint's port can be bound again: a closed ZMQ socket releases its
     port on ZMQ's I/O thread, a moment after ``close`` returns."""
@@ -121,10 +111,8 @@ class SimReplica:
         self.events_endpoint = ""
         self.replay_endpoint = ""
         self.batches_dropped = 0
-        self._server: _Server | None = None
-        self._server_task: asyncio.Task[None] | None = None
+        self._http = SocketHTTPServer()
         self._pending_events: list[Event] = []
-        self._sock: socket.socket | None = None
         self._serves_http = True  # False for an engine of a data-parallel server
 
     def _new_metrics(self) -> ReplicaMetrics:
@@ -183,29 +171,9 @@ class SimReplica:
         from bench.sim.api import create_app
 
         self.host = host
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.port = sock.getsockname()[1]
+        self.port = self._http.bind(host, port)
         self._open_engine(host)
-        config = uvicorn.Config(
-            create_app(self),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_keep_alive=30,
-            timeout_graceful_shutdown=1,
-        )
-        self._server = _Server(config)
-        self._sock = sock  # uvicorn serves on this very socket; closed on shutdown
-        self._server_task = asyncio.get_running_loop().create_task(
-            self._server.serve(sockets=[sock])
-        )
-        while not self._server.started:
-            if self._server_task.done():
-                self._server_task.result()
-                raise RuntimeError(f"replica {self.config.name} failed to start")
-            await asyncio.sleep(0.01)
+        await self._http.serve(create_app(self), f"replica {self.config.name}")
         self._go_live()
 
     def _open_engine(self, host: str) -> None:
@@ -268,17 +236,7 @@ class SimReplica:
     async def _shutdown(self, *, force: bool) -> None:
         self.alive = False
         await self.scheduler.stop()
-        if self._server is not None:
-            self._server.should_exit = True
-            self._server.force_exit = force
-            if self._server_task is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._server_task, 5)
-        self._server = None
-        self._server_task = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        await self._http.shutdown(force=force)
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
