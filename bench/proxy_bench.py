@@ -170,6 +170,15 @@ def _pin(cores: set[int]) -> Any:
 # --- load generator --------------------------------------------------------------------------
 
 
+def _keep_alive_requests(bodies: list[bytes]) -> list[bytes]:
+    """Each body as a whole keep-alive HTTP/1.1 completion request, built once."""
+    return [
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer bench\r\ncontent-length: %d\r\n\r\n%s" % (len(b), b)
+        for b in bodies
+    ]
+
+
 async def _load(
     port: int,
     bodies: list[bytes],
@@ -184,11 +193,7 @@ async def _load(
     errors = 0
     issued = 0
     deadline = time.monotonic() + time_limit_s
-    requests = [
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer bench\r\ncontent-length: %d\r\n\r\n%s" % (len(b), b)
-        for b in bodies
-    ]
+    requests = _keep_alive_requests(bodies)
 
     async def worker(index: int) -> None:
         nonlocal issued, errors
@@ -268,11 +273,7 @@ async def _paired_load(
     errors = {"direct": 0, "routed": 0}
     issued = 0
     deadline = time.monotonic() + time_limit_s
-    requests = [
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer bench\r\ncontent-length: %d\r\n\r\n%s" % (len(b), b)
-        for b in bodies
-    ]
+    requests = _keep_alive_requests(bodies)
 
     async def worker(index: int) -> None:
         nonlocal issued
