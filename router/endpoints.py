@@ -351,7 +351,11 @@ class ProxyEndpoint:
                         if decision is not None:
                             service.router.first_byte(decision, replica, seconds)
 
-                    watch_id = SseResponseId() if self.kind == "responses" else None
+                    watch_id = (
+                        SseResponseId(partial(self._remember, replica=upstream.replica))
+                        if self.kind == "responses"
+                        else None
+                    )
                     tail, error = await send_stream(
                         send,
                         upstream,
@@ -361,8 +365,6 @@ class ProxyEndpoint:
                         client_timeout_s=service.settings.client_write_timeout_s,
                         watch=watch_id,
                     )
-                    if watch_id is not None and watch_id.id:
-                        self._remember(watch_id.id, upstream.replica)
                     delivered = cached_tokens_from_sse(tail)
                     outcome = "midstream_error" if error else "ok"
                     complete = error is None
@@ -380,6 +382,9 @@ class ProxyEndpoint:
                             502, f"replica {upstream.replica.name} failed mid-response: {exc}"
                         ) from exc
                     complete = True
+                    if upstream.status == 200:
+                        # Before the client sees the id: it may ask for the response at once.
+                        self._learn_id(scope, body, upstream.replica)
                     await send(
                         {
                             "type": "http.response.start",
@@ -395,8 +400,6 @@ class ProxyEndpoint:
                     await send({"type": "http.response.body", "body": body})
                     delivered = cached_tokens_from_body(body) if decision is not None else None
                     outcome = _outcome(upstream.status)
-                    if upstream.status == 200:
-                        self._learn_id(scope, body, upstream.replica)
                 metrics.latency(self.label, time.perf_counter() - upstream.started)
                 if decision is not None and outcome in ("ok", "midstream_error"):
                     streamed = stream or _is_sse(upstream.raw_headers)

@@ -12,6 +12,7 @@ id -> replica in a bounded LRU (``MAX_IDS``; ~150 bytes an entry). An id it does
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import msgspec
 
@@ -67,13 +68,16 @@ def id_from_body(body: bytes) -> str | None:
 
 class SseResponseId:
     """Fed the streamed chunks in order until it returns True: finds the response id in
-    the first SSE event (``event: response.created`` / ``data: {...}``)."""
+    the first SSE event (``event: response.created`` / ``data: {...}``) and hands it to
+    ``on_found`` at once, before the chunk that carries it is relayed: a client that reads
+    the id and asks for the response straight away must find it already remembered."""
 
-    __slots__ = ("head", "id")
+    __slots__ = ("head", "id", "on_found")
 
-    def __init__(self) -> None:
+    def __init__(self, on_found: Callable[[str], None] | None = None) -> None:
         self.head = b""
         self.id: str | None = None
+        self.on_found = on_found
 
     def __call__(self, chunk: bytes) -> bool:
         self.head += chunk
@@ -86,4 +90,6 @@ class SseResponseId:
                     self.id = _id_of(_decode(line[5:].strip()))
                 except msgspec.DecodeError:
                     pass
+        if self.id is not None and self.on_found is not None:
+            self.on_found(self.id)
         return True
