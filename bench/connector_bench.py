@@ -39,15 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from connector.copiers import Copier
-from connector.disk_format import file_name
-from connector.disk_tier import rank_directory, unlink_chunk
-from connector.identity import RankInfo
-from connector.plan import StepPlan, StoreOp
-from connector.planner import Planner
-from connector.transfer import PagedKV
-from connector.worker import WorkerExecutor
+from kvroute.connector.copiers import Copier
+from kvroute.connector.disk_format import file_name
+from kvroute.connector.disk_tier import rank_directory, unlink_chunk
+from kvroute.connector.identity import RankInfo
+from kvroute.connector.plan import StepPlan, StoreOp
+from kvroute.connector.planner import Planner
+from kvroute.connector.transfer import PagedKV
+from kvroute.connector.worker import WorkerExecutor
 
 IDENTITY = '{"bench":"connector"}'
 
@@ -479,8 +478,8 @@ def _ttft(rep: Any, prompt_ids: list[int]) -> tuple[float, str]:
 
 
 def _vllm_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from deploy.tiny_model import build_tiny_model
-    from deploy.vllm_server import (
+    from kvroute.deploy.tiny_model import build_tiny_model
+    from kvroute.deploy.vllm_server import (
         DEFAULT_STATE_DIR,
         VllmReplica,
         VllmReplicaSpec,

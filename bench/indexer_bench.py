@@ -25,10 +25,9 @@ import tracemalloc
 from typing import Any
 
 import msgspec
-
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import block_keys
-from indexer.wire import (
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.keys import block_keys
+from kvroute.indexer.wire import (
     BlockRemoved,
     BlockStored,
     Medium,
@@ -36,7 +35,7 @@ from indexer.wire import (
     decode_frames,
     encode_batch,
 )
-from indexer.wire import encode_frames as frames_of
+from kvroute.indexer.wire import encode_frames as frames_of
 
 __all__ = ["add_arguments", "run"]
 

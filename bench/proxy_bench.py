@@ -18,7 +18,7 @@ minutes apart on the same machine:
   unbounded queue a router without a limit builds.
 
 Three processes, so no two share a GIL: the upstream (a minimal OpenAI-compatible ASGI app
-answering a fixed completion), the router (``python -m router.cli``, uvicorn, 1 worker,
+answering a fixed completion), the router (``python -m kvroute.router.cli``, uvicorn, 1 worker,
 uvloop/httptools when installed, the default kvroute policy with a local tokenizer), and the
 load generator (this process: a raw keep-alive HTTP/1.1 client on uvloop, far cheaper than
 an HTTP library, so it does not hide the router's cost). With ``--pin`` (default on when the
@@ -569,7 +569,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from deploy.tiny_model import build_tiny_model
+        from kvroute.deploy.tiny_model import build_tiny_model
 
         tokenizer = str(build_tiny_model(Path(".kvroute/bench/tiny-model")))
     cores = sorted(os.sched_getaffinity(0))
@@ -582,7 +582,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         upstream = subprocess.Popen(
-            [sys.executable, "-c", f"import bench.proxy_bench as b; b.serve_upstream({up_port})"],
+            [
+                sys.executable,
+                "-c",
+                f"import kvroute.bench.proxy_bench as b; b.serve_upstream({up_port})",
+            ],
             env=env,
             preexec_fn=_pin(other_cores),
         )
@@ -594,7 +598,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 [
                     sys.executable,
                     "-m",
-                    "router.cli",
+                    "kvroute.router.cli",
                     "--replica",
                     f"http://127.0.0.1:{upstream_port}",
                     "--port",
@@ -632,7 +636,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 [
                     sys.executable,
                     "-c",
-                    "import bench.proxy_bench as b; "
+                    "import kvroute.bench.proxy_bench as b; "
                     f"b.serve_upstream({slow_port}, {args.overload_slots}, "
                     f"{args.overload_service_ms})",
                 ],

@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import zmq
-
-from indexer.wire import (
+from kvroute.indexer.wire import (
     Event,
     WireError,
     encode_batch,

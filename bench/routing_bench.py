@@ -1,13 +1,13 @@
 """Routing-quality benchmark: every workload x every policy, on one simulated fleet.
 
-Each policy gets its own router process (the real ``router.app`` under uvicorn, not a
+Each policy gets its own router process (the real ``kvroute.router.app`` under uvicorn, not a
 re-implementation of its policies); before each workload the fleet's caches are reset (every
 tier; AllBlocksCleared on the event stream empties the router's index) and the workload is
 replayed through the router. Reported per run: token-weighted cache hit rate (from the replicas'
 ``usage.prompt_tokens_details.cached_tokens``), client-measured TTFT percentiles in simulated
 seconds, throughput, and the infinite-cache upper bound of the hit rate.
 
-``kvroute bench routing --json`` calls ``run(args)``; ``python -m bench.routing_bench`` too.
+``kvroute bench routing --json`` calls ``run(args)``; ``python -m kvroute.bench.routing_bench`` too.
 Results go to ``<out-dir>/routing.json`` (the list of per-run objects) with PNG plots beside it.
 """
 
@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.looplag import LoopLagMonitor
+from kvroute.bench.sim.router_proc import RouterProcess
+from kvroute.bench.sim.tokenizer import SimTokenizer
+from kvroute.bench.workloads import BUILDERS, TextSource
+from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
+from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 from prometheus_client.parser import text_string_to_metric_families
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from bench.sim.looplag import LoopLagMonitor
-from bench.sim.router_proc import RouterProcess
-from bench.sim.tokenizer import SimTokenizer
-from bench.workloads import BUILDERS, TextSource
-from bench.workloads.runner import RequestRecord, run_workload, summarize_errors
-from bench.workloads.upper_bound import infinite_cache_hit_rate
 
 __all__ = ["PRESETS", "add_arguments", "percentile", "run"]
 

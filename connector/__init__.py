@@ -1,7 +1,7 @@
 """kvroute KV offloading connector for vLLM v1.
 
-Only ``connector.kvroute_connector`` (the vLLM adapter), ``connector.events`` and
-``connector.vllm_extras`` import vLLM. Every other module here (config, keys, extra
+Only ``kvroute.connector.kvroute_connector`` (the vLLM adapter), ``kvroute.connector.events`` and
+``kvroute.connector.vllm_extras`` import vLLM. Every other module here (config, keys, extra
 keys, identity, bookkeeping, planner, tiers, file format, disk scan, transfer, copiers,
 copy ledger, worker executor) needs only torch, so it can be unit-tested and
 benchmarked without a vLLM install.
@@ -11,4 +11,9 @@ from __future__ import annotations
 
 __all__ = ["ConnectorConfig"]
 
-from connector.config import ConnectorConfig
+from kvroute.connector.config import ConnectorConfig
+
+if __name__ == "connector":  # the pre-namespace name, found in a source tree on sys.path
+    from kvroute.old_connector_path import redirect
+
+    redirect()

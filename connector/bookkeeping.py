@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from connector.keys import ChunkInfo
+from kvroute.connector.keys import ChunkInfo
 
 
 class EntryState(enum.Enum):

@@ -37,9 +37,8 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
-
-from connector.copy_ledger import DONE, Fence, SlotFences
-from connector.transfer import PagedKV, gather_indexed, scatter_indexed
+from kvroute.connector.copy_ledger import DONE, Fence, SlotFences
+from kvroute.connector.transfer import PagedKV, gather_indexed, scatter_indexed
 
 
 class EventLike(Fence, Protocol):

@@ -35,9 +35,8 @@ from typing import BinaryIO
 
 import torch
 import xxhash
-
-from connector.extra_keys import decode_extra_keys, encode_extra_keys
-from connector.keys import ChunkInfo
+from kvroute.connector.extra_keys import decode_extra_keys, encode_extra_keys
+from kvroute.connector.keys import ChunkInfo
 
 MAGIC = b"KVRCHUNK"
 FORMAT_VERSION = 2

@@ -26,16 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.disk_format import (
+from kvroute.connector.disk_format import (
     SUFFIX,
     TMP_MARK,
     ChunkFileError,
     info_from_header,
     read_chunk_header,
 )
-from connector.disk_tier import rank_directory
-from connector.identity import RankInfo, rank_identity
-from connector.keys import ChunkInfo
+from kvroute.connector.disk_tier import rank_directory
+from kvroute.connector.identity import RankInfo, rank_identity
+from kvroute.connector.keys import ChunkInfo
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from connector.disk_format import DiskFullError, file_name, max_file_size, write_chunk_file
-from connector.identity import RankInfo
+from kvroute.connector.disk_format import DiskFullError, file_name, max_file_size, write_chunk_file
+from kvroute.connector.identity import RankInfo
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,8 @@ several workers with ``add_events``/``increment_workers``.
 
 from __future__ import annotations
 
+from kvroute.connector.plan import CPU, Report
+from kvroute.connector.planner import TierEvent
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -29,9 +31,6 @@ from vllm.distributed.kv_events import (
     KVConnectorKVEvents,
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
-
-from connector.plan import CPU, Report
-from connector.planner import TierEvent
 
 LOCALITY = "LOCAL"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from connector.extra_keys import BlockExtraKeys
+from kvroute.connector.extra_keys import BlockExtraKeys
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Load it with::
 
     --kv-transfer-config '{"kv_connector":"KVRouteConnector",
-      "kv_connector_module_path":"connector.kvroute_connector","kv_role":"kv_both",
+      "kv_connector_module_path":"kvroute.connector.kvroute_connector","kv_role":"kv_both",
       "kv_connector_extra_config":{"cpu_gib":4,"disk_dir":"/var/cache/kvroute"}}'
 
 vLLM builds one instance per role. The SCHEDULER instance owns all decisions
@@ -22,24 +22,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvroute.connector.config import ConnectorConfig
+from kvroute.connector.cpu_tier import num_slots_for
+from kvroute.connector.disk_scan import scan_layout
+from kvroute.connector.disk_tier import tier_directory, unlink_chunk_all_ranks
+from kvroute.connector.events import KVRouteReports, to_vllm_event
+from kvroute.connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
+from kvroute.connector.plan import CPU, DISK, StepPlan
+from kvroute.connector.planner import Planner
+from kvroute.connector.transfer import PagedKV
+from kvroute.connector.vllm_extras import request_extras
+from kvroute.connector.worker import WorkerExecutor
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-from connector.config import ConnectorConfig
-from connector.cpu_tier import num_slots_for
-from connector.disk_scan import scan_layout
-from connector.disk_tier import tier_directory, unlink_chunk_all_ranks
-from connector.events import KVRouteReports, to_vllm_event
-from connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
-from connector.plan import CPU, DISK, StepPlan
-from connector.planner import Planner
-from connector.transfer import PagedKV
-from connector.vllm_extras import request_extras
-from connector.worker import WorkerExecutor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from connector.bookkeeping import EntryState, SlotAllocator, TierEntry, TierIndex
-from connector.disk_format import header_for_chunk, max_file_size
-from connector.keys import NO_EXTRAS, ChunkInfo, ExtrasSource, chunk_info, chunk_key
-from connector.plan import (
+from kvroute.connector.bookkeeping import EntryState, SlotAllocator, TierEntry, TierIndex
+from kvroute.connector.disk_format import header_for_chunk, max_file_size
+from kvroute.connector.keys import NO_EXTRAS, ChunkInfo, ExtrasSource, chunk_info, chunk_key
+from kvroute.connector.plan import (
     CPU,
     DISK,
     LOADED,

@@ -28,15 +28,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
-from connector.copiers import Copier, make_copier
-from connector.copy_ledger import Fence, PendingStore, StoreLedger
-from connector.cpu_tier import CpuPool
-from connector.disk_format import ChunkFileError, read_chunk_file, read_chunk_into
-from connector.disk_tier import DiskWriter, chunk_path, rank_directory, unlink_chunk
-from connector.identity import RankInfo, rank_identity
-from connector.plan import CPU, DISK, LOADED, REMOVED, STORED, LoadOp, Report, StepPlan
-from connector.transfer import PagedKV
+from kvroute.connector.copiers import Copier, make_copier
+from kvroute.connector.copy_ledger import Fence, PendingStore, StoreLedger
+from kvroute.connector.cpu_tier import CpuPool
+from kvroute.connector.disk_format import ChunkFileError, read_chunk_file, read_chunk_into
+from kvroute.connector.disk_tier import DiskWriter, chunk_path, rank_directory, unlink_chunk
+from kvroute.connector.identity import RankInfo, rank_identity
+from kvroute.connector.plan import CPU, DISK, LOADED, REMOVED, STORED, LoadOp, Report, StepPlan
+from kvroute.connector.transfer import PagedKV
 
 logger = logging.getLogger(__name__)
 

@@ -19,17 +19,29 @@ __all__ = ["main"]
 
 # subcommand -> (module, help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.cli", "run the cache-aware OpenAI-compatible router"),
-    "up": ("deploy.launcher", "start a local fleet (vLLM or simulated replicas) and the router"),
-    "sim": ("bench.sim.fleet", "run simulated vLLM replicas (API, metrics and KV events)"),
-    "demo": ("deploy.demo", "start a fleet, drive a multi-turn chat workload, compare policies"),
-    "tiny-model": ("deploy.tiny_model", "build the tiny local Llama model used on CPU machines"),
+    "serve": ("kvroute.router.cli", "run the cache-aware OpenAI-compatible router"),
+    "up": (
+        "kvroute.deploy.launcher",
+        "start a local fleet (vLLM or simulated replicas) and the router",
+    ),
+    "sim": ("kvroute.bench.sim.fleet", "run simulated vLLM replicas (API, metrics and KV events)"),
+    "demo": (
+        "kvroute.deploy.demo",
+        "start a fleet, drive a multi-turn chat workload, compare policies",
+    ),
+    "tiny-model": (
+        "kvroute.deploy.tiny_model",
+        "build the tiny local Llama model used on CPU machines",
+    ),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "indexer": ("bench.indexer_bench", "event ingest throughput, lookup latency, memory/entry"),
-    "proxy": ("bench.proxy_bench", "latency the router adds over a direct upstream"),
-    "connector": ("bench.connector_bench", "tier store/load throughput and CPU-hit TTFT"),
-    "routing": ("bench.routing_bench", "routing quality per policy on the simulated fleet"),
+    "indexer": (
+        "kvroute.bench.indexer_bench",
+        "event ingest throughput, lookup latency, memory/entry",
+    ),
+    "proxy": ("kvroute.bench.proxy_bench", "latency the router adds over a direct upstream"),
+    "connector": ("kvroute.bench.connector_bench", "tier store/load throughput and CPU-hit TTFT"),
+    "routing": ("kvroute.bench.routing_bench", "routing quality per policy on the simulated fleet"),
 }
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deploy.launcher import (
+from kvroute.deploy.launcher import (
     DEFAULT_STATE_DIR,
     FleetError,
     LocalFleet,
@@ -322,8 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import httpx
-
-    from deploy.progress import progress
+    from kvroute.deploy.progress import progress
 
     workload = Workload(
         conversations=args.conversations,

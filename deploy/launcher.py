@@ -40,7 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deploy.vllm_server import (
+from kvroute.deploy.vllm_server import (
     DEFAULT_STATE_DIR,
     PROJECT_ROOT,
     VllmReplica,
@@ -269,7 +269,7 @@ class RouterProcess(_ManagedProcess):
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--host", self.host]
+        cmd = [sys.executable, "-m", "kvroute.deploy.cli", "serve", "--host", self.host]
         cmd += ["--port", str(self.port), "--policy", self.policy]
         if self.tokenizer:
             cmd += ["--tokenizer", self.tokenizer]
@@ -310,7 +310,7 @@ class RouterProcess(_ManagedProcess):
 
 
 class SimProcess(_ManagedProcess):
-    """The simulated fleet (``kvroute sim``, bench.sim): N fake vLLM replicas in one process,
+    """The simulated fleet (``kvroute sim``, bench/sim.py): N fake vLLM replicas in one process,
     with the same HTTP API, /metrics and KV-event wire format as vLLM."""
 
     def __init__(
@@ -337,7 +337,7 @@ class SimProcess(_ManagedProcess):
         with contextlib.suppress(FileNotFoundError):
             self.replicas_file.unlink()
         cmd = [
-            sys.executable, "-m", "deploy.cli", "sim",
+            sys.executable, "-m", "kvroute.deploy.cli", "sim",
             "--replicas", str(self.n),
             "--host", self.host,
             "--model", self.model,
@@ -490,7 +490,7 @@ class LocalFleet:
         elif has_gpu():
             model = DEFAULT_GPU_MODEL
         else:
-            from deploy.tiny_model import build_tiny_model
+            from kvroute.deploy.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(TINY_MODEL_DIR))
         if cfg.served_model_name:
@@ -719,7 +719,7 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, *, replicas: int = 2) -
         "--engine",
         choices=ENGINES,
         default="vllm",
-        help="real vLLM replicas, or the simulator (bench.sim)",
+        help="real vLLM replicas, or the simulator (kvroute.bench.sim)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address everything binds to")
     parser.add_argument("--state-dir", type=Path, help="logs, sockets and disk tiers")

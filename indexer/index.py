@@ -3,12 +3,12 @@
 ``PrefixIndex`` is the small interface the subscriber writes to and the router reads from;
 ``InMemoryPrefixIndex`` is its in-process backend. The index knows nothing of sockets or
 sequence numbers: it applies decoded events of one replica in the order it is given them, and
-answers lookups. Metrics and freshness live outside it (indexer.stats, indexer.subscriber).
+answers lookups. Metrics and freshness live outside it (indexer/stats.py, indexer/subscriber.py).
 
 What an event means depends on who published it, and the rules below are vLLM's (0.32/0.33),
 read from its block pool and offloading connector (docs/indexer.md restates them):
 
-- Keys are re-derived from token ids (indexer.keys), never taken from vLLM's hashes. A store
+- Keys are re-derived from token ids (kvroute.indexer.keys), never taken from vLLM's hashes. A store
   that carries ``extra_keys`` is keyed with them. A store in a lower tier that does not carry
   them (vLLM's offloading connector never does) is resolved through the replica's map from
   vLLM's block hash to key, built from the device events, and never re-keyed: re-keying it
@@ -23,7 +23,7 @@ read from its block pool and offloading connector (docs/indexer.md restates them
   vLLM's re-announcement of prefix-cache hits, which is never followed by a removal.
 - ``AllBlocksCleared`` without a medium is the block pool's: the device tier only.
 - A partial block (vLLM's prefix-match unit finer than its block size) is held under a key of
-  its own (indexer.keys.partial_key); a lookup probes it past the last full block.
+  its own (kvroute.indexer.keys.partial_key); a lookup probes it past the last full block.
 - On a hybrid model a hit must end where every KV-cache group holds its block: the other
   groups' device blocks are tracked and cut the device prefix back (``_cap_hybrid``).
 - Media whose publisher never removes anything (LMCache's, llm-d's FS backend) are held as
@@ -55,8 +55,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from indexer.keys import ExtraKeys, RequestKeys, block_keys, pack_tokens, partial_key, root_key
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+from kvroute.indexer.keys import (
+    ExtraKeys,
+    RequestKeys,
+    block_keys,
+    pack_tokens,
+    partial_key,
+    root_key,
+)
+from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = [
     "ApplyResult",

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from indexer.index import InMemoryPrefixIndex, PrefixIndex
-from indexer.subscriber import EventSubscriber
+from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex
+from kvroute.indexer.subscriber import EventSubscriber
 
 __all__ = ["IndexStats", "ReplicaStats", "collect_stats"]
 

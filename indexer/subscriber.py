@@ -47,11 +47,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from indexer.budget import ByteBudget
-from indexer.index import PrefixIndex
-from indexer.wire import (
+from kvroute.indexer.budget import ByteBudget
+from kvroute.indexer.index import PrefixIndex
+from kvroute.indexer.wire import (
     AllBlocksCleared,
     EventBatch,
     Frame,
@@ -62,7 +60,8 @@ from indexer.wire import (
     decode_replay_reply,
     payload_hints,
 )
-from indexer.wire import encode_replay_request as _replay_request
+from kvroute.indexer.wire import encode_replay_request as _replay_request
+from zmq.utils.monitor import recv_monitor_message
 
 __all__ = [
     "EventSource",

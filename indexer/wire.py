@@ -250,7 +250,7 @@ def _int_field(value: object, name: str, *, default: int | None = None) -> int:
 
 
 def _token_list(value: object) -> list[int]:
-    # Element types are checked where the tokens are packed for keying (indexer.keys), in C.
+    # Element types are checked where the tokens are packed for keying (kvroute.indexer.keys), in C.
     if not isinstance(value, list | tuple):
         raise ValueError("token_ids must be a list")
     return value if isinstance(value, list) else list(value)

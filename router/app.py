@@ -1,6 +1,6 @@
 """``create_app(settings)``: the router as a FastAPI app, usable in-process or under uvicorn.
 
-The proxied endpoints are raw ASGI routes (router.endpoints); the rest are ordinary FastAPI
+The proxied endpoints are raw ASGI routes (kvroute.router.endpoints); the rest are ordinary FastAPI
 handlers. Every path the router does not serve itself, with any method, is passed through to
 a replica (a catch-all route, last), so kvroute is a drop-in gateway for a vLLM fleet: an
 unknown path gets the replica's own answer (and ``x-kvroute-replica``). The router's own
@@ -16,21 +16,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from kvroute.router.config import RouterSettings
+from kvroute.router.dashboard import add_dashboard
+from kvroute.router.dashboard_data import DashboardData
+from kvroute.router.endpoints import ProxyEndpoint, debug_kind
+from kvroute.router.errors import RouterError, error_response
+from kvroute.router.openapi import PROXIED, add_proxied_paths
+from kvroute.router.proxy import read_body
+from kvroute.router.requests import decode_json, parse_body
+from kvroute.router.response_ids import ResponseHomes
+from kvroute.router.service import RouterService
+from kvroute.router.tokenization import TokenizerBase
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from router.config import RouterSettings
-from router.dashboard import add_dashboard
-from router.dashboard_data import DashboardData
-from router.endpoints import ProxyEndpoint, debug_kind
-from router.errors import RouterError, error_response
-from router.openapi import PROXIED, add_proxied_paths
-from router.proxy import read_body
-from router.requests import decode_json, parse_body
-from router.response_ids import ResponseHomes
-from router.service import RouterService
-from router.tokenization import TokenizerBase
 
 __all__ = ["create_app"]
 
@@ -51,7 +50,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
 
     app = FastAPI(title="kvroute router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
-    # Which replica stores each Responses object (router.response_ids), for every endpoint.
+    # Which replica stores each Responses object (kvroute.router.response_ids), for every endpoint.
     homes = app.state.response_homes = ResponseHomes()
     for path, operations in PROXIED.items():
         (kind,) = {op.kind for op in operations.values()}

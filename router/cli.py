@@ -1,7 +1,8 @@
 """``kvroute serve``: the router under uvicorn, with the indexer in-process.
 
 ``add_arguments(parser)`` and ``main(args) -> int`` follow the project's CLI convention (the
-lead's deploy/cli.py mounts them); ``python -m router.cli ...`` runs the same thing directly.
+``kvroute`` command (deploy/cli.py) mounts them); ``python -m kvroute.router.cli ...`` runs
+the same thing directly.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import importlib.util
 import logging
 import sys
 
-from router.config import (
+from kvroute.router.config import (
     POLICIES,
     ConfigError,
     CostSettings,
@@ -251,9 +252,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from router.app import create_app
-    from router.http_protocol import header_deadline_protocol
+    from kvroute.router.app import create_app
+    from kvroute.router.http_protocol import header_deadline_protocol
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -13,7 +13,7 @@ A server started with vLLM's data parallelism runs N engines behind one URL: ``d
 Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]``.
 File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
-(router.watcher).
+(kvroute.router.watcher).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class ReplicaConfig:
             if self.aux and self.dp != 1:
                 raise ConfigError("aux= streams cannot be combined with dp= (which rank's?)")
             if self.dp_rank is None:
-                from router.dp import static_targets  # router.dp builds on this module
+                from kvroute.router.dp import (
+                    static_targets,  # kvroute.router.dp builds on this module
+                )
 
                 static_targets(self)  # each rank's endpoints can be derived (ConfigError)
         if self.dp_rank is None and self.name and "#" in self.name:

@@ -2,7 +2,7 @@
 
 The page is one HTML file with its script and style beside it (``router/static/``, package
 data): plain JavaScript drawing inline SVG, no build step and nothing fetched from elsewhere,
-so it works on an air-gapped cluster. It polls ``/dashboard/data`` (router.dashboard_data)
+so it works on an air-gapped cluster. It polls ``/dashboard/data`` (kvroute.router.dashboard_data)
 every few seconds. ``add_dashboard`` takes the data as a callable so the page can be served
 over any data (tests render 100 replicas without running 100).
 """
@@ -31,7 +31,7 @@ _NO_CACHE = {"cache-control": "no-cache"}
 @cache
 def asset(name: str) -> bytes:
     """A file of the page, read once from the installed package."""
-    return resources.files("router").joinpath("static", name).read_bytes()
+    return resources.files("kvroute.router").joinpath("static", name).read_bytes()
 
 
 def add_dashboard(app: FastAPI, data: Callable[[], dict[str, Any]]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.service import RouterService
+    from kvroute.router.service import RouterService
 
 __all__ = ["DashboardData", "HitRateSeries", "Totals"]
 

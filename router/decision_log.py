@@ -14,7 +14,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.routing import Decision
+    from kvroute.router.routing import Decision
 
 __all__ = ["DecisionLog"]
 

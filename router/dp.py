@@ -30,9 +30,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-
-from router.config import ConfigError, ReplicaConfig
-from router.periodic import PeriodicTask
+from kvroute.router.config import ConfigError, ReplicaConfig
+from kvroute.router.periodic import PeriodicTask
 
 __all__ = [
     "DataParallelDiscovery",

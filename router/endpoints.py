@@ -1,4 +1,4 @@
-"""The proxied endpoints as raw ASGI apps (see router.proxy for why not framework handlers).
+"""The proxied endpoints as raw ASGI apps (see kvroute.router.proxy for why not framework handlers).
 
 ``ProxyEndpoint(service, kind, path)`` serves every path the router forwards: read the body
 (413 past the limit), find what routing needs, pick the candidates (404/503), rank them,
@@ -6,13 +6,13 @@ forward the original bytes with the original method and query string, relay the 
 (streamed when it is SSE), and record the outcome, latency and predicted vs delivered cached
 tokens. How a kind is ranked:
 
-- ``completion``, ``chat``: by the prompt's cached prefix (router.requests validates).
+- ``completion``, ``chat``: by the prompt's cached prefix (kvroute.router.requests validates).
 - ``responses``, ``messages``, ``embeddings``, ``pooling``, ``classify``, ``score``,
-  ``rerank``, ``generate``: by the prompt's cached prefix too, read by router.prompts; a
+  ``rerank``, ``generate``: by the prompt's cached prefix too, read by kvroute.router.prompts; a
   body without a prompt the router can read goes by load. A Responses create that continues
   a stored response (``previous_response_id``) goes where that response is stored.
 - ``response`` (``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel``): to the replica
-  that created it (router.response_ids), or, for an id the router does not know, to each
+  that created it (kvroute.router.response_ids), or, for an id the router does not know, to each
   healthy replica in turn until one answers other than 404.
 - ``tokenize``, ``detokenize``, ``audio``, ``other`` (any path without a route of its own,
   any method): by load, the least pending healthy replica serving the body's ``model`` when
@@ -29,11 +29,10 @@ from functools import partial
 from typing import Any
 
 import msgspec
-
-from router.accuracy import cached_tokens_from_body, cached_tokens_from_sse
-from router.errors import RouterError
-from router.prompts import PROMPT_PARSERS
-from router.proxy import (
+from kvroute.router.accuracy import cached_tokens_from_body, cached_tokens_from_sse
+from kvroute.router.errors import RouterError
+from kvroute.router.prompts import PROMPT_PARSERS
+from kvroute.router.proxy import (
     ClientGone,
     DisconnectWatch,
     Receive,
@@ -46,12 +45,12 @@ from router.proxy import (
     send_stream,
     upstream_headers,
 )
-from router.replicas import Replica
-from router.requests import ParsedRequest, decode_json, parse_body
-from router.response_ids import ResponseHomes, SseResponseId, id_from_body, id_in_path
-from router.routing import Decision
-from router.service import RouterService
-from router.upstream import UpstreamError
+from kvroute.router.replicas import Replica
+from kvroute.router.requests import ParsedRequest, decode_json, parse_body
+from kvroute.router.response_ids import ResponseHomes, SseResponseId, id_from_body, id_in_path
+from kvroute.router.routing import Decision
+from kvroute.router.service import RouterService
+from kvroute.router.upstream import UpstreamError
 
 __all__ = ["ENDPOINT_LABELS", "ProxyEndpoint"]
 
@@ -193,7 +192,7 @@ class ProxyEndpoint:
     async def _prompted(
         self, scope: Scope, receive: Receive, send: Send, raw: bytes, request_id: str
     ) -> None:
-        """Endpoints whose body holds a prompt (router.prompts): routed by it like a
+        """Endpoints whose body holds a prompt (kvroute.router.prompts): routed by it like a
         completion; without one, by load."""
         service = self.service
         body = decode_json(raw, service.limits)
@@ -287,7 +286,7 @@ class ProxyEndpoint:
         commit: Callable[[Replica], None] | None,
         probe_404: bool,
     ) -> Upstream:
-        """The first answer along ``ranked`` (retries as router.proxy.Forwarder does); with
+        """The first answer along ``ranked`` (retries as kvroute.router.proxy.Forwarder does); with
         ``probe_404`` a 404 also moves on to the next replica, except the last one's, which
         is the answer."""
         forwarder = self.service.forwarder

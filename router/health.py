@@ -18,9 +18,8 @@ import logging
 import time
 
 import httpx
-
-from router.periodic import PeriodicTask
-from router.replicas import (
+from kvroute.router.periodic import PeriodicTask
+from kvroute.router.replicas import (
     Replica,
     ReplicaRegistry,
     engine_gauges,

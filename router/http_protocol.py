@@ -6,7 +6,7 @@ such connection holds a socket and a parser for as long as the client likes, and
 thousand of them exhaust the router's file descriptors. Here a connection must deliver a
 request's complete headers within ``header_timeout_s`` of opening (or of the first byte of
 its next request), or it is closed. The body has its own deadline (``body_timeout_s``,
-router.proxy.read_body, answered 408) and a streamed answer its write timeout.
+kvroute.router.proxy.read_body, answered 408) and a streamed answer its write timeout.
 """
 
 from __future__ import annotations

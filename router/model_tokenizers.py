@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from router.chat_render import has_media
-from router.errors import RouterError
-from router.remote_tokens import RemoteTokenizer
-from router.requests import ParsedRequest
-from router.token_check import LiveCheck
-from router.token_types import Prompt, TokenizerBase
-from router.tokenization import LocalTokenizer
+from kvroute.router.chat_render import has_media
+from kvroute.router.errors import RouterError
+from kvroute.router.remote_tokens import RemoteTokenizer
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.token_check import LiveCheck
+from kvroute.router.token_types import Prompt, TokenizerBase
+from kvroute.router.tokenization import LocalTokenizer
 
 __all__ = ["FleetTokenizer"]
 

@@ -1,6 +1,6 @@
 """The proxied endpoints in the router's OpenAPI document (``GET /openapi.json``).
 
-They are raw ASGI routes (router.endpoints), so FastAPI cannot describe them itself. The
+They are raw ASGI routes (kvroute.router.endpoints), so FastAPI cannot describe them itself. The
 request schemas say what the router reads to route a request, in vLLM's shapes; every other
 field is the replica's to judge and passes untouched (``additionalProperties``). Clients and
 code generators get a true description, and the fuzz tests generate requests from it.
@@ -254,14 +254,14 @@ _MORE_SCHEMAS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True, slots=True)
 class ProxiedOperation:
-    kind: str  # how router.endpoints ranks it
+    kind: str  # how kvroute.router.endpoints ranks it
     summary: str
     schema: str | None = None  # the request body's schema
     content: str = "application/json"
 
 
 _JSON_ROUTED = "routed by the cached prefix of its prompt, as completions are"
-# path -> method -> operation. The router's routes are made from this table (router.app), so
+# path -> method -> operation. The router's routes are made from this table (kvroute.router.app), so
 # the document cannot list a path the router does not route. Any other path, any method, is
 # passed through by load (a catch-all, not described: it has no schema of its own).
 PROXIED: dict[str, dict[str, ProxiedOperation]] = {

@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
-
-from router.config import CostSettings
+from kvroute.router.config import CostSettings
 
 __all__ = [
     "POLICY_REASONS",
@@ -119,7 +118,7 @@ class ReplicaView:
 class RouteContext:
     views: list[ReplicaView]
     prompt_tokens: int | None
-    affinity: bytes  # what the consistent hash keys on (router.routing.home_affinity)
+    affinity: bytes  # what the consistent hash keys on (kvroute.router.routing.home_affinity)
     session_id: str | None = None
     home: str | None = None  # the replica this prefix was first placed on, if remembered
 

@@ -1,6 +1,6 @@
 """The prompt inside the bodies of vLLM's other endpoints, as a ParsedRequest to route by.
 
-/v1/completions and /v1/chat/completions are parsed by router.requests. This module reads the
+/v1/completions and /v1/chat/completions are parsed by router/requests.py. This module reads the
 other endpoints of vLLM 0.32 that take a prompt and says what vLLM itself will render, so the
 router finds the cached prefix the replica will actually use:
 
@@ -25,7 +25,7 @@ router finds the cached prefix the replica will actually use:
 - ``/inference/v1/generate``: ``token_ids``.
 
 A batch (several prompts in one body) is one ParsedRequest whose ``batch`` holds every
-prompt: vLLM serves it on one replica, so it is routed as a whole (router.routing).
+prompt: vLLM serves it on one replica, so it is routed as a whole (kvroute.router.routing).
 ``None`` means the body holds nothing the router can tokenize: it is routed by load.
 Only fields read here are validated (a 400 naming the field); the replica judges the rest.
 """
@@ -36,8 +36,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from router.errors import RouterError
-from router.requests import (
+from kvroute.router.errors import RouterError
+from kvroute.router.requests import (
     ParsedRequest,
     RequestLimits,
     check_messages,

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import RouterError, sse_error
-from router.replicas import Replica, ReplicaRegistry
-from router.upstream import (
+from kvroute.router.errors import RouterError, sse_error
+from kvroute.router.replicas import Replica, ReplicaRegistry
+from kvroute.router.upstream import (
     Response,
     UpstreamClient,
     UpstreamConnectError,

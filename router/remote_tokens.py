@@ -20,12 +20,11 @@ from typing import Any
 
 import httpx
 import msgspec
-
-from router.chat_render import truncate_ids
-from router.errors import RouterError
-from router.lru import LRU, token_list_bytes
-from router.requests import ParsedRequest
-from router.token_types import MMItem, Prompt, TokenizerBase, check_ids
+from kvroute.router.chat_render import truncate_ids
+from kvroute.router.errors import RouterError
+from kvroute.router.lru import LRU, token_list_bytes
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.token_types import MMItem, Prompt, TokenizerBase, check_ids
 
 __all__ = ["RemoteTokenizer", "parse_render", "replica_tokenize", "tokenize_body"]
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.config import ReplicaConfig
+from kvroute.router.config import ReplicaConfig
 
 __all__ = [
     "Replica",

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-
-from router.errors import RouterError
+from kvroute.router.errors import RouterError
 
 __all__ = [
     "ParsedRequest",
@@ -53,7 +52,7 @@ class ParsedRequest:
     # completions: the first prompt (what the tokenizer encodes)
     prompt: str | list[int] | None = None
     # a batch: every prompt, the first included (None for one prompt). vLLM serves a batch
-    # on one replica, so it is routed as a whole (router.routing, docs/router.md).
+    # on one replica, so it is routed as a whole (kvroute.router.routing, docs/router.md).
     batch: list[str | list[int]] | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
@@ -118,7 +117,7 @@ def _opt(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: 
     return value
 
 
-optional = _opt  # for the other endpoints' parsers (router.prompts)
+optional = _opt  # for the other endpoints' parsers (kvroute.router.prompts)
 
 
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:

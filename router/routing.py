@@ -12,21 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from indexer.index import InMemoryPrefixIndex, PrefixMatch
-from indexer.keys import RequestKeys
-from indexer.subscriber import EventSubscriber
-from indexer.wire import Medium
-from router.approx import RoutingHistory
-from router.config import RouterSettings
-from router.decision_log import DecisionLog
-from router.hints import BurstHints
-from router.lru import LRU
-from router.placement_rate import PlacementRate
-from router.policies import Policy, ReplicaView, RouteContext
-from router.queue_model import LearnedQueueDelay
-from router.replicas import Replica
-from router.requests import ParsedRequest
-from router.tokenization import TokenizerBase
+from kvroute.indexer.index import InMemoryPrefixIndex, PrefixMatch
+from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.subscriber import EventSubscriber
+from kvroute.indexer.wire import Medium
+from kvroute.router.approx import RoutingHistory
+from kvroute.router.config import RouterSettings
+from kvroute.router.decision_log import DecisionLog
+from kvroute.router.hints import BurstHints
+from kvroute.router.lru import LRU
+from kvroute.router.placement_rate import PlacementRate
+from kvroute.router.policies import Policy, ReplicaView, RouteContext
+from kvroute.router.queue_model import LearnedQueueDelay
+from kvroute.router.replicas import Replica
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.tokenization import TokenizerBase
 
 __all__ = ["Decision", "Router", "home_affinity", "match_tiers", "predicted_cached_tokens"]
 

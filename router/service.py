@@ -17,26 +17,25 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-
-from indexer.index import InMemoryPrefixIndex
-from indexer.stats import collect_stats
-from indexer.subscriber import EventSource, EventSubscriber
-from router.accuracy import AccuracyTracker
-from router.config import ReplicaConfig, RouterSettings
-from router.dp import DataParallelDiscovery, static_targets
-from router.errors import RouterError
-from router.health import HealthChecker
-from router.metrics import RouterMetrics
-from router.model_tokenizers import FleetTokenizer
-from router.policies import make_policy
-from router.proxy import Forwarder
-from router.replicas import Replica, ReplicaRegistry
-from router.requests import RequestLimits
-from router.routing import Router
-from router.token_check import LiveCheck
-from router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
-from router.upstream import UpstreamClient
-from router.watcher import ReplicasFileWatcher
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.stats import collect_stats
+from kvroute.indexer.subscriber import EventSource, EventSubscriber
+from kvroute.router.accuracy import AccuracyTracker
+from kvroute.router.config import ReplicaConfig, RouterSettings
+from kvroute.router.dp import DataParallelDiscovery, static_targets
+from kvroute.router.errors import RouterError
+from kvroute.router.health import HealthChecker
+from kvroute.router.metrics import RouterMetrics
+from kvroute.router.model_tokenizers import FleetTokenizer
+from kvroute.router.policies import make_policy
+from kvroute.router.proxy import Forwarder
+from kvroute.router.replicas import Replica, ReplicaRegistry
+from kvroute.router.requests import RequestLimits
+from kvroute.router.routing import Router
+from kvroute.router.token_check import LiveCheck
+from kvroute.router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
+from kvroute.router.upstream import UpstreamClient
+from kvroute.router.watcher import ReplicasFileWatcher
 
 __all__ = ["RouterService"]
 

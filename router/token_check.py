@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import RouterError
-from router.remote_tokens import RemoteTokenizer
-from router.requests import ParsedRequest
-from router.tokenization import LocalTokenizer, first_difference
+from kvroute.router.errors import RouterError
+from kvroute.router.remote_tokens import RemoteTokenizer
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.tokenization import LocalTokenizer, first_difference
 
 __all__ = ["LiveCheck", "ModelCheck", "mismatch_detail"]
 

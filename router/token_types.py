@@ -12,15 +12,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from router.errors import RouterError
-from router.requests import ParsedRequest
+from kvroute.router.errors import RouterError
+from kvroute.router.requests import ParsedRequest
 
 __all__ = ["MMItem", "Prompt", "PromptIds", "TokenizerBase", "check_ids", "too_long"]
 
 
 class MMItem(NamedTuple):
     """One multimodal item of a prompt: vLLM's identifier (its ``mm_hash``) and where its
-    placeholder tokens sit (``indexer.keys.MMItems`` takes these tuples as they are)."""
+    placeholder tokens sit (``kvroute.indexer.keys.MMItems`` takes these tuples as they are)."""
 
     identifier: str
     offset: int

@@ -41,8 +41,7 @@ from typing import Any
 
 import httpx
 import msgspec
-
-from router.chat_render import (
+from kvroute.router.chat_render import (
     ContentFormat,
     conversation,
     detect_content_format,
@@ -50,11 +49,11 @@ from router.chat_render import (
     map_developer_role,
     truncate_ids,
 )
-from router.errors import RouterError
-from router.lru import LRU, token_list_bytes
-from router.remote_tokens import RemoteTokenizer, replica_tokenize, tokenize_body
-from router.requests import ParsedRequest
-from router.token_types import Prompt, TokenizerBase, check_ids, too_long
+from kvroute.router.errors import RouterError
+from kvroute.router.lru import LRU, token_list_bytes
+from kvroute.router.remote_tokens import RemoteTokenizer, replica_tokenize, tokenize_body
+from kvroute.router.requests import ParsedRequest
+from kvroute.router.token_types import Prompt, TokenizerBase, check_ids, too_long
 
 __all__ = [
     "LocalTokenizer",
@@ -395,7 +394,7 @@ async def self_check(
     Returns ``{"ok": bool, "replica": url, "results": [...]}``; each result names the first
     differing position so a template or special-token mismatch is easy to see.
     """
-    from router.requests import parse_body
+    from kvroute.router.requests import parse_body
 
     results = []
     ok = True

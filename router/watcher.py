@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from router.config import ConfigError, ReplicaConfig, load_replicas_file
-from router.periodic import PeriodicTask
+from kvroute.router.config import ConfigError, ReplicaConfig, load_replicas_file
+from kvroute.router.periodic import PeriodicTask
 
 __all__ = ["ReplicasFileWatcher"]
 

@@ -4,7 +4,7 @@ Endpoints and shapes follow vLLM 0.32: /v1/completions and /v1/chat/completions 
 ending in ``data: [DONE]``, ``stream_options.include_usage``, ``usage.prompt_tokens_details.
 cached_tokens``), /v1/models, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
 /version, and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``; the
-Responses API, Anthropic messages, embeddings and pooling are in bench.sim.more_api. The app
+Responses API, Anthropic messages, embeddings and pooling are in kvroute.bench.sim.more_api. The app
 is plain Starlette (what FastAPI runs on) with hand-written validation: sixteen of these share
 two cores with the router and the load generator, so per-request overhead matters more than
 schemas.
@@ -27,14 +27,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from kvroute.bench.sim.more_api import MoreHandlers
+from kvroute.bench.sim.replica import Generation, InjectedError, SimReplica
+from kvroute.bench.sim.scheduler import ReplicaDied
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-
-from bench.sim.more_api import MoreHandlers
-from bench.sim.replica import Generation, InjectedError, SimReplica
-from bench.sim.scheduler import ReplicaDied
 
 __all__ = ["ApiError", "create_app", "error_response"]
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.sim.hashing import digest_to_int
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+from kvroute.bench.sim.hashing import digest_to_int
+from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = ["Allocation", "CachedBlock", "TieredPrefixCache"]
 

@@ -18,10 +18,10 @@ Simulator only, so tests can see where a request ran: every such answer carries
 ``x-sim-data-parallel-rank`` naming the engine that served it.
 
 The engines are ``SimReplica`` objects started without HTTP (``start_engine``); the HTTP
-handlers are the single-replica ones (bench.sim.api) over this object (it offers the part of
+handlers are the single-replica ones (kvroute.bench.sim.api) over this object (it offers the part of
 ``SimReplica`` they use: ``config``, ``tokenizer``, ``metrics.render``, ``check_length``,
 ``generate``, ``reset_prefix_cache``), with the chosen rank passed through a context variable
-set by the ASGI wrapper below, so bench.sim.api needs no DP code.
+set by the ASGI wrapper below, so kvroute.bench.sim.api needs no DP code.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-
-from bench.sim.http_server import SocketHTTPServer
-from bench.sim.replica import Generation, SimReplica, SimReplicaConfig
-from bench.sim.tokenizer import SimTokenizer
+from kvroute.bench.sim.http_server import SocketHTTPServer
+from kvroute.bench.sim.replica import Generation, SimReplica, SimReplicaConfig
+from kvroute.bench.sim.tokenizer import SimTokenizer
 
 __all__ = ["RANK_HEADER", "SERVED_RANK_HEADER", "SimDPServer", "engines_of", "make_server"]
 
@@ -146,7 +145,7 @@ class SimDPServer:
         self.replay_port = 0
         self._http = SocketHTTPServer()
 
-    # --- what the HTTP handlers (bench.sim.api) use -------------------------------------------
+    # --- what the HTTP handlers (bench/sim/api.py) use -------------------------------------------
 
     @property
     def url(self) -> str:
@@ -225,7 +224,7 @@ class SimDPServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Bind HTTP, then each engine's PUB and replay sockets on consecutive ports (kept
         across restarts)."""
-        from bench.sim.api import create_app
+        from kvroute.bench.sim.api import create_app
 
         self.host = host
         self.port = self._http.bind(host, port)

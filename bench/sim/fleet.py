@@ -3,13 +3,13 @@
 Sixteen replicas plus a router plus a load generator must share two cores, so the whole fleet
 runs on one asyncio loop: one uvicorn server, one PUB and one replay socket per replica, and a
 control server for what a test or benchmark does to a fleet (kill, restart, reset caches,
-inject faults, read cache contents). ``python -m bench.sim.fleet --replicas 16`` prints one
+inject faults, read cache contents). ``python -m kvroute.bench.sim.fleet --replicas 16`` prints one
 JSON line when every replica listens (``ready``), then serves until SIGINT/SIGTERM.
 
 ``SimFleet`` runs that command as a child process and talks to its control server, so the
 fleet never competes with the caller's event loop or GIL.
 
-``data_parallel_size`` > 1 makes each replica a data-parallel server (bench.sim.dp): one HTTP
+``data_parallel_size`` > 1 makes each replica a data-parallel server (bench/sim/dp.py): one HTTP
 port, that many engines, each with its own event sockets. The control server knows each
 engine as ``<replica>#dp<r>`` too (restart one rank, read one rank's cache).
 """
@@ -31,9 +31,8 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-
-from bench.sim.latency import LatencyModel
-from bench.sim.replica import SimReplicaConfig
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.replica import SimReplicaConfig
 
 __all__ = ["FleetConfig", "FleetReplica", "SimFleet", "add_arguments", "main", "serve_fleet"]
 
@@ -58,7 +57,7 @@ class FleetConfig:
     hash_seeds: bool = False
     seed: int = 0
     host: str = "127.0.0.1"
-    # Engines per replica: > 1 makes each replica a data-parallel server (bench.sim.dp).
+    # Engines per replica: > 1 makes each replica a data-parallel server (kvroute.bench.sim.dp).
     data_parallel_size: int = 1
     latency: LatencyModel = field(default_factory=LatencyModel)
 
@@ -121,16 +120,15 @@ async def serve_fleet(
 ) -> None:
     """Run the fleet until ``stop`` is set (or SIGINT/SIGTERM). ``ready(info)`` is called once
     every replica and the control server listen."""
+    from kvroute.bench.sim.dp import SimDPServer, engines_of, make_server
+    from kvroute.bench.sim.http_server import SocketHTTPServer
+    from kvroute.bench.sim.looplag import LoopLagMonitor
+    from kvroute.bench.sim.replica import SimReplica
+    from kvroute.bench.sim.tokenizer import SimTokenizer, ensure_model_dir
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
-
-    from bench.sim.dp import SimDPServer, engines_of, make_server
-    from bench.sim.http_server import SocketHTTPServer
-    from bench.sim.looplag import LoopLagMonitor
-    from bench.sim.replica import SimReplica
-    from bench.sim.tokenizer import SimTokenizer, ensure_model_dir
 
     model_dir = ensure_model_dir(
         Path(config.model_dir) if config.model_dir else None, max_model_len=config.max_model_len
@@ -412,7 +410,7 @@ class SimFleet:
         self._client = httpx.Client(timeout=60.0)
 
     def start(self) -> SimFleet:
-        cmd = [sys.executable, "-m", "bench.sim.fleet", *self.config.to_argv()]
+        cmd = [sys.executable, "-m", "kvroute.bench.sim.fleet", *self.config.to_argv()]
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=os.environ.copy()
         )

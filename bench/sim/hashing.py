@@ -3,7 +3,7 @@
 A simulated replica must name its blocks the way vLLM does, not the way our index keys them:
 ``h_i = sha256(pickle((parent_digest or NONE_HASH, tuple(block_tokens), extra_keys or None)))``
 chained over full digests, published as the low 64 bits of the digest. If the simulator reused
-``indexer.keys``, an indexer that forgot to re-key from token ids would look correct here and
+``indexer/keys.py``, an indexer that forgot to re-key from token ids would look correct here and
 fail against real vLLM; with these hashes it fails here too.
 """
 

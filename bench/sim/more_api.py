@@ -30,15 +30,14 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from kvroute.bench.sim.replica import Generation, InjectedError
+from kvroute.bench.sim.scheduler import ReplicaDied
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from bench.sim.replica import Generation, InjectedError
-from bench.sim.scheduler import ReplicaDied
-
 if TYPE_CHECKING:
-    from bench.sim.api import _Handlers
+    from kvroute.bench.sim.api import _Handlers
 
 __all__ = ["VLLM_VERSION", "MoreHandlers"]
 
@@ -84,7 +83,7 @@ class MoreHandlers:
         return self.base._chat_ids(chat)
 
     def _error(self, message: str, code: int = 400, param: str | None = None) -> Response:
-        from bench.sim.api import ApiError, error_response
+        from kvroute.bench.sim.api import ApiError, error_response
 
         return error_response(ApiError(message, code=code, param=param))
 
@@ -94,7 +93,7 @@ class MoreHandlers:
         """vLLM serves a batch on one engine, its prompts concurrently, choices in prompt
         order; its usage sums the prompts' tokens but reports the LAST prompt's cached tokens
         (vLLM 0.32 ``OpenAIServingCompletion``: ``last_final_res.num_cached_tokens``)."""
-        from bench.sim.api import ApiError, _opt_bool, error_response
+        from kvroute.bench.sim.api import ApiError, _opt_bool, error_response
 
         if _opt_bool(body, "stream", False):
             raise ApiError(
@@ -150,7 +149,7 @@ class MoreHandlers:
     # --- /v1/responses --------------------------------------------------------------------------
 
     def _messages(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        from bench.sim.api import ApiError
+        from kvroute.bench.sim.api import ApiError
 
         messages: list[dict[str, Any]] = []
         instructions = body.get("instructions")
@@ -182,7 +181,7 @@ class MoreHandlers:
         return messages
 
     async def responses_create(self, request: Request) -> Response:
-        from bench.sim.api import ApiError, _body, _opt_bool, error_response
+        from kvroute.bench.sim.api import ApiError, _body, _opt_bool, error_response
 
         try:
             body = await _body(request)
@@ -339,7 +338,7 @@ class MoreHandlers:
         yield event("response.completed", response=response)
 
     def _not_found(self, response_id: str) -> Response:
-        from bench.sim.api import ApiError, error_response
+        from kvroute.bench.sim.api import ApiError, error_response
 
         return error_response(
             ApiError(
@@ -363,7 +362,7 @@ class MoreHandlers:
         if stored is None:
             return self._not_found(response_id)
         if stored[0]["status"] not in ("queued", "in_progress"):
-            from bench.sim.api import ApiError, error_response
+            from kvroute.bench.sim.api import ApiError, error_response
 
             return error_response(
                 ApiError(
@@ -385,7 +384,7 @@ class MoreHandlers:
     # --- /v1/messages (Anthropic) ---------------------------------------------------------------
 
     async def messages(self, request: Request) -> Response:
-        from bench.sim.api import ApiError, _body, _opt_bool, error_response
+        from kvroute.bench.sim.api import ApiError, _body, _opt_bool, error_response
 
         try:
             body = await _body(request)
@@ -484,7 +483,7 @@ class MoreHandlers:
         return await self._pool(request, embeddings=False)
 
     async def _pool(self, request: Request, *, embeddings: bool) -> Response:
-        from bench.sim.api import ApiError, _body, _opt_bool, error_response
+        from kvroute.bench.sim.api import ApiError, _body, _opt_bool, error_response
 
         try:
             body = await _body(request)
@@ -546,7 +545,7 @@ class MoreHandlers:
         return Response(_json.encode(out), media_type="application/json")
 
     def _inputs(self, body: dict[str, Any]) -> list[list[int]]:
-        from bench.sim.api import ApiError, _opt_bool
+        from kvroute.bench.sim.api import ApiError, _opt_bool
 
         value = body.get("input")
         special = _opt_bool(body, "add_special_tokens", True)
@@ -609,7 +608,7 @@ def _text_of(content: object) -> str | None:
 
 
 def _input_item(item: object) -> dict[str, Any]:
-    from bench.sim.api import ApiError
+    from kvroute.bench.sim.api import ApiError
 
     if not isinstance(item, dict):
         raise ApiError("input items must be objects", param="input")
@@ -644,7 +643,7 @@ def _input_item(item: object) -> dict[str, Any]:
 
 
 def _anthropic_chat(body: dict[str, Any]) -> list[dict[str, Any]]:
-    from bench.sim.api import ApiError
+    from kvroute.bench.sim.api import ApiError
 
     out: list[dict[str, Any]] = []
     system = body.get("system")

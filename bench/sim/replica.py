@@ -1,13 +1,13 @@
 """One simulated vLLM replica: engine (cache + scheduler + events) and its lifecycle.
 
-The HTTP layer (bench.sim.api) calls ``generate``; the fleet calls ``start``, ``kill``,
+The HTTP layer (kvroute.bench.sim.api) calls ``generate``; the fleet calls ``start``, ``kill``,
 ``restart``. A killed replica behaves like a dead process: its port refuses connections, its
 event publisher is gone, in-flight requests fail, device and CPU caches are lost. A restart
 binds the same ports again with a new publisher (sequence numbers from 0, an empty replay
 buffer) and keeps the STORAGE tier, which it re-announces in its first batch, as a storage
 connector that indexes its store at start-up would.
 
-A data-parallel server (bench.sim.dp) runs several replicas as its engines: each started with
+A data-parallel server (bench/sim/dp.py) runs several replicas as its engines: each started with
 ``start_engine`` (publisher and scheduler, no HTTP of its own), its events carrying its rank.
 """
 
@@ -19,16 +19,16 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from bench.publisher import EventPublisher
-from bench.sim.cache import TieredPrefixCache
-from bench.sim.hashing import EngineHasher
-from bench.sim.http_server import SocketHTTPServer
-from bench.sim.latency import LatencyModel
-from bench.sim.metrics import ReplicaMetrics
-from bench.sim.scheduler import ReplicaDied, Scheduler, SimRequest
-from bench.sim.tokenizer import SimTokenizer
-from indexer.keys import request_extra_keys
-from indexer.wire import Event
+from kvroute.bench.publisher import EventPublisher
+from kvroute.bench.sim.cache import TieredPrefixCache
+from kvroute.bench.sim.hashing import EngineHasher
+from kvroute.bench.sim.http_server import SocketHTTPServer
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.metrics import ReplicaMetrics
+from kvroute.bench.sim.scheduler import ReplicaDied, Scheduler, SimRequest
+from kvroute.bench.sim.tokenizer import SimTokenizer
+from kvroute.indexer.keys import request_extra_keys
+from kvroute.indexer.wire import Event
 
 __all__ = ["InjectedError", "SimReplica", "SimReplicaConfig"]
 
@@ -56,7 +56,7 @@ class SimReplicaConfig:
     error_rate: float = 0.0
     drop_event_rate: float = 0.0
     seed: int = 0
-    # The engine's rank inside a data-parallel server (bench.sim.dp): the ``engine`` label of
+    # The engine's rank inside a data-parallel server (bench/sim/dp.py): the ``engine`` label of
     # its metrics and the third element of its event payloads. None: a plain replica.
     dp_rank: int | None = None
 
@@ -168,7 +168,7 @@ class SimReplica:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Bind HTTP, PUB and replay sockets (port 0: free ports, kept across restarts)."""
-        from bench.sim.api import create_app
+        from kvroute.bench.sim.api import create_app
 
         self.host = host
         self.port = self._http.bind(host, port)

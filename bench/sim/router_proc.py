@@ -1,8 +1,8 @@
-"""Run the real router (``router.app.create_app``) under uvicorn in a child process.
+"""Run the real router (``kvroute.router.app.create_app``) under uvicorn in a child process.
 
 The routing benchmark must measure the router users run, not a re-implementation of its
 policies, and must not let the load generator's event loop share a GIL with it. This module
-is that child: ``python -m bench.sim.router_proc SETTINGS.json`` serves the router on a free
+is that child: ``python -m kvroute.bench.sim.router_proc SETTINGS.json`` serves the router on a free
 loopback port and prints one ``{"ready": true, "url": ...}`` line; ``RouterProcess`` starts it,
 waits until the router reports healthy replicas, and stops it.
 """
@@ -30,7 +30,7 @@ __all__ = ["RouterProcess", "settings_from_dict"]
 
 def settings_from_dict(data: dict[str, Any]) -> Any:
     """RouterSettings from JSON-able data (``replicas``: dicts; ``cost``: a dict of knobs)."""
-    from router.config import CostSettings, ReplicaConfig, RouterSettings
+    from kvroute.router.config import CostSettings, ReplicaConfig, RouterSettings
 
     data = dict(data)
     replicas = [ReplicaConfig(**r) for r in data.pop("replicas", [])]
@@ -40,9 +40,8 @@ def settings_from_dict(data: dict[str, Any]) -> Any:
 
 async def _serve(settings_path: Path) -> None:
     import uvicorn
-
-    from router.app import create_app
-    from router.http_protocol import header_deadline_protocol
+    from kvroute.router.app import create_app
+    from kvroute.router.http_protocol import header_deadline_protocol
 
     settings = settings_from_dict(json.loads(settings_path.read_text()))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -86,7 +85,7 @@ class RouterProcess:
         json.dump(self.settings, self._tmp)
         self._tmp.close()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.sim.router_proc", self._tmp.name],
+            [sys.executable, "-m", "kvroute.bench.sim.router_proc", self._tmp.name],
             stdout=subprocess.PIPE,
             text=True,
         )

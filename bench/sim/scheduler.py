@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.sim.cache import Allocation, CachedBlock, TieredPrefixCache
-from bench.sim.hashing import EngineHasher
-from bench.sim.latency import LatencyModel
-from indexer.wire import Event, Medium
+from kvroute.bench.sim.cache import Allocation, CachedBlock, TieredPrefixCache
+from kvroute.bench.sim.hashing import EngineHasher
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.indexer.wire import Event, Medium
 
 __all__ = ["EngineStats", "ReplicaDied", "Scheduler", "SimRequest"]
 

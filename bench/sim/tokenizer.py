@@ -2,7 +2,7 @@
 
 The router's local tokenizer mode must produce the ids a replica computes, so both load the
 same directory with ``transformers.AutoTokenizer``. The directory is the tiny model that
-``deploy.tiny_model.build_tiny_model`` writes (byte-level BPE, ChatML template): the same
+``kvroute.deploy.tiny_model.build_tiny_model`` writes (byte-level BPE, ChatML template): the same
 files the real-vLLM tests serve, so a tokenization mismatch found with the simulator is one
 that real replicas would show as well.
 
@@ -36,7 +36,7 @@ def ensure_model_dir(
     model_dir: Path | None = None, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN
 ) -> Path:
     """Build the tiny model directory once (idempotent; a few seconds the first time)."""
-    from deploy.tiny_model import build_tiny_model
+    from kvroute.deploy.tiny_model import build_tiny_model
 
     return build_tiny_model(
         model_dir or default_model_dir(max_model_len), max_model_len=max_model_len
@@ -82,7 +82,7 @@ class SimTokenizer:
         As vLLM's "string" content format hands messages to the template: a missing content
         is an empty string, and the ``developer`` role becomes ``system`` (merged with the
         other system messages at the front) for a template that never names it."""
-        from router.chat_render import map_developer_role
+        from kvroute.router.chat_render import map_developer_role
 
         conv = [{**m, "content": ""} if m.get("content") is None else dict(m) for m in messages]
         conv = map_developer_role(conv, getattr(self.tok, "chat_template", None))

@@ -1,14 +1,14 @@
 """Seeded routing workloads: multi-turn chat, shared-prefix groups, long-document QA, agentic
-loops. Each module's ``build(text, seed=..., **sizes) -> Workload``; see bench.workloads.base
+loops. Each module's ``build(text, seed=..., **sizes) -> Workload``; see bench/workloads/base.py
 for what a workload is and docs/benchmarks.md for the sizes the benchmark uses and why."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.workloads import agentic, chat, doc_qa, shared_prefix
-from bench.workloads.base import Session, Turn, Workload
-from bench.workloads.text import TextSource
+from kvroute.bench.workloads import agentic, chat, doc_qa, shared_prefix
+from kvroute.bench.workloads.base import Session, Turn, Workload
+from kvroute.bench.workloads.text import TextSource
 
 __all__ = ["BUILDERS", "Session", "TextSource", "Turn", "Workload"]
 

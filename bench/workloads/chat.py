@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 
-from bench.workloads.base import Session, Turn, Workload
-from bench.workloads.text import TextSource
+from kvroute.bench.workloads.base import Session, Turn, Workload
+from kvroute.bench.workloads.text import TextSource
 
 __all__ = ["build"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from bench.sim.tokenizer import SimTokenizer
-from bench.workloads.runner import RequestRecord
-from indexer.keys import block_keys
+from kvroute.bench.sim.tokenizer import SimTokenizer
+from kvroute.bench.workloads.runner import RequestRecord
+from kvroute.indexer.keys import block_keys
 
 __all__ = ["UpperBound", "infinite_cache_hit_rate"]
 

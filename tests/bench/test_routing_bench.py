@@ -13,9 +13,8 @@ import math
 from pathlib import Path
 
 import pytest
-
-from bench import routing_bench
-from bench.workloads.runner import pick_router
+from kvroute.bench import routing_bench
+from kvroute.bench.workloads.runner import pick_router
 
 KEYS = {
     "workload",

@@ -6,9 +6,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
-from bench.sim.fleet import SimFleet
-from bench.sim.tokenizer import SimTokenizer
+from kvroute.bench.sim.fleet import SimFleet
+from kvroute.bench.sim.tokenizer import SimTokenizer
 
 SYSTEM = "You are a helpful assistant. " + "Answer with care and cite the document. " * 20
 

@@ -12,12 +12,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from bench.sim.cache import Allocation, TieredPrefixCache
-from bench.sim.hashing import EngineHasher, digest_to_int
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import request_extra_keys
-from indexer.wire import (
+from kvroute.bench.sim.cache import Allocation, TieredPrefixCache
+from kvroute.bench.sim.hashing import EngineHasher, digest_to_int
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.keys import request_extra_keys
+from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import zmq
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from indexer.wire import decode_batch, decode_frames
-from router.replicas import parse_vllm_metrics_by_engine
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.indexer.wire import decode_batch, decode_frames
+from kvroute.router.replicas import parse_vllm_metrics_by_engine
 
 
 @pytest.fixture(scope="module")

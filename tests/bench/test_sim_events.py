@@ -1,6 +1,6 @@
 """The simulator's KV events over real ZMQ, through the indexer's own subscriber.
 
-An ``InMemoryPrefixIndex`` fed by ``indexer.subscriber.EventSubscriber`` from a simulated
+An ``InMemoryPrefixIndex`` fed by ``kvroute.indexer.subscriber.EventSubscriber`` from a simulated
 replica's PUB/replay sockets must hold exactly what the replica's cache holds, tier by tier,
 also after dropped batches (recovered through replay) and after a restart (seq reset). The
 replica's engine hashes are vLLM-like sha256 chains, so agreement proves the index re-keys
@@ -14,12 +14,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
-from bench.sim.fleet import SimFleet
-from bench.sim.hashing import EngineHasher, digest_to_int
-from indexer.index import InMemoryPrefixIndex
-from indexer.subscriber import EventSource, EventSubscriber, Freshness
-from indexer.wire import Medium
+from kvroute.bench.sim.fleet import SimFleet
+from kvroute.bench.sim.hashing import EngineHasher, digest_to_int
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness
+from kvroute.indexer.wire import Medium
 
 REPLICA = "sim-1"
 BS = 16

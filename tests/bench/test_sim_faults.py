@@ -9,9 +9,8 @@ import httpx
 import openai
 import pytest
 import zmq
-
-from bench.sim.fleet import SimFleet
-from indexer.wire import Frame, decode_batch, decode_replay_reply, encode_replay_request
+from kvroute.bench.sim.fleet import SimFleet
+from kvroute.indexer.wire import Frame, decode_batch, decode_replay_reply, encode_replay_request
 
 REPLICA = "sim-2"
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from bench.sim.cache import TieredPrefixCache
-from bench.sim.hashing import EngineHasher
-from bench.sim.latency import LatencyModel
-from bench.sim.scheduler import Scheduler, SimRequest
-from indexer.wire import Event
+from kvroute.bench.sim.cache import TieredPrefixCache
+from kvroute.bench.sim.hashing import EngineHasher
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.scheduler import Scheduler, SimRequest
+from kvroute.indexer.wire import Event
 
 BS = 16
 HASHER = EngineHasher()

@@ -6,9 +6,8 @@ import asyncio
 import time
 
 import pytest
-
-from bench.sim.fleet import SimFleet
-from bench.sim.looplag import LoopLagMonitor
+from kvroute.bench.sim.fleet import SimFleet
+from kvroute.bench.sim.looplag import LoopLagMonitor
 
 
 def test_snapshot_percentiles_and_reset() -> None:

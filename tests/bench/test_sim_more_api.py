@@ -10,8 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
-from bench.sim.fleet import SimFleet
+from kvroute.bench.sim.fleet import SimFleet
 
 MODEL = "kvroute-sim"
 SYSTEM = "You help with caches. " + "Explain prefix caching in detail. " * 12

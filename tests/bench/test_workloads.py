@@ -6,11 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from bench.sim.tokenizer import SimTokenizer, ensure_model_dir
-from bench.workloads import BUILDERS, TextSource
-from bench.workloads.runner import RequestRecord
-from bench.workloads.upper_bound import infinite_cache_hit_rate
+from kvroute.bench.sim.tokenizer import SimTokenizer, ensure_model_dir
+from kvroute.bench.workloads import BUILDERS, TextSource
+from kvroute.bench.workloads.runner import RequestRecord
+from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 
 
 @pytest.fixture(scope="module")

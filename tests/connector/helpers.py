@@ -6,10 +6,9 @@ import hashlib
 import pickle
 
 import torch
-
-from connector.planner import Planner
-from connector.transfer import PagedKV
-from connector.worker import WorkerExecutor
+from kvroute.connector.planner import Planner
+from kvroute.connector.transfer import PagedKV
+from kvroute.connector.worker import WorkerExecutor
 
 BLOCK = 4  # tokens per block in unit tests
 BPC = 2  # blocks per chunk

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvroute.connector.copiers import AsyncCopier, SyncCopier, make_copier
+from kvroute.connector.copy_ledger import DONE, PendingStore, SlotFences, StoreLedger
+from kvroute.connector.disk_tier import unlink_chunk_all_ranks
+from kvroute.connector.identity import RankInfo
+from kvroute.connector.plan import CPU, DISK, LOADED, STORED
 
-from connector.copiers import AsyncCopier, SyncCopier, make_copier
-from connector.copy_ledger import DONE, PendingStore, SlotFences, StoreLedger
-from connector.disk_tier import unlink_chunk_all_ranks
-from connector.identity import RankInfo
-from connector.plan import CPU, DISK, LOADED, STORED
 from tests.connector.fake_device import FakeBackend
 from tests.connector.helpers import (
     BPC,

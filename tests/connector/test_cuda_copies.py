@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvroute.connector.copiers import AsyncCopier, make_copier
+from kvroute.connector.disk_scan import scan_layout
+from kvroute.connector.disk_tier import unlink_chunk_all_ranks
+from kvroute.connector.identity import RankInfo
+from kvroute.connector.plan import CPU, STORED
+from kvroute.connector.transfer import PagedKV
 
-from connector.copiers import AsyncCopier, make_copier
-from connector.disk_scan import scan_layout
-from connector.disk_tier import unlink_chunk_all_ranks
-from connector.identity import RankInfo
-from connector.plan import CPU, STORED
-from connector.transfer import PagedKV
 from tests.connector.helpers import BPC, CHUNK, IDENTITY, block_hashes, make_executor, make_planner
 
 pytestmark = pytest.mark.skipif(

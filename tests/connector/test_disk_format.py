@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from connector import disk_format
-from connector.disk_format import (
+from kvroute.connector import disk_format
+from kvroute.connector.disk_format import (
     ChunkFileError,
     DiskFullError,
     file_name,
@@ -19,9 +18,10 @@ from connector.disk_format import (
     read_chunk_header,
     write_chunk_file,
 )
-from connector.disk_scan import scan_directory
-from connector.disk_tier import DiskWriter, chunk_path, unlink_chunk
-from connector.keys import chunk_info
+from kvroute.connector.disk_scan import scan_directory
+from kvroute.connector.disk_tier import DiskWriter, chunk_path, unlink_chunk
+from kvroute.connector.keys import chunk_info
+
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, block_hashes
 
 

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from connector.disk_format import (
+from kvroute.connector.disk_format import (
     file_name,
     header_for_chunk,
     info_from_header,
     read_chunk_header,
     write_chunk_file,
 )
-from connector.extra_keys import decode_extra_keys, encode_extra_keys
-from connector.keys import ChunkExtras, chunk_info
-from connector.plan import CPU, STORED, Report
+from kvroute.connector.extra_keys import decode_extra_keys, encode_extra_keys
+from kvroute.connector.keys import ChunkExtras, chunk_info
+from kvroute.connector.plan import CPU, STORED, Report
+
 from tests.connector.helpers import BLOCK, BPC, CHUNK, IDENTITY, block_hashes, make_planner
 
 KEYS = (("adapter-a", ("img-1", 3), "salt", b"\x00\xffdigest"), None)

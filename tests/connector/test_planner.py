@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from connector.bookkeeping import EntryState
-from connector.plan import CPU, DISK, LOADED, REMOVED, STORED, Report
+from kvroute.connector.bookkeeping import EntryState
+from kvroute.connector.plan import CPU, DISK, LOADED, REMOVED, STORED, Report
+
 from tests.connector.helpers import BLOCK, BPC, CHUNK, block_hashes, make_planner
 
 
@@ -180,7 +181,7 @@ def test_disk_capacity_evicts_lru_files() -> None:
             # first write did not fit a 1-byte disk: nothing planned; grow the disk to 2 files
             assert st[0].disk_header is None
             size = p._header(p.cpu.get(r[1][BPC - 1]).info)
-            from connector.disk_format import max_file_size
+            from kvroute.connector.disk_format import max_file_size
 
             p.disk.capacity = 2 * max_file_size(size, p.payload_bytes)
             continue
@@ -194,7 +195,7 @@ def test_disk_capacity_evicts_lru_files() -> None:
 def test_corrupt_file_report_drops_entry_with_event() -> None:
     p = make_planner(num_slots=4, disk_enabled=True, disk_capacity_bytes=1 << 20)
     a = _req(70, 1)
-    from connector.keys import chunk_info
+    from kvroute.connector.keys import chunk_info
 
     info = chunk_info(a[1], a[0], BLOCK, BPC, 0)
     p.add_disk_entries([(info, 1000)])
@@ -232,7 +233,7 @@ def test_slot_with_pending_write_through_is_reused_only_after_the_write() -> Non
 def test_hit_split_by_tier_for_vllm_metrics() -> None:
     p = make_planner(num_slots=8, disk_enabled=True, disk_capacity_bytes=1 << 20)
     tokens, hashes = _req(90, 3)
-    from connector.keys import chunk_info
+    from kvroute.connector.keys import chunk_info
 
     _confirm(p, _store(p, "a", tokens[: CHUNK + 1], hashes[:BPC]))  # chunk 0 in RAM
     infos = [chunk_info(hashes, tokens, BLOCK, BPC, c) for c in (1, 2)]

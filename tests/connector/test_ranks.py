@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from connector.disk_format import (
+from kvroute.connector.disk_format import (
     FORMAT_VERSION,
     file_name,
     header_for_chunk,
@@ -24,20 +23,21 @@ from connector.disk_format import (
     read_chunk_header,
     write_chunk_file,
 )
-from connector.disk_scan import STALE_S, scan_layout
-from connector.disk_tier import tier_directory, unlink_chunk_all_ranks
-from connector.identity import (
+from kvroute.connector.disk_scan import STALE_S, scan_layout
+from kvroute.connector.disk_tier import tier_directory, unlink_chunk_all_ranks
+from kvroute.connector.identity import (
     RankInfo,
     all_ranks,
     layout_digest,
     layout_identity,
     rank_identity,
 )
-from connector.keys import chunk_info
-from connector.plan import REMOVED
-from connector.planner import Planner
-from connector.transfer import PagedKV
-from connector.worker import WorkerExecutor
+from kvroute.connector.keys import chunk_info
+from kvroute.connector.plan import REMOVED
+from kvroute.connector.planner import Planner
+from kvroute.connector.transfer import PagedKV
+from kvroute.connector.worker import WorkerExecutor
+
 from tests.connector.helpers import BLOCK, BPC, CHUNK, block_data, block_hashes, make_paged
 
 FIELDS = {"model": "unit-test"}

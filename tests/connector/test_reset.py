@@ -12,11 +12,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from kvroute.connector import disk_tier
+from kvroute.connector.disk_tier import unlink_chunk_all_ranks
+from kvroute.connector.identity import RankInfo
+from kvroute.connector.plan import CPU, DISK, LOADED, STORED, Report
 
-from connector import disk_tier
-from connector.disk_tier import unlink_chunk_all_ranks
-from connector.identity import RankInfo
-from connector.plan import CPU, DISK, LOADED, STORED, Report
 from tests.connector.helpers import (
     BPC,
     CHUNK,

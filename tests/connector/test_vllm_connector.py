@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvroute.connector.disk_format import PREFIX_SIZE, read_chunk_file
 
-from connector.disk_format import PREFIX_SIZE, read_chunk_file
 from tests.connector.vllm_helpers import complete as _complete
 from tests.connector.vllm_helpers import delta as _delta
 from tests.connector.vllm_helpers import source_hits as _source_hits
@@ -35,7 +35,7 @@ MAX_LEN = 2048
 
 
 class EventCollector:
-    """SUB socket on the replica's KV-event endpoint, decoding with indexer.wire."""
+    """SUB socket on the replica's KV-event endpoint, decoding with kvroute.indexer.wire."""
 
     def __init__(self, endpoint: str) -> None:
         import zmq
@@ -54,8 +54,7 @@ class EventCollector:
 
     def _run(self) -> None:
         import zmq
-
-        from indexer.wire import decode_batch
+        from kvroute.indexer.wire import decode_batch
 
         while not self._stop.is_set():
             try:
@@ -81,8 +80,8 @@ class EventCollector:
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from deploy.tiny_model import build_tiny_model
-    from deploy.vllm_server import (
+    from kvroute.deploy.tiny_model import build_tiny_model
+    from kvroute.deploy.vllm_server import (
         DEFAULT_STATE_DIR,
         VllmReplica,
         VllmReplicaSpec,
@@ -127,7 +126,7 @@ def _wait_events(col: EventCollector, pred, timeout: float = 20.0) -> list[Any]:
 
 
 def test_ram_then_disk_hits_are_exact_and_published(replica: Any) -> None:
-    from indexer.wire import BlockRemoved, BlockStored, Medium
+    from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
     col = EventCollector(replica.events_endpoint)
     time.sleep(1.0)  # slow joiner: let the SUB connect before the first publish
@@ -249,7 +248,7 @@ def test_corrupted_disk_chunk_is_recomputed_not_served(replica: Any) -> None:
 def test_reset_external_empties_both_tiers_and_announces_it(replica: Any) -> None:
     """``/reset_prefix_cache?reset_external=true``: every announced chunk gets a
     ``BlockRemoved`` (CPU and STORAGE), files are removed, nothing is served after."""
-    from indexer.wire import BlockRemoved, BlockStored, Medium
+    from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
     col = EventCollector(replica.events_endpoint)
     time.sleep(1.0)

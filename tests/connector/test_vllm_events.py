@@ -13,11 +13,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from kvroute.connector.disk_scan import scan_layout
+from kvroute.connector.identity import RankInfo
+from kvroute.connector.plan import CPU, DISK, STORED, Report
+from kvroute.connector.planner import TierEvent
 
-from connector.disk_scan import scan_layout
-from connector.identity import RankInfo
-from connector.plan import CPU, DISK, STORED, Report
-from connector.planner import TierEvent
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, make_executor, make_paged, make_planner
 
 pytestmark = pytest.mark.vllm
@@ -90,8 +90,8 @@ FIELDS = (
 
 @pytest.mark.parametrize("kind", ["lora", "cache_salt", "multimodal", "plain"])
 def test_ram_tier_events_match_the_device_events(kind: str) -> None:
-    from connector.events import to_vllm_event
-    from connector.vllm_extras import request_extras
+    from kvroute.connector.events import to_vllm_event
+    from kvroute.connector.vllm_extras import request_extras
 
     request = _request(kind)
     device = _device_events(request)
@@ -125,9 +125,9 @@ def test_ram_tier_events_match_the_device_events(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["lora", "cache_salt", "multimodal"])
 def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, kind: str) -> None:
-    from connector.disk_tier import unlink_chunk_all_ranks
-    from connector.events import to_vllm_event
-    from connector.vllm_extras import request_extras
+    from kvroute.connector.disk_tier import unlink_chunk_all_ranks
+    from kvroute.connector.events import to_vllm_event
+    from kvroute.connector.vllm_extras import request_extras
 
     request = _request(kind)
     device = _device_events(request)
@@ -166,8 +166,9 @@ def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, k
 
 
 def test_block_removed_stays_hashes_and_medium() -> None:
-    from connector.events import to_vllm_event
-    from connector.keys import ChunkExtras, chunk_info
+    from kvroute.connector.events import to_vllm_event
+    from kvroute.connector.keys import ChunkExtras, chunk_info
+
     from tests.connector.helpers import block_hashes
 
     tokens = list(range(2 * BPC * BLOCK))
@@ -185,7 +186,7 @@ def test_block_removed_stays_hashes_and_medium() -> None:
 
 
 def test_worker_rank_outside_vllm_parallel_groups() -> None:
-    from connector.kvroute_connector import worker_rank
+    from kvroute.connector.kvroute_connector import worker_rank
 
     assert worker_rank(1, 1) == RankInfo()
     with pytest.raises(RuntimeError, match="rank"):

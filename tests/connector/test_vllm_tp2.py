@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvroute.connector.disk_format import PREFIX_SIZE
 
-from connector.disk_format import PREFIX_SIZE
 from tests.connector.vllm_helpers import complete, delta, source_hits, text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -38,8 +38,8 @@ def _rank_files(disk: Path, tp_rank: int) -> dict[str, Path]:
 def test_tp2_replica_serves_a_disk_hit_with_identical_greedy_output(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    from deploy.tiny_model import build_tiny_model
-    from deploy.vllm_server import (
+    from kvroute.deploy.tiny_model import build_tiny_model
+    from kvroute.deploy.vllm_server import (
         DEFAULT_STATE_DIR,
         VllmReplica,
         VllmReplicaSpec,

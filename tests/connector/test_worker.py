@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvroute.connector.disk_format import file_name
+from kvroute.connector.disk_scan import scan_layout
+from kvroute.connector.disk_tier import unlink_chunk_all_ranks
+from kvroute.connector.identity import RankInfo
+from kvroute.connector.plan import CPU
+from kvroute.connector.transfer import PagedKV
 
-from connector.disk_format import file_name
-from connector.disk_scan import scan_layout
-from connector.disk_tier import unlink_chunk_all_ranks
-from connector.identity import RankInfo
-from connector.plan import CPU
-from connector.transfer import PagedKV
 from tests.connector.helpers import (
     BLOCK,
     BPC,
@@ -199,7 +199,7 @@ def test_disk_write_queue_bound_drops_instead_of_blocking(
 ) -> None:
     import threading
 
-    from connector import disk_tier
+    from kvroute.connector import disk_tier
 
     gate = threading.Event()
     real_write = disk_tier.write_chunk_file

@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.demo import RunResult, Workload, format_stats, format_table
-from deploy.vllm_server import PROJECT_ROOT
+from kvroute.deploy.demo import RunResult, Workload, format_stats, format_table
+from kvroute.deploy.vllm_server import PROJECT_ROOT
+
 from tests.deploy.helpers import leftovers
 
 
@@ -58,7 +59,7 @@ def test_demo_runs_end_to_end_on_the_simulated_fleet(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     state = tmp_path / "state"
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "demo", "--engine", "sim", "--state-dir",
+        [sys.executable, "-m", "kvroute.deploy.cli", "demo", "--engine", "sim", "--state-dir",
          str(state), "--conversations", "3", "--turns", "3", "--rounds", "1",
          "--json-out", str(out)],
         cwd=PROJECT_ROOT,

@@ -8,10 +8,9 @@ import re
 from pathlib import Path
 
 import yaml
-
-from connector.config import ConnectorConfig
-from deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE, PROJECT_ROOT
-from router.config import load_replicas_file
+from kvroute.connector.config import ConnectorConfig
+from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE, PROJECT_ROOT
+from kvroute.router.config import load_replicas_file
 
 EXAMPLES = PROJECT_ROOT / "deploy" / "examples"
 EVENTS_KEYS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic"}
@@ -49,7 +48,7 @@ def test_systemd_replica_unit_flags_parse() -> None:
 def test_systemd_router_unit_uses_real_serve_flags() -> None:
     import argparse
 
-    from router.cli import add_arguments
+    from kvroute.router.cli import add_arguments
 
     text = (EXAMPLES / "systemd" / "kvroute-router.service").read_text()
     line = re.search(r"ExecStart=\S+ serve (.*?)\n(?=\S)", text, re.S)

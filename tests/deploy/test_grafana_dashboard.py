@@ -16,11 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from bench.sim.router_proc import RouterProcess
-from deploy.vllm_server import PROJECT_ROOT
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.router_proc import RouterProcess
+from kvroute.deploy.vllm_server import PROJECT_ROOT
 
 DASHBOARD = PROJECT_ROOT / "deploy" / "grafana" / "kvroute-dashboard.json"
 _SUFFIXES = {

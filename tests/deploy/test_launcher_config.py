@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from deploy.launcher import FleetConfig, FleetError, LocalFleet, ReplicaEndpoint
-from router.config import parse_replica_flag
+from kvroute.deploy.launcher import FleetConfig, FleetError, LocalFleet, ReplicaEndpoint
+from kvroute.router.config import parse_replica_flag
 
 
 def fleet_at(path: Path, **overrides: object) -> LocalFleet:

@@ -1,12 +1,11 @@
-"""deploy.progress: a tqdm bar on a terminal, one summary line per run anywhere else."""
+"""kvroute.deploy.progress: a tqdm bar on a terminal, one summary line per run anywhere else."""
 
 from __future__ import annotations
 
 import io
 
+from kvroute.deploy.progress import LineProgress, progress
 from tqdm import tqdm
-
-from deploy.progress import LineProgress, progress
 
 
 class _Terminal(io.StringIO):

@@ -1,10 +1,10 @@
 """``kvroute up`` as a user runs it: a real command, real signals, and nothing left behind.
 
-The fleet is started with the real entry point (``python -m deploy.cli up``), used through the
-official ``openai`` client, then stopped with Ctrl-C (SIGINT) or SIGTERM. Afterwards no
-process of any of the fleet's process groups may exist, and none whose command line names the
-fleet's state directory (``pgrep``). The simulated engine keeps most of these fast; one test
-does the same with a real vLLM replica.
+The fleet is started with the real entry point (``python -m kvroute.deploy.cli up``), used
+through the official ``openai`` client, then stopped with Ctrl-C (SIGINT) or SIGTERM.
+Afterwards no process of any of the fleet's process groups may exist, and none whose command
+line names the fleet's state directory (``pgrep``). The simulated engine keeps most of these
+fast; one test does the same with a real vLLM replica.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from kvroute.deploy.vllm_server import PROJECT_ROOT
 from openai import OpenAI
 
-from deploy.vllm_server import PROJECT_ROOT
 from tests.deploy.helpers import leftovers, pgrep
 
 READY_LINE = "Ctrl-C stops everything."
@@ -33,7 +33,16 @@ def kvroute_up(
     state_dir: Path, *args: str, timeout: float = 120
 ) -> Iterator[tuple[subprocess.Popen[str], dict]]:
     """Run ``kvroute up`` until it prints its ready line; always reap it afterwards."""
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--port", "0", "--state-dir", str(state_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvroute.deploy.cli",
+        "up",
+        "--port",
+        "0",
+        "--state-dir",
+        str(state_dir),
+    ]
     proc = subprocess.Popen(
         [*cmd, *args],
         cwd=PROJECT_ROOT,
@@ -111,7 +120,7 @@ def test_up_exits_when_a_fleet_process_dies(tmp_path: Path) -> None:
 def test_up_refuses_bad_settings_without_starting_anything(tmp_path: Path) -> None:
     state = tmp_path / "state"
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "up", "--state-dir", str(state),
+        [sys.executable, "-m", "kvroute.deploy.cli", "up", "--state-dir", str(state),
          "--chunk-tokens", "48"],
         cwd=PROJECT_ROOT,
         capture_output=True,

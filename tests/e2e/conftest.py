@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvroute.deploy.launcher import FleetConfig, LocalFleet
 
-from deploy.launcher import FleetConfig, LocalFleet
 from tests.e2e.helpers import group_alive
 
 BLOCK_SIZE = 32

@@ -9,8 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
-
-from deploy.launcher import LocalFleet
+from kvroute.deploy.launcher import LocalFleet
 
 T = TypeVar("T")
 

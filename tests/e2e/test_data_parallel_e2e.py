@@ -19,12 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.deploy.launcher import TINY_MODEL_DIR
+from kvroute.deploy.tiny_model import build_tiny_model
+from kvroute.deploy.vllm_server import PROJECT_ROOT, VllmReplica, VllmReplicaSpec, free_port
+from kvroute.router.replicas import engine_gauges, parse_vllm_metrics_by_engine
 from openai import OpenAI
 
-from deploy.launcher import TINY_MODEL_DIR
-from deploy.tiny_model import build_tiny_model
-from deploy.vllm_server import PROJECT_ROOT, VllmReplica, VllmReplicaSpec, free_port
-from router.replicas import engine_gauges, parse_vllm_metrics_by_engine
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm
@@ -79,7 +79,7 @@ def router(dp_server: VllmReplica, tmp_path_factory: pytest.TempPathFactory) -> 
         [
             sys.executable,
             "-m",
-            "deploy.cli",
+            "kvroute.deploy.cli",
             "serve",
             "--host",
             "127.0.0.1",

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvroute.bench.sim.router_proc import RouterProcess
+from kvroute.deploy.launcher import cpu_cores
+from kvroute.deploy.tiny_model import build_tiny_model
+from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec
 
-from bench.sim.router_proc import RouterProcess
-from deploy.launcher import cpu_cores
-from deploy.tiny_model import build_tiny_model
-from deploy.vllm_server import VllmReplica, VllmReplicaSpec
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm

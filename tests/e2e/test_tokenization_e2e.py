@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.deploy.launcher import LocalFleet
 
-from deploy.launcher import LocalFleet
 from tests.e2e.helpers import debug_route, words
 
 pytestmark = pytest.mark.vllm
@@ -66,8 +66,8 @@ def vllm_tokenize(fleet: LocalFleet, case: dict[str, Any]) -> list[int]:
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
 def test_router_tokens_equal_vllm_tokenize(fleet: LocalFleet, case_name: str) -> None:
-    from router.requests import parse_body
-    from router.tokenization import LocalTokenizer
+    from kvroute.router.requests import parse_body
+    from kvroute.router.tokenization import LocalTokenizer
 
     case = CASES[case_name]
     theirs = vllm_tokenize(fleet, case)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvroute.deploy.launcher import LocalFleet, RouterProcess
+from kvroute.deploy.vllm_server import VllmReplica
 
-from deploy.launcher import LocalFleet, RouterProcess
-from deploy.vllm_server import VllmReplica
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm
@@ -54,7 +54,7 @@ def _state(url: str, model: str) -> dict:
 def test_replica_with_another_chat_template_is_detected_and_routed_remote(
     fleet: LocalFleet, tmp_path: Path
 ) -> None:
-    from deploy.launcher import cpu_cores, has_gpu
+    from kvroute.deploy.launcher import cpu_cores, has_gpu
 
     template = tmp_path / "other.jinja"
     template.write_text(OTHER_TEMPLATE)
@@ -135,8 +135,8 @@ def test_replica_with_another_chat_template_is_detected_and_routed_remote(
 
 
 def test_render_403_falls_back_to_tokenize_on_real_vllm(fleet: LocalFleet) -> None:
-    from router.remote_tokens import RemoteTokenizer
-    from router.requests import parse_body
+    from kvroute.router.remote_tokens import RemoteTokenizer
+    from kvroute.router.requests import parse_body
 
     url = fleet.replicas[0].url
     model = fleet.served_model_name

@@ -14,8 +14,7 @@ import hashlib
 from typing import Any
 
 from hypothesis import strategies as st
-
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = [
     "BS",

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import RequestKeys
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 from tests.indexer.builders import (
     BS,
     DOC,

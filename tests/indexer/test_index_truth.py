@@ -22,10 +22,9 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import RequestKeys
-from indexer.wire import (
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from indexer.keys import block_keys, pack_tokens, request_extra_keys, root_key
+from kvroute.indexer.keys import block_keys, pack_tokens, request_extra_keys, root_key
 
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import RequestKeys, mm_block_keys, request_extra_keys
-from indexer.wire import BlockStored
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.keys import RequestKeys, mm_block_keys, request_extra_keys
+from kvroute.indexer.wire import BlockStored
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks

@@ -10,19 +10,18 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from bench.publisher import EventPublisher
-from indexer.budget import ByteBudget
-from indexer.index import InMemoryPrefixIndex
-from indexer.stats import collect_stats
-from indexer.subscriber import (
+from kvroute.bench.publisher import EventPublisher
+from kvroute.indexer.budget import ByteBudget
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.stats import collect_stats
+from kvroute.indexer.subscriber import (
     EventSource,
     EventSubscriber,
     Freshness,
     ReplicaFeed,
     moot_prefix,
 )
-from indexer.wire import (
+from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -33,6 +32,7 @@ from indexer.wire import (
     encode_batch,
     encode_frames,
 )
+
 from tests.indexer.builders import DOC, DOCS, operation, removed, stored
 
 TOPIC = "kv@127.0.0.1:8000@tiny"

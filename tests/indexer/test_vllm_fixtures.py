@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from indexer.index import InMemoryPrefixIndex
-from indexer.keys import RequestKeys
-from indexer.wire import decode_batch
-from router.routing import predicted_cached_tokens
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.wire import decode_batch
+from kvroute.router.routing import predicted_cached_tokens
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_events"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.json"))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness
+from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium, decode_batch, encode_batch
 
-from indexer.index import InMemoryPrefixIndex
-from indexer.subscriber import EventSource, EventSubscriber, Freshness
-from indexer.wire import BlockRemoved, BlockStored, Medium, decode_batch, encode_batch
 from tests.indexer.test_index import ehash
 from tests.indexer.test_subscriber import wait_for
 

@@ -6,8 +6,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from indexer.wire import (
+from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

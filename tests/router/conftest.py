@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvroute.deploy.tiny_model import build_tiny_model
+from kvroute.router.tokenization import LocalTokenizer
 from router_fleet import Fleet, make_fleet
-
-from deploy.tiny_model import build_tiny_model
-from router.tokenization import LocalTokenizer
 
 
 @pytest.fixture(scope="session")

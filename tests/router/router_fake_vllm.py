@@ -25,9 +25,8 @@ from typing import Any
 import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-
-from bench.publisher import EventPublisher
-from indexer.wire import BlockStored
+from kvroute.bench.publisher import EventPublisher
+from kvroute.indexer.wire import BlockStored
 
 
 @dataclass

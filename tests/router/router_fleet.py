@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from kvroute.bench.publisher import EventPublisher
+from kvroute.router.app import create_app
+from kvroute.router.config import ReplicaConfig, RouterSettings
+from kvroute.router.http_protocol import header_deadline_protocol
+from kvroute.router.tokenization import LocalTokenizer
 from router_fake_vllm import FakeKnobs, FakeVLLM
 from router_servers import ServerThread, wait_until
-
-from bench.publisher import EventPublisher
-from router.app import create_app
-from router.config import ReplicaConfig, RouterSettings
-from router.http_protocol import header_deadline_protocol
-from router.tokenization import LocalTokenizer
 
 
 @dataclass

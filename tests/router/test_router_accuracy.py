@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import httpx
+from kvroute.router.accuracy import AccuracyTracker, cached_tokens_from_body, cached_tokens_from_sse
 from router_fleet import make_fleet
-
-from router.accuracy import AccuracyTracker, cached_tokens_from_body, cached_tokens_from_sse
 
 
 def _usage(cached: object) -> dict:

@@ -7,17 +7,16 @@ import json
 from typing import Any
 
 import pytest
-
-from router.chat_render import (
+from kvroute.router.chat_render import (
     conversation,
     detect_content_format,
     has_media,
     map_developer_role,
     truncate_ids,
 )
-from router.errors import RouterError
-from router.requests import parse_body
-from router.tokenization import LocalTokenizer
+from kvroute.router.errors import RouterError
+from kvroute.router.requests import parse_body
+from kvroute.router.tokenization import LocalTokenizer
 
 # A template that loops over message content: vLLM passes it the parts as dicts.
 PARTS_TEMPLATE = (

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from router.cli import add_arguments, main, settings_from_args
+from kvroute.router.cli import add_arguments, main, settings_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from router.config import (
+from kvroute.router.config import (
     ConfigError,
     ReplicaConfig,
     RouterSettings,
     load_replicas_file,
     parse_replica_flag,
 )
-from router.replicas import parse_vllm_metrics
+from kvroute.router.replicas import parse_vllm_metrics
 
 
 def test_replica_flag() -> None:

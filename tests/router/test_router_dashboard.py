@@ -24,16 +24,15 @@ import httpx
 import pytest
 from browser import chromium, text_of, wait_for
 from fastapi import FastAPI
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.router_proc import RouterProcess
+from kvroute.router.config import ReplicaConfig, RouterSettings
+from kvroute.router.dashboard import add_dashboard
+from kvroute.router.dashboard_data import DashboardData
+from kvroute.router.policies import POLICY_REASONS
+from kvroute.router.service import RouterService
 from router_servers import ServerThread
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from bench.sim.router_proc import RouterProcess
-from router.config import ReplicaConfig, RouterSettings
-from router.dashboard import add_dashboard
-from router.dashboard_data import DashboardData
-from router.policies import POLICY_REASONS
-from router.service import RouterService
 
 MODEL = "kvroute-sim"
 REPLICAS = 4

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import httpx
+from kvroute.router.dashboard_data import HitRateSeries, Totals
+from kvroute.router.decision_log import DecisionLog
+from kvroute.router.routing import Decision
 from router_fleet import Fleet
 from router_servers import wait_until
-
-from router.dashboard_data import HitRateSeries, Totals
-from router.decision_log import DecisionLog
-from router.routing import Decision
 
 
 def test_data_agrees_with_index_stats_and_logs_decisions_newest_first(fleet: Fleet) -> None:

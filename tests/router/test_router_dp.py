@@ -16,14 +16,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.router.app import create_app
+from kvroute.router.config import RouterSettings, parse_replica_flag
+from kvroute.router.http_protocol import header_deadline_protocol
+from kvroute.router.tokenization import LocalTokenizer
 from router_servers import ServerThread, wait_until
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from router.app import create_app
-from router.config import RouterSettings, parse_replica_flag
-from router.http_protocol import header_deadline_protocol
-from router.tokenization import LocalTokenizer
 
 SERVER = "dpsrv"  # the router's name for the server
 SIM = "sim-0"  # the simulator's

@@ -6,15 +6,24 @@ import json
 from pathlib import Path
 
 import pytest
-
-from router.config import ConfigError, RouterSettings, load_replicas_file, parse_replica_flag
-from router.dp import (
+from kvroute.router.config import (
+    ConfigError,
+    RouterSettings,
+    load_replicas_file,
+    parse_replica_flag,
+)
+from kvroute.router.dp import (
     endpoint_for_rank,
     parse_event_sources,
     rank_targets,
     static_targets,
 )
-from router.replicas import Replica, engine_gauges, parse_vllm_metrics, parse_vllm_metrics_by_engine
+from kvroute.router.replicas import (
+    Replica,
+    engine_gauges,
+    parse_vllm_metrics,
+    parse_vllm_metrics_by_engine,
+)
 
 # What vLLM 0.32's GET /kv_event_sources answers for a server started with
 # --data-parallel-size 2 --kv-events-config '{"endpoint": "tcp://*:5557",

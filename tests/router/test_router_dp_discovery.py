@@ -12,15 +12,14 @@ import time
 from typing import Any
 
 import httpx
+from kvroute.router.config import RouterSettings, parse_replica_flag
+from kvroute.router.dp import DataParallelDiscovery, rank_targets
+from kvroute.router.service import RouterService
 from router_servers import ServerThread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from router.config import RouterSettings, parse_replica_flag
-from router.dp import DataParallelDiscovery, rank_targets
-from router.service import RouterService
 
 
 def source(port: int) -> dict[str, Any]:

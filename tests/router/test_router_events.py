@@ -1,5 +1,5 @@
 """Routing follows what replicas really cache, learned from real ZMQ KV events
-(bench.publisher.EventPublisher, vLLM's wire format), and burst hints cover the gap before
+(kvroute.bench.publisher.EventPublisher, vLLM's wire format), and burst hints cover the gap before
 the events arrive."""
 
 from __future__ import annotations

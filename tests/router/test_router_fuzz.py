@@ -23,10 +23,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from bench.sim.router_proc import RouterProcess
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.router_proc import RouterProcess
 
 EXAMPLES = int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "40"))
 MODEL = "kvroute-sim"

@@ -22,13 +22,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.router.app import create_app
+from kvroute.router.config import ReplicaConfig, RouterSettings
+from kvroute.router.tokenization import LocalTokenizer
 from router_servers import ServerThread
-
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from router.app import create_app
-from router.config import ReplicaConfig, RouterSettings
-from router.tokenization import LocalTokenizer
 
 MODEL = "kvroute-sim"
 BLOCK = 16

@@ -76,7 +76,7 @@ def test_a_client_that_stops_reading_a_stream_is_given_up() -> None:
     timeout it gives the client up, which closes the upstream stream (the caller cancels)."""
     from types import SimpleNamespace
 
-    from router.proxy import ClientGone, send_stream
+    from kvroute.router.proxy import ClientGone, send_stream
 
     async def chunks():  # an endless upstream stream
         while True:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from router.lru import LRU, token_list_bytes
+from kvroute.router.lru import LRU, token_list_bytes
 
 
 def test_least_recently_used_goes_first() -> None:

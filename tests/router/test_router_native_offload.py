@@ -23,11 +23,10 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.router.app import create_app
+from kvroute.router.config import ReplicaConfig, RouterSettings
 from router_fake_vllm import FakeVLLM
 from router_servers import ServerThread, wait_until
-
-from router.app import create_app
-from router.config import ReplicaConfig, RouterSettings
 
 pytestmark = pytest.mark.vllm
 

@@ -6,9 +6,8 @@ import itertools
 from collections import Counter
 
 import pytest
-
-from router.config import CostSettings, RouterSettings
-from router.policies import (
+from kvroute.router.config import CostSettings, RouterSettings
+from kvroute.router.policies import (
     ApproxPrefixPolicy,
     KvroutePolicy,
     LeastLoadedPolicy,
@@ -18,7 +17,7 @@ from router.policies import (
     SessionPolicy,
     make_policy,
 )
-from router.routing import home_affinity, predicted_cached_tokens
+from kvroute.router.routing import home_affinity, predicted_cached_tokens
 
 
 def _ctx(*views: ReplicaView, prompt: int = 4000, session: str | None = None) -> RouteContext:

@@ -1,4 +1,4 @@
-"""router.prompts against vLLM 0.32's own conversions (installed here): the conversation the
+"""kvroute.router.prompts against vLLM 0.32's own conversions (installed here): the conversation the
 router renders for a Responses or an Anthropic request is the one vLLM renders, message for
 message, and the other endpoints' prompts and batches are read as vLLM reads them."""
 
@@ -8,11 +8,10 @@ import copy
 from typing import Any
 
 import pytest
-
-from router.errors import RouterError
-from router.prompts import PROMPT_PARSERS, anthropic_messages, response_messages
-from router.requests import RequestLimits, parse_body
-from router.tokenization import flatten_messages
+from kvroute.router.errors import RouterError
+from kvroute.router.prompts import PROMPT_PARSERS, anthropic_messages, response_messages
+from kvroute.router.requests import RequestLimits, parse_body
+from kvroute.router.tokenization import flatten_messages
 
 LIMITS = RequestLimits()
 

@@ -10,11 +10,10 @@ import time
 import httpx
 import openai
 import pytest
+from kvroute.router.config import CostSettings
 from router_fake_vllm import FakeKnobs
 from router_fleet import Fleet, make_fleet
 from router_servers import ServerThread, wait_until
-
-from router.config import CostSettings
 
 LONG = "You are a careful assistant that answers questions about caches. " * 12
 

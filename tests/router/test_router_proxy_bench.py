@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.proxy_bench import add_arguments, run
+from kvroute.bench.proxy_bench import add_arguments, run
 
 
 def test_proxy_bench_runs_and_reports(tiny_model_dir) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from kvroute.router.queue_model import LearnedQueueDelay
 
-from router.queue_model import LearnedQueueDelay
 from tests.router.manual_clock import ManualClock
 
 

@@ -6,8 +6,8 @@ around every attempt and the health loop calls ``set_gauges`` with each scraped 
 
 from __future__ import annotations
 
-from router.config import ReplicaConfig
-from router.replicas import Replica
+from kvroute.router.config import ReplicaConfig
+from kvroute.router.replicas import Replica
 
 
 def _replica() -> Replica:

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import httpx
 import yaml
+from kvroute.bench.publisher import EventPublisher
+from kvroute.router.app import create_app
+from kvroute.router.config import RouterSettings
 from router_fake_vllm import FakeVLLM
 from router_servers import ServerThread, wait_until
-
-from bench.publisher import EventPublisher
-from router.app import create_app
-from router.config import RouterSettings
 
 
 def _write(path: Path, entries: list[dict]) -> None:

@@ -27,12 +27,11 @@ from typing import Any
 
 import httpx
 import pytest
-
-from bench.publisher import EventPublisher
-from bench.sim.fleet import FleetConfig, SimFleet
-from bench.sim.latency import LatencyModel
-from bench.sim.router_proc import RouterProcess
-from indexer.wire import BlockStored, Medium, encode_batch
+from kvroute.bench.publisher import EventPublisher
+from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.router_proc import RouterProcess
+from kvroute.indexer.wire import BlockStored, Medium, encode_batch
 
 SOAK_S = float(os.environ.get("KVROUTE_SOAK_S", "60"))
 MODEL = "kvroute-sim"

@@ -16,17 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.bench.publisher import EventPublisher
+from kvroute.router.app import create_app
+from kvroute.router.config import ModelTokenizerConfig, ReplicaConfig, RouterSettings
+from kvroute.router.remote_tokens import RemoteTokenizer
+from kvroute.router.requests import parse_body
+from kvroute.router.tokenization import LocalTokenizer
 from openai import OpenAI
 from router_fake_vllm import FakeVLLM
 from router_fleet import make_fleet
 from router_servers import ServerThread, wait_until
-
-from bench.publisher import EventPublisher
-from router.app import create_app
-from router.config import ModelTokenizerConfig, ReplicaConfig, RouterSettings
-from router.remote_tokens import RemoteTokenizer
-from router.requests import parse_body
-from router.tokenization import LocalTokenizer
 
 # What a replica started with another --chat-template renders: nothing like ChatML.
 OTHER_TEMPLATE = (
@@ -61,7 +60,7 @@ def _metric(url: str, line_start: str) -> float | None:
 def test_mismatch_on_live_traffic_switches_to_remote_and_back(
     local_tokenizer: LocalTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="router.token_check")
+    caplog.set_level(logging.ERROR, logger="kvroute.router.token_check")
     with make_fleet(
         local_tokenizer, n=1, tokenizer_check_every=2, tokenizer_clean_checks=2, hint_ttl_s=0
     ) as fleet:

@@ -8,10 +8,9 @@ import json
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvroute.router.requests import parse_body
+from kvroute.router.tokenization import LocalTokenizer
 from router_fleet import make_fleet
-
-from router.requests import parse_body
-from router.tokenization import LocalTokenizer
 
 THINK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

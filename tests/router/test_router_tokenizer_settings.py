@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from router.cli import add_arguments, settings_from_args
-from router.config import (
+from kvroute.router.cli import add_arguments, settings_from_args
+from kvroute.router.config import (
     ConfigError,
     ModelTokenizerConfig,
     RouterSettings,

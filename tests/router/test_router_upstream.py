@@ -9,11 +9,10 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
+from kvroute.router.upstream import UpstreamClient, UpstreamConnectError, UpstreamStreamError
 from router_fake_vllm import FakeKnobs, FakeVLLM
 from router_fleet import make_fleet
 from router_servers import ServerThread
-
-from router.upstream import UpstreamClient, UpstreamConnectError, UpstreamStreamError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
