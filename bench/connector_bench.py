@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvroute.connector.copiers import Copier
 from kvroute.connector.disk_format import file_name
 from kvroute.connector.disk_tier import rank_directory, unlink_chunk
@@ -478,9 +479,9 @@ def _ttft(rep: Any, prompt_ids: list[int]) -> tuple[float, str]:
 
 
 def _vllm_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
     from kvroute.deploy.vllm_server import (
-        DEFAULT_STATE_DIR,
         VllmReplica,
         VllmReplicaSpec,
         kvroute_connector_config,
@@ -488,7 +489,7 @@ def _vllm_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     model = build_tiny_model(
-        DEFAULT_STATE_DIR / "models" / f"bench-{args.model_layers}x{args.model_hidden}",
+        default_state_dir() / "models" / f"bench-{args.model_layers}x{args.model_hidden}",
         max_model_len=args.model_max_len,
         num_layers=args.model_layers,
         hidden_size=args.model_hidden,

@@ -32,13 +32,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from kvroute.deploy.processes import ChildProcess, free_port
+from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess
 
 __all__ = ["add_arguments", "run"]
 
@@ -132,12 +132,6 @@ def serve_upstream(port: int, slots: int = 0, service_ms: float = 0.0) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _idlest_core(cores: list[int], window_s: float = 0.5) -> int:
     """The core with the most idle time over ``window_s`` (other jobs may share the machine)."""
 
@@ -157,14 +151,6 @@ def _idlest_core(cores: list[int], window_s: float = 0.5) -> int:
         return max(cores, key=lambda c: after.get(c, 0) - before.get(c, 0))
     except (OSError, ValueError):
         return cores[0]
-
-
-def _pin(cores: set[int]) -> Any:
-    def apply() -> None:
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    return apply
 
 
 # --- load generator --------------------------------------------------------------------------
@@ -497,22 +483,6 @@ def _overload(
     }
 
 
-def _wait_http(port: int, path: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process for port {port} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing healthy on port {port}{path} after {timeout_s}s")
-
-
 def _bodies(n: int) -> list[bytes]:
     """Distinct prompts sharing a system prefix (~120 tokens), like a chat fleet's traffic."""
     prefix = "You are a helpful assistant for a cache-aware router benchmark. " * 8
@@ -569,57 +539,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = args.tokenizer
     if tokenizer is None:
+        from kvroute.deploy.state_dir import default_state_dir
         from kvroute.deploy.tiny_model import build_tiny_model
 
-        tokenizer = str(build_tiny_model(Path(".kvroute/bench/tiny-model")))
+        model_dir = default_state_dir() / "bench" / "tiny-model"
+        tokenizer = str(build_tiny_model(model_dir, weights=False))  # only tokenizes
     cores = sorted(os.sched_getaffinity(0))
     pin = args.pin if args.pin is not None else len(cores) >= 2
     router_core = _idlest_core(cores) if pin else None
     router_cores = {router_core} if pin else set()
     other_cores = set(cores) - router_cores if pin else set()
-    up_port, router_port = _free_port(), _free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        upstream = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"import kvroute.bench.proxy_bench as b; b.serve_upstream({up_port})",
-            ],
-            env=env,
-            preexec_fn=_pin(other_cores),
+    children: list[ChildProcess | RouterProcess] = []
+
+    def start_upstream(*params: float) -> int:
+        """An upstream child (``serve_upstream(port, *params)``) on a free port, once ready."""
+        port = free_port()
+        upstream = ChildProcess("proxy-bench upstream")
+        children.append(upstream)
+        call = f"serve_upstream({', '.join(repr(p) for p in (port, *params))})"
+        upstream.start(
+            [sys.executable, "-c", f"from kvroute.bench.proxy_bench import serve_upstream; {call}"],
+            cpus=other_cores,
         )
-        procs.append(upstream)
+        upstream.wait_http(f"http://127.0.0.1:{port}/health", 30)
+        return port
 
-        def start_router(upstream_port: int, *extra: str) -> int:
-            port = _free_port()
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvroute.router.cli",
-                    "--replica",
-                    f"http://127.0.0.1:{upstream_port}",
-                    "--port",
-                    str(port),
-                    "--tokenizer",
-                    tokenizer,
-                    "--policy",
-                    args.policy,
-                    "--log-level",
-                    "warning",
-                    "--no-tokenizer-check",
-                    *extra,
-                ],
-                env=env,
-                preexec_fn=_pin(router_cores),
-            )
-            procs.append(proc)
-            _wait_http(port, "/health", 60, proc)
-            return port
+    def start_router(upstream_port: int, *extra: str) -> int:
+        """A ``kvroute serve`` child over the upstream, on its own core when pinned."""
+        router = RouterProcess(
+            name="proxy-bench router",
+            policy=args.policy,
+            replicas=[ReplicaEndpoint(name="upstream", url=f"http://127.0.0.1:{upstream_port}")],
+            tokenizer=tokenizer,
+            extra_args=["--log-level", "warning", "--no-tokenizer-check", *extra],
+            cpus=router_cores,
+            start_timeout_s=60,
+        )
+        children.append(router)
+        router.start()
+        return router.port
 
-        _wait_http(up_port, "/health", 30, upstream)
+    try:
+        up_port = start_upstream()
         router_port = start_router(up_port)
         if other_cores:
             os.sched_setaffinity(0, other_cores)
@@ -629,22 +590,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paired = _measure_added(up_port, router_port, bodies, args)
         overload = None
         if args.overload:
-            for proc in procs[1:]:  # the throughput router is done: free its core
-                proc.terminate()
-            slow_port = _free_port()
-            slow = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "import kvroute.bench.proxy_bench as b; "
-                    f"b.serve_upstream({slow_port}, {args.overload_slots}, "
-                    f"{args.overload_service_ms})",
-                ],
-                env=env,
-                preexec_fn=_pin(other_cores),
-            )
-            procs.append(slow)
-            _wait_http(slow_port, "/health", 30, slow)
+            for child in children[1:]:  # the throughput router is done: free its core
+                child.stop()
+            slow_port = start_upstream(args.overload_slots, args.overload_service_ms)
             overload = _overload(
                 slow_port,
                 bodies,
@@ -653,18 +601,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     slow_port, "--max-in-flight", str(args.overload_max_in_flight)
                 ),
                 unlimited=lambda: start_router(slow_port, "--max-in-flight", "1000000"),
-                stop_router=lambda: procs[-1].terminate(),
+                stop_router=lambda: children[-1].stop(),
             )
     finally:
         if other_cores:
             os.sched_setaffinity(0, set(cores))
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for child in children:
+            child.stop(grace_s=10)
 
     result: dict[str, Any] = {
         # Per-pair differences (router minus direct, same request, back to back).

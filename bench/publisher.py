@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import zmq
+
 from kvroute.indexer.wire import (
     Event,
     WireError,

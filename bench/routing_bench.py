@@ -27,24 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
-from kvroute.bench.sim.router_proc import RouterProcess
 from kvroute.bench.sim.tokenizer import SimTokenizer
 from kvroute.bench.workloads import BUILDERS, TextSource
 from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
-from prometheus_client.parser import text_string_to_metric_families
+from kvroute.deploy.router_process import RouterProcess
+from kvroute.router.policies import POLICIES
 
 __all__ = ["PRESETS", "add_arguments", "percentile", "run"]
-
-ALL_POLICIES = ("round_robin", "least_loaded", "session", "approx_prefix", "kvroute")
 
 # The simulated hardware: a 70B-class model on one H100-class GPU (FP8): prefill ~4k tokens/s,
 # KV loads from host memory 12.5x and from local NVMe 2.5x faster than recomputing, 30 ms
 # decode steps. Heavier per-token work than the simulator's 8B default lets a few hundred
-# requests load a fleet, which this 2-core machine can drive through a Python router.
+# requests load a fleet, which a 2-core machine can drive through a Python router.
 BENCH_LATENCY = dict(
     prefill_s_per_token=2.5e-4,
     load_cpu_s_per_token=2e-5,
@@ -177,7 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        default=",".join(ALL_POLICIES),
+        default=",".join(POLICIES),
         help="comma-separated router policies to compare",
     )
     parser.add_argument("--replicas", type=int, default=None)
@@ -239,12 +239,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
 
 
-def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> FleetConfig:
+def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> SimFleetConfig:
     def pick(name: str) -> Any:
         value = getattr(args, name, None)
         return preset[name] if value is None else value
 
-    return FleetConfig(
+    return SimFleetConfig(
         replicas=pick("replicas"),
         block_size=args.block_size,
         gpu_blocks=pick("gpu_blocks"),
@@ -256,7 +256,7 @@ def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> FleetConf
     )
 
 
-def _router_settings(fleet: SimFleet, policy: str, config: FleetConfig) -> dict[str, Any]:
+def _router_settings(fleet: SimFleet, policy: str, config: SimFleetConfig) -> dict[str, Any]:
     lat = config.latency
     return fleet.router_settings(
         policy=policy,
@@ -365,7 +365,7 @@ def _row(
     wall_s: float,
     time_scale: float,
     tokenizer: SimTokenizer,
-    config: FleetConfig,
+    config: SimFleetConfig,
 ) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     ttfts = [(r.first_token - r.sent) / time_scale for r in ok if r.first_token is not None]
@@ -418,7 +418,8 @@ def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
 
 
 def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets, evaluated per target workload (present in this run)."""
+    """The routing targets (docs/benchmarks.md, "Targets"), evaluated per target workload
+    present in this run."""
     by = {(r["workload"], r["policy"]): r for r in rows}
     out = []
     for w in TARGET_WORKLOADS:
@@ -494,7 +495,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = args.workloads.split(",") if args.workloads else list(preset["workloads"])
     policies = [p for p in args.policies.split(",") if p]
     unknown = [w for w in workloads if w not in BUILDERS] + [
-        p for p in policies if p not in ALL_POLICIES
+        p for p in policies if p not in POLICIES
     ]
     if unknown:
         raise ValueError(f"unknown workloads or policies: {unknown}")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvroute.connector.keys import ChunkInfo
+from kvroute.indexer.tiers import Tier
 
 
 class EntryState(enum.Enum):
@@ -41,8 +42,8 @@ class TierIndex:
     Iteration order of the OrderedDict is the LRU order (first = least recently used).
     """
 
-    def __init__(self, name: str, capacity: int) -> None:
-        self.name = name
+    def __init__(self, tier: Tier, capacity: int) -> None:
+        self.tier = tier
         self.capacity = capacity
         self.used = 0
         self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()
@@ -91,7 +92,7 @@ class TierIndex:
         if entry.info.key in self._entries:
             raise KeyError("duplicate key")
         if self.used + entry.size > self.capacity:
-            raise ValueError(f"{self.name}: over capacity")
+            raise ValueError(f"{self.tier.name}: over capacity")
         self._entries[entry.info.key] = entry
         self.used += entry.size
 

@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
+
 from kvroute.connector.copy_ledger import DONE, Fence, SlotFences
 from kvroute.connector.transfer import PagedKV, gather_indexed, scatter_indexed
 

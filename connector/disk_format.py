@@ -35,6 +35,7 @@ from typing import BinaryIO
 
 import torch
 import xxhash
+
 from kvroute.connector.extra_keys import decode_extra_keys, encode_extra_keys
 from kvroute.connector.keys import ChunkInfo
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kvroute.connector.disk_format import DiskFullError, file_name, max_file_size, write_chunk_file
 from kvroute.connector.identity import RankInfo
 

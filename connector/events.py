@@ -20,11 +20,7 @@ several workers with ``add_events``/``increment_workers``.
 
 from __future__ import annotations
 
-from kvroute.connector.plan import CPU, Report
-from kvroute.connector.planner import TierEvent
 from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -32,11 +28,16 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from kvroute.connector.plan import Report
+from kvroute.connector.planner import TierEvent
+from kvroute.indexer.tiers import Tier
+
 LOCALITY = "LOCAL"
 
 
-def medium_of(tier: str) -> str:
-    return MEDIUM_CPU if tier == CPU else MEDIUM_STORAGE
+def medium_of(tier: Tier) -> str:
+    """The wire medium of a tier: its name, which is vLLM's (MEDIUM_CPU, MEDIUM_STORAGE)."""
+    return tier.name
 
 
 def to_vllm_event(ev: TierEvent, *, group_idx: int = 0) -> KVCacheEvent:

@@ -22,23 +22,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvroute.connector.config import ConnectorConfig
-from kvroute.connector.cpu_tier import num_slots_for
-from kvroute.connector.disk_scan import scan_layout
-from kvroute.connector.disk_tier import tier_directory, unlink_chunk_all_ranks
-from kvroute.connector.events import KVRouteReports, to_vllm_event
-from kvroute.connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
-from kvroute.connector.plan import CPU, DISK, StepPlan
-from kvroute.connector.planner import Planner
-from kvroute.connector.transfer import PagedKV
-from kvroute.connector.vllm_extras import request_extras
-from kvroute.connector.worker import WorkerExecutor
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvroute.connector.config import ConnectorConfig
+from kvroute.connector.cpu_tier import num_slots_for
+from kvroute.connector.disk_scan import scan_layout
+from kvroute.connector.disk_tier import tier_directory, unlink_chunk_all_ranks
+from kvroute.connector.events import KVRouteReports, to_vllm_event
+from kvroute.connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
+from kvroute.connector.plan import StepPlan
+from kvroute.connector.planner import Planner
+from kvroute.connector.transfer import PagedKV
+from kvroute.connector.vllm_extras import request_extras
+from kvroute.connector.worker import WorkerExecutor
+from kvroute.indexer.tiers import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -263,8 +265,8 @@ class KVRouteConnector(KVConnectorBase_V1):
             return {}
         split = self._planner.hit_split(request.request_id, num_external_tokens)
         out = {
-            CacheHitSource.HOST: split.get(CPU, 0),
-            CacheHitSource.DISK: split.get(DISK, 0),
+            CacheHitSource.HOST: split.get(Tier.CPU, 0),
+            CacheHitSource.DISK: split.get(Tier.STORAGE, 0),
         }
         return {k: v for k, v in out.items() if v > 0}
 

@@ -1,15 +1,15 @@
 """Picklable instructions (scheduler -> worker) and reports (worker -> scheduler).
 
 Plain dataclasses of ints/bytes/lists only: they cross the process boundary inside
-vLLM's connector metadata and KV-event containers.
+vLLM's connector metadata and KV-event containers. A tier is a ``Tier`` (an int): the
+connector's RAM is ``Tier.CPU`` and its disk ``Tier.STORAGE``, the media its events announce.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CPU = "cpu"
-DISK = "disk"
+from kvroute.indexer.tiers import Tier
 
 
 @dataclass
@@ -36,12 +36,13 @@ class DemoteOp:
 class LoadOp:
     """Copy chunk ``key`` blocks [block_offset:] into ``block_ids``.
 
-    ``source`` is CPU (``slot`` is the RAM slot to read) or DISK (``slot`` is -1).
+    ``source`` is ``Tier.CPU`` (``slot`` is the RAM slot to read) or ``Tier.STORAGE`` (disk;
+    ``slot`` is -1).
     """
 
     req_id: str
     key: bytes
-    source: str
+    source: Tier
     slot: int
     block_offset: int
     block_ids: list[int]
@@ -70,7 +71,7 @@ REMOVED = "removed"  # worker found a bad file and removed it
 class Report:
     kind: str
     key: bytes
-    tier: str
+    tier: Tier
     ok: bool = True
     req_id: str | None = None
     error: str | None = None  # "disk_full", "corrupt", "queue_full", "io", ...

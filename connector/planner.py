@@ -22,8 +22,6 @@ from kvroute.connector.bookkeeping import EntryState, SlotAllocator, TierEntry, 
 from kvroute.connector.disk_format import header_for_chunk, max_file_size
 from kvroute.connector.keys import NO_EXTRAS, ChunkInfo, ExtrasSource, chunk_info, chunk_key
 from kvroute.connector.plan import (
-    CPU,
-    DISK,
     LOADED,
     REMOVED,
     STORED,
@@ -33,6 +31,7 @@ from kvroute.connector.plan import (
     StepPlan,
     StoreOp,
 )
+from kvroute.indexer.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +39,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TierEvent:
     kind: str  # "stored" | "removed"
-    tier: str  # CPU | DISK
+    tier: Tier  # CPU (RAM) | STORAGE (disk)
     info: ChunkInfo
 
 
 @dataclass
 class Hit:
     info: ChunkInfo
-    tier: str
+    tier: Tier
     block_offset: int  # first block of the chunk to load (local hit may cover some)
 
 
@@ -59,7 +58,7 @@ class LookupResult:
 
     @property
     def is_async(self) -> bool:
-        return any(h.tier == DISK for h in self.hits)
+        return any(h.tier == Tier.STORAGE for h in self.hits)
 
 
 @dataclass
@@ -118,10 +117,10 @@ class Planner:
         self.identity = identity
         self.num_workers = num_workers
         self.files_per_chunk = files_per_chunk
-        self.cpu = TierIndex(CPU, num_slots)
+        self.cpu = TierIndex(Tier.CPU, num_slots)
         self.slots = SlotAllocator(num_slots)
         self.disk_enabled = disk_enabled
-        self.disk = TierIndex(DISK, disk_capacity_bytes if disk_enabled else 0)
+        self.disk = TierIndex(Tier.STORAGE, disk_capacity_bytes if disk_enabled else 0)
         self.disk_policy = disk_policy
         self.disk_full_retry_s = disk_full_retry_s
         self._disk_blocked_until = 0.0
@@ -132,7 +131,7 @@ class Planner:
         self._reqs: dict[str, ReqState] = {}
         # Loads in flight: req_id -> (tier, entry) pinned for it. The entry object, not
         # its key: a reset may drop it and a new entry may take the same key.
-        self._pinned: dict[str, list[tuple[str, TierEntry]]] = {}
+        self._pinned: dict[str, list[tuple[Tier, TierEntry]]] = {}
         self._load_reports_left: dict[tuple[str, bytes], int] = {}
         # Write-through disk writes read their RAM slot without a copy: key -> [slot,
         # reports still to come]. The slot is held until every worker reported.
@@ -140,7 +139,7 @@ class Planner:
         # Reports still to come for entries dropped while in flight (reset, failure on
         # another worker): (tier, key) -> count. They must not confirm a newer entry of
         # the same key, and a file that lands after its entry was dropped is removed.
-        self._orphans: dict[tuple[str, bytes], int] = {}
+        self._orphans: dict[tuple[Tier, bytes], int] = {}
         self.stats = PlannerStats()
 
     # ------------------------------------------------------------------ startup
@@ -152,7 +151,7 @@ class Planner:
                 self._unlink(info.key)
                 continue
             self.disk.add(TierEntry(info=info, size=size, state=EntryState.READY))
-            self._events.append(TierEvent("stored", DISK, info))
+            self._events.append(TierEvent("stored", Tier.STORAGE, info))
 
     # ------------------------------------------------------------------ lookup
     def lookup(
@@ -174,10 +173,10 @@ class Planner:
             if c_end > num_tokens - 1 or (c + 1) * self.bpc > len(block_hashes):
                 break
             key = chunk_key(block_hashes, self.bpc, c)
-            tier = CPU
+            tier = Tier.CPU
             e = self.cpu.ready(key)
             if e is None and self._disk_readable():
-                tier, e = DISK, self.disk.ready(key)
+                tier, e = Tier.STORAGE, self.disk.ready(key)
             if e is None:
                 break
             # Guard against hash collisions and foreign entries: the chunk's own tokens
@@ -206,7 +205,7 @@ class Planner:
             out[h.tier] = out.get(h.tier, 0) + n
             left -= n
         if left > 0:
-            out[CPU] = out.get(CPU, 0) + left
+            out[Tier.CPU] = out.get(Tier.CPU, 0) + left
         return out
 
     def _disk_readable(self) -> bool:
@@ -225,7 +224,7 @@ class Planner:
             logger.warning("kvroute: alloc with external tokens but no lookup for %s", req_id)
             return False
         remaining = num_external_tokens
-        pins: list[tuple[str, TierEntry]] = []
+        pins: list[tuple[Tier, TierEntry]] = []
         loads: list[tuple[Hit, list[int]]] = []
         for h in res.hits:
             if remaining <= 0:
@@ -242,7 +241,7 @@ class Planner:
             loads.append((h, targets))
         disk_ops: list[LoadOp] = []
         for h, targets in loads:
-            idx = self.cpu if h.tier == CPU else self.disk
+            idx = self.cpu if h.tier == Tier.CPU else self.disk
             e = idx.get(h.info.key)
             assert e is not None and e.state is EntryState.READY
             e.pins += 1  # a pinned source is never evicted (slot reused / file removed)
@@ -251,15 +250,17 @@ class Planner:
             # Every worker reports each load once; unpin after the last report.
             k = (req_id, h.info.key)
             self._load_reports_left[k] = self._load_reports_left.get(k, 0) + self.num_workers
-            if h.tier == CPU:
+            if h.tier == Tier.CPU:
                 # The slot outlives its entry until the load reported (see reset).
                 self.slots.hold(e.slot)
                 self._plan.cpu_loads.append(
-                    LoadOp(req_id, h.info.key, CPU, e.slot, h.block_offset, targets)
+                    LoadOp(req_id, h.info.key, Tier.CPU, e.slot, h.block_offset, targets)
                 )
                 self.stats.cpu_hits_tokens += len(targets) * self.block_size
             else:
-                disk_ops.append(LoadOp(req_id, h.info.key, DISK, -1, h.block_offset, targets))
+                disk_ops.append(
+                    LoadOp(req_id, h.info.key, Tier.STORAGE, -1, h.block_offset, targets)
+                )
                 self.stats.disk_hits_tokens += len(targets) * self.block_size
         if disk_ops:
             self._plan.disk_loads[req_id] = disk_ops
@@ -297,7 +298,7 @@ class Planner:
             if key in self.cpu:
                 self.cpu.touch(key)
                 continue
-            if (CPU, key) in self._orphans:
+            if (Tier.CPU, key) in self._orphans:
                 # An older store of this key is still reporting: its report must not
                 # be taken for this one's.
                 self.stats.store_skipped_in_flight += 1
@@ -363,7 +364,7 @@ class Planner:
         e = self.cpu.remove(key)
         assert e is not None
         self.stats.evictions_cpu += 1
-        self._events.append(TierEvent("removed", CPU, e.info))
+        self._events.append(TierEvent("removed", Tier.CPU, e.info))
         if self.disk_enabled and self.disk_policy == "demote" and key not in self.disk:
             header = self._reserve_disk(e.info)
             if header is not None:
@@ -376,7 +377,7 @@ class Planner:
         """Add a PENDING disk entry and return the file header to write, or None."""
         if not self.disk_enabled or self._clock() < self._disk_blocked_until:
             return None
-        if (DISK, info.key) in self._orphans:
+        if (Tier.STORAGE, info.key) in self._orphans:
             return None  # an older write of this key is still reporting
         try:
             header = self._header(info)
@@ -399,13 +400,13 @@ class Planner:
         if e is None:
             return
         if e.state is EntryState.READY:
-            self._events.append(TierEvent("removed", DISK, e.info))
+            self._events.append(TierEvent("removed", Tier.STORAGE, e.info))
         else:
-            self._orphan(DISK, key, e.confirmations_left)
+            self._orphan(Tier.STORAGE, key, e.confirmations_left)
         if unlink:
             self._unlink(key)
 
-    def _orphan(self, tier: str, key: bytes, reports: int) -> None:
+    def _orphan(self, tier: Tier, key: bytes, reports: int) -> None:
         if reports > 0:
             self._orphans[(tier, key)] = self._orphans.get((tier, key), 0) + reports
 
@@ -416,7 +417,7 @@ class Planner:
                 self._on_stored(r)
             elif r.kind == LOADED:
                 self._on_loaded(r)
-            elif r.kind == REMOVED and r.tier == DISK:
+            elif r.kind == REMOVED and r.tier == Tier.STORAGE:
                 # A bad file on one rank: the chunk can no longer be served from any,
                 # so every rank's file goes and the entry is not offered again.
                 self._drop_disk(r.key, unlink=True)
@@ -440,23 +441,23 @@ class Planner:
             del self._orphans[(r.tier, r.key)]
         else:
             self._orphans[(r.tier, r.key)] = n - 1
-        if r.tier == DISK and r.ok:
+        if r.tier == Tier.STORAGE and r.ok:
             self._unlink(r.key)  # landed after its entry was dropped: never served
         return True
 
     def _on_stored(self, r: Report) -> None:
-        if r.tier == DISK:
+        if r.tier == Tier.STORAGE:
             self._write_reported(r.key)
         if self._take_orphan(r):
             return
-        idx = self.cpu if r.tier == CPU else self.disk
+        idx = self.cpu if r.tier == Tier.CPU else self.disk
         e = idx.get(r.key)
         if e is None or e.state is EntryState.READY:
             return
         if not r.ok:
             # The chunk cannot land on every worker: drop it; the other workers'
             # reports are orphans (a disk file of theirs that lands is removed).
-            if r.tier == DISK:
+            if r.tier == Tier.STORAGE:
                 self.stats.disk_write_failures += 1
                 if r.error == "disk_full":
                     self.stats.disk_full_events += 1
@@ -467,11 +468,11 @@ class Planner:
                         self.disk_full_retry_s,
                     )
                 self.disk.remove(r.key)
-                self._orphan(DISK, r.key, e.confirmations_left - 1)
+                self._orphan(Tier.STORAGE, r.key, e.confirmations_left - 1)
                 self._unlink(r.key)
             else:
                 self.cpu.remove(r.key)
-                self._orphan(CPU, r.key, e.confirmations_left - 1)
+                self._orphan(Tier.CPU, r.key, e.confirmations_left - 1)
                 self.slots.free(e.slot)
             return
         e.confirmations_left -= 1
@@ -494,14 +495,14 @@ class Planner:
         self._load_reports_left.pop((r.req_id, r.key), None)
         # Release the source pin of this key (on the entry object: it may have been
         # dropped by a reset since, and its slot is only reusable now).
-        kept: list[tuple[str, TierEntry]] = []
+        kept: list[tuple[Tier, TierEntry]] = []
         for tier, e in pins:
             if e.info.key != r.key:
                 kept.append((tier, e))
                 continue
             if e.pins > 0:
                 e.pins -= 1
-            if tier == CPU:
+            if tier == Tier.CPU:
                 self.slots.unhold(e.slot)
         if kept:
             self._pinned[r.req_id] = kept
@@ -519,9 +520,9 @@ class Planner:
         for e in self.cpu.entries():
             self.cpu.remove(e.info.key)
             if e.state is EntryState.READY:
-                self._events.append(TierEvent("removed", CPU, e.info))
+                self._events.append(TierEvent("removed", Tier.CPU, e.info))
             else:
-                self._orphan(CPU, e.info.key, e.confirmations_left)
+                self._orphan(Tier.CPU, e.info.key, e.confirmations_left)
             self.slots.free(e.slot)
 
     def reset_disk(self) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
 from kvroute.connector.extra_keys import BlockExtraKeys
 from kvroute.connector.keys import ChunkExtras, ExtrasSource
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -28,14 +28,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
 from kvroute.connector.copiers import Copier, make_copier
 from kvroute.connector.copy_ledger import Fence, PendingStore, StoreLedger
 from kvroute.connector.cpu_tier import CpuPool
 from kvroute.connector.disk_format import ChunkFileError, read_chunk_file, read_chunk_into
 from kvroute.connector.disk_tier import DiskWriter, chunk_path, rank_directory, unlink_chunk
 from kvroute.connector.identity import RankInfo, rank_identity
-from kvroute.connector.plan import CPU, DISK, LOADED, REMOVED, STORED, LoadOp, Report, StepPlan
+from kvroute.connector.plan import LOADED, REMOVED, STORED, LoadOp, Report, StepPlan
 from kvroute.connector.transfer import PagedKV
+from kvroute.indexer.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +109,13 @@ class WorkerExecutor:
     def before_forward(self, plan: StepPlan) -> None:
         for d in plan.demotes:
             if self.writer is None or self.pool.key_of(d.slot) != d.key:
-                self._report(Report(STORED, d.key, DISK, ok=False, error="slot_mismatch"))
+                self._report(Report(STORED, d.key, Tier.STORAGE, ok=False, error="slot_mismatch"))
                 continue
             # The slot may be reused later in this step: snapshot it into a reused
             # staging buffer (no allocation, no page faults); none free -> drop.
             buf = self._staging_buffer()
             if buf is None:
-                self._report(Report(STORED, d.key, DISK, ok=False, error="queue_full"))
+                self._report(Report(STORED, d.key, Tier.STORAGE, ok=False, error="queue_full"))
                 continue
             buf.copy_(self.pool.slot(d.slot))
             self.writer.submit(
@@ -148,15 +150,15 @@ class WorkerExecutor:
     def _release_stores(self, *, wait: bool = False) -> None:
         """Report the stores whose copy completed and queue their disk writes."""
         for st in self._stores.take_completed(wait=wait):
-            self._report(Report(STORED, st.key, CPU))
+            self._report(Report(STORED, st.key, Tier.CPU))
             if st.disk_header is None:
                 continue
             if self.writer is None:
-                self._report(Report(STORED, st.key, DISK, ok=False, error="no_disk"))
+                self._report(Report(STORED, st.key, Tier.STORAGE, ok=False, error="no_disk"))
             elif self.pool.key_of(st.slot) != st.key:
                 # Cannot happen while the planner holds the slot for the write.
                 logger.error("kvroute: RAM slot %d reused before its disk write", st.slot)
-                self._report(Report(STORED, st.key, DISK, ok=False, error="slot_mismatch"))
+                self._report(Report(STORED, st.key, Tier.STORAGE, ok=False, error="slot_mismatch"))
             else:
                 # No copy: the planner keeps the slot out of use until it reports.
                 self.writer.submit(st.key, self.stamp(st.disk_header), self.pool.slot(st.slot))
@@ -186,7 +188,7 @@ class WorkerExecutor:
             self._fail_load(op, "slot_mismatch")
             return
         self.copier.load(op.slot, self.pool.slot(op.slot), op.block_offset, op.block_ids)
-        self._report(Report(LOADED, op.key, CPU, req_id=op.req_id))
+        self._report(Report(LOADED, op.key, Tier.CPU, req_id=op.req_id))
 
     def _forget_future(self, fut: Future) -> None:
         with self._lock:
@@ -226,7 +228,7 @@ class WorkerExecutor:
             self._bad_file(op, path, exc)
             return
         self.copier.load_host_chunk(cf.payload, op.block_offset, op.block_ids, after)
-        self._report(Report(LOADED, op.key, DISK, req_id=op.req_id))
+        self._report(Report(LOADED, op.key, Tier.STORAGE, req_id=op.req_id))
 
     def _bad_file(self, op: LoadOp, path: Path, exc: Exception) -> None:
         """A missing, cut-short, corrupted or foreign file: a miss, removed, recomputed."""
@@ -234,7 +236,7 @@ class WorkerExecutor:
         logger.warning("kvroute: bad or missing chunk file %s: %s", path.name, exc)
         if not isinstance(exc, FileNotFoundError):
             unlink_chunk(self.rank_dir, op.key)
-        self._report(Report(REMOVED, op.key, DISK, ok=False, error="corrupt"))
+        self._report(Report(REMOVED, op.key, Tier.STORAGE, ok=False, error="corrupt"))
         self._fail_load(op, "corrupt")
 
     def _thread_buffer(self) -> torch.Tensor:
@@ -274,7 +276,7 @@ class WorkerExecutor:
             # recomputes them before anyone reads them.
             self._bad_file(op, path, exc)
             return
-        self._report(Report(LOADED, op.key, DISK, req_id=op.req_id))
+        self._report(Report(LOADED, op.key, Tier.STORAGE, req_id=op.req_id))
 
     def _fail_load(self, op: LoadOp, error: str) -> None:
         with self._lock:
@@ -290,7 +292,7 @@ class WorkerExecutor:
         self._release_stores()
         if self.writer is not None:
             for w in self.writer.take_results():
-                self._report(Report(STORED, w.key, DISK, ok=w.ok, error=w.error))
+                self._report(Report(STORED, w.key, Tier.STORAGE, ok=w.ok, error=w.error))
         with self._lock:
             out, self._reports = self._reports, []
         return out

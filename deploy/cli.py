@@ -3,6 +3,10 @@
 Each subcommand lives in the package that owns it and exposes ``add_arguments(parser)`` plus
 ``main(args) -> int`` (servers, launchers) or ``run(args) -> dict`` (benchmarks, whose result is
 printed as JSON with ``--json`` and as a table otherwise). This module only wires them up.
+
+Only the chosen subcommand's module is imported: the tables below name every subcommand, so
+``kvroute --help`` needs none of them, and ``kvroute serve`` does not pay for (or need) the
+torch and vLLM imports of the benchmarks and the connector.
 """
 
 from __future__ import annotations
@@ -68,10 +72,12 @@ def _print_table(result: Any, indent: str = "") -> None:
         print(f"{indent}{result}")
 
 
-def _add_module(sub: Any, name: str, module_name: str, help_text: str) -> None:
+def _wire(parser: argparse.ArgumentParser, module_name: str) -> None:
+    """Import the chosen subcommand's module and let it add its arguments."""
     module = _load(module_name)
-    parser = sub.add_parser(name, help=help_text, description=help_text)
     if isinstance(module, ImportError):
+        # Take any arguments, so that the import error is what the user reads.
+        parser.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         parser.set_defaults(_missing=f"{module_name} could not be imported: {module}")
         return
     if hasattr(module, "add_arguments"):
@@ -82,23 +88,41 @@ def _add_module(sub: Any, name: str, module_name: str, help_text: str) -> None:
         parser.set_defaults(_module=module, _argv=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: Sequence[str]) -> tuple[str | None, str | None]:
+    """The subcommand and benchmark names ``argv`` asks for (the first words that are not
+    options), before any parsing: they decide which one module gets imported."""
+    words = [arg for arg in argv if not arg.startswith("-")]
+    command = words[0] if words else None
+    bench = words[1] if command == "bench" and len(words) > 1 else None
+    return command, bench
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The full command line parser, with the arguments of the subcommand ``argv`` chooses
+    (and only that one's module imported); the others are listed by name and help."""
+    command, bench_name = _chosen(argv)
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        _add_module(sub, name, module_name, help_text)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            _wire(command_parser, module_name)
     bench = sub.add_parser("bench", help="benchmarks with JSON output")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module_name, help_text) in BENCHES.items():
-        _add_module(bench_sub, name, module_name, help_text)
-    for action in bench_sub.choices.values():
-        action.add_argument("--json", action="store_true", help="print the result as JSON")
-        action.add_argument("--out", help="also write the JSON result to this file")
+        bench_parser = bench_sub.add_parser(name, help=help_text, description=help_text)
+        if command == "bench" and name == bench_name:
+            _wire(bench_parser, module_name)
+            bench_parser.add_argument(
+                "--json", action="store_true", help="print the result as JSON"
+            )
+            bench_parser.add_argument("--out", help="also write the JSON result to this file")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     missing = getattr(args, "_missing", None)
     if missing:
         print(f"kvroute: {missing}", file=sys.stderr)

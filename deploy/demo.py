@@ -30,13 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvroute.deploy.launcher import (
-    DEFAULT_STATE_DIR,
-    FleetError,
-    LocalFleet,
-    add_fleet_arguments,
-    config_from_args,
-)
+from kvroute.deploy.fleet_config import add_fleet_arguments, config_from_args
+from kvroute.deploy.local_fleet import FleetError, LocalFleet
+from kvroute.deploy.state_dir import default_state_dir
 
 __all__ = ["RunResult", "Workload", "add_arguments", "main", "run_workload"]
 
@@ -296,7 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         max_model_len=2048,
         cpu_gib=0.004,
         fresh_disk=True,
-        state_dir=DEFAULT_STATE_DIR / "demo",
+        state_dir=default_state_dir() / "demo",
     )
     w = Workload()
     parser.add_argument("--conversations", type=int, default=w.conversations)
@@ -322,6 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import httpx
+
     from kvroute.deploy.progress import progress
 
     workload = Workload(

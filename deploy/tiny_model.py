@@ -1,9 +1,10 @@
 """Build a tiny Llama model directory that vLLM can serve without any hub access.
 
-Our machines cannot download models, yet the connector tests, the end-to-end tests and
-the benchmarks need a *real* vLLM replica. This module writes a complete Hugging Face
-model directory (config, byte-level BPE tokenizer with a ChatML template, random
-safetensors weights) in a few seconds.
+The connector tests, the end-to-end tests, the demo and the benchmarks need a *real* vLLM
+replica, on machines that may have no network and no GPU. This module writes a complete
+Hugging Face model directory (config, byte-level BPE tokenizer with a ChatML template, random
+safetensors weights) in a few seconds, under the state dir (``default_tiny_model_dir``), never
+inside the installed package.
 
 Design points:
 
@@ -16,6 +17,8 @@ Design points:
 * The build is idempotent: a ``kvroute_build.json`` stamp records the parameters, and a
   directory already built with the same parameters is left untouched (vLLM replicas may be
   serving it).
+* ``weights=False`` writes everything but ``model.safetensors``: the simulator and the router
+  only tokenize, and that build needs neither torch nor safetensors (a base install has none).
 * Random weights are scaled so that next-token distributions are peaked: greedy decoding is
   then stable against the tiny numeric differences between attention code paths, which is
   what lets tests compare outputs of cached and recomputed prefills exactly.
@@ -31,6 +34,8 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvroute.deploy.state_dir import default_state_dir
 
 BUILD_STAMP = "kvroute_build.json"
 BUILD_FORMAT = 1
@@ -84,7 +89,13 @@ class TinyModelParams:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     vocab_size: int = 1024
+    weights: bool = True
     format: int = BUILD_FORMAT
+
+
+def default_tiny_model_dir() -> Path:
+    """Where ``kvroute up`` builds the tiny model when it is given none."""
+    return default_state_dir() / "models" / "tiny"
 
 
 def _train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
@@ -169,11 +180,17 @@ def _weights(params: TinyModelParams, vocab_size: int) -> dict:
 
 
 def _is_built(out_dir: Path, params: TinyModelParams) -> bool:
-    stamp = out_dir / BUILD_STAMP
+    """True when ``out_dir`` holds a build that serves ``params``: the same knobs, and
+    weights when they are asked for (a build with weights also serves a tokenizer-only ask)."""
     try:
-        return json.loads(stamp.read_text()) == asdict(params)
+        stamp = json.loads((out_dir / BUILD_STAMP).read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(stamp, dict):
+        return False
+    stamp.setdefault("weights", True)  # stamps written before the knob existed had weights
+    wanted = asdict(params)
+    return stamp == wanted or (not params.weights and stamp == {**wanted, "weights": True})
 
 
 def build_tiny_model(
@@ -187,15 +204,15 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
     vocab_size: int = 1024,
+    weights: bool = True,
 ) -> Path:
     """Write a servable tiny Llama model to ``out_dir`` and return it.
 
     Idempotent: when ``out_dir`` already holds a build with the same parameters nothing is
     written. Otherwise the model is built in a temporary sibling directory and swapped in,
-    so a concurrent reader never sees half a model.
+    so a concurrent reader never sees half a model. ``weights=False`` builds the tokenizer
+    and config only (no torch needed).
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir).resolve()
     params = TinyModelParams(
         seed=seed,
@@ -206,6 +223,7 @@ def build_tiny_model(
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size if intermediate_size is not None else 2 * hidden_size,
         vocab_size=vocab_size,
+        weights=weights,
     )
     if params.hidden_size % params.num_heads:
         raise ValueError("hidden_size must be a multiple of num_heads")
@@ -267,11 +285,14 @@ def build_tiny_model(
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2)
         )
-        save_file(
-            _weights(params, padded_vocab),
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
+        if params.weights:
+            from safetensors.torch import save_file
+
+            save_file(
+                _weights(params, padded_vocab),
+                str(tmp / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
         (tmp / BUILD_STAMP).write_text(json.dumps(asdict(params), indent=2))
 
         if out_dir.exists():
@@ -298,22 +319,28 @@ def model_digest(model_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build a tiny local Llama model for vLLM.")
-    parser.add_argument("out_dir", type=Path)
+    parser.add_argument(
+        "out_dir", type=Path, nargs="?", help="default: models/tiny in the state dir"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=2)
     parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument(
+        "--no-weights", action="store_true", help="tokenizer and config only (needs no torch)"
+    )
     args = parser.parse_args(argv)
     path = build_tiny_model(
-        args.out_dir,
+        args.out_dir or default_tiny_model_dir(),
         seed=args.seed,
         max_model_len=args.max_model_len,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
+        weights=not args.no_weights,
     )
     print(path)
     return 0

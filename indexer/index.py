@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from kvroute.indexer.keys import (
-    ExtraKeys,
     RequestKeys,
     block_keys,
+    event_extra_keys,
     pack_tokens,
     partial_key,
     root_key,
@@ -68,6 +68,7 @@ from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Ev
 __all__ = [
     "ApplyResult",
     "InMemoryPrefixIndex",
+    "IndexFigures",
     "PrefixIndex",
     "PrefixMatch",
     "ReplicaIndexSummary",
@@ -104,7 +105,7 @@ class PrefixMatch:
     ``blocks_by_tier[t]`` counts the prefix's blocks whose fastest confirmed copy is in tier t,
     ``unconfirmed_by_tier[t]`` those held only by a publisher that never announces removals;
     together they sum to ``blocks``. ``partial_tokens`` are device-tier tokens past the last
-    full block (vLLM's finer prefix-match unit).
+    full block (vLLM's finer prefix-match unit, ``partial_unit`` tokens).
     """
 
     replica: str
@@ -113,6 +114,7 @@ class PrefixMatch:
     blocks_by_tier: dict[Medium, int]
     unconfirmed_by_tier: dict[Medium, int] = field(default_factory=dict)
     partial_tokens: int = 0
+    partial_unit: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -168,8 +170,22 @@ class ReplicaIndexSummary:
     chunk_blocks: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class IndexFigures:
+    """Index-wide figures for ``/index/stats`` and the metrics: size, limits, evictions."""
+
+    distinct_blocks: int
+    estimated_bytes: int
+    max_entries: int
+    evicted_entries: int
+    unconfirmed_ttl_s: float
+    unconfirmed_max_blocks: int
+    expired_unconfirmed_blocks: int
+
+
 class PrefixIndex(ABC):
-    """What the subscriber and the router need from an index backend."""
+    """What the subscriber, the router and the stats need from an index backend, and all
+    they may use: everything else about a backend is its own business."""
 
     @abstractmethod
     def apply(self, replica: str, events: Iterable[Event], *, source: str = "") -> ApplyResult:
@@ -202,7 +218,10 @@ class PrefixIndex(ABC):
         cache_salt: str | None = None,
         replicas: Iterable[str] | None = None,
     ) -> dict[str, PrefixMatch]:
-        """Per replica, the longest consecutive cached prefix of ``tokens``."""
+        """Per replica (``replicas``, or every known one), the longest cached prefix of the
+        request, per tier. The router passes a ``RequestKeys`` (its keys are computed once
+        per block size and shared with the router's other users); plain token ids are keyed
+        here with ``lora_name`` and ``cache_salt``."""
 
     @abstractmethod
     def block_size(self, replica: str) -> int | None:
@@ -217,8 +236,8 @@ class PrefixIndex(ABC):
         """Entries per replica per tier."""
 
     @abstractmethod
-    def estimated_bytes(self) -> int:
-        """Memory the index holds, estimated."""
+    def stats(self) -> IndexFigures:
+        """Index-wide figures: size in memory, limits, what the limits dropped."""
 
 
 @dataclass(slots=True)
@@ -280,8 +299,10 @@ class _ReplicaState:
         # without extra keys): it skips a load shorter than one chunk (see ``_trim``)
         self.whole_loads: set[int] = set()
         # class -> blocks per offloaded chunk, once learned; and the observations so far
+        # (gcd of the walks, how many, the last chunk walked: the same chunk stored again is
+        # not a second observation)
         self.chunk_blocks: dict[int, int] = {}
-        self.chunk_obs: dict[int, tuple[int, int]] = {}
+        self.chunk_obs: dict[int, tuple[int, int, int]] = {}
         # (class, chunk's last hash) -> [the chunk's block hashes, times stored], for tier-only
         # stores: their removal names the last hash only
         self.chunks: dict[tuple[int, int], list] = {}
@@ -562,9 +583,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             state.block_size = bs
         if len(hashes) > 1:
             state.size_confirmed = True  # partial blocks come one at a time
-        extra: Sequence[ExtraKeys] | None = event.extra_keys
-        if extra is None and event.lora_name:
-            extra = [(event.lora_name,)] * len(hashes)
+        extra = event_extra_keys(event.extra_keys, event.lora_name, len(hashes))
         keys = block_keys(pack_tokens(event.token_ids), bs, parent=parent, extra_keys=extra)
         chain = state.chain
         chain.update(zip(hashes, (event.parent_block_hash, *hashes[:-1]), strict=False))
@@ -591,10 +610,8 @@ class InMemoryPrefixIndex(PrefixIndex):
                 return
             if parent is None:
                 parent = root_key(known)
-            extra = event.extra_keys[0] if event.extra_keys else None
-            if extra is None and event.extra_keys is None and event.lora_name:
-                extra = (event.lora_name,)
-            key = partial_key(parent, event.token_ids, extra)
+            extra = event_extra_keys(event.extra_keys, event.lora_name, 1)
+            key = partial_key(parent, event.token_ids, extra[0] if extra else None)
             state.partial_unit = bs
             h = event.block_hashes[0]
             state.chain[h] = event.parent_block_hash
@@ -771,7 +788,7 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     def _cap_hybrid(
         self,
-        request: RequestKeys | None,
+        request: RequestKeys,
         keys: Sequence[int],
         states: list[_ReplicaState],
         block_size: int,
@@ -786,7 +803,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             holders = [by_key for _by_hash, by_key in state.groups.values()]
             match = out[state.name]
             device = match.blocks_by_tier.get(Medium.GPU, 0)
-            if match.partial_tokens and device == match.blocks and request is not None:
+            if match.partial_tokens and device == match.blocks:
                 unit = state.partial_unit or block_size
                 pieces = dict(request.partial_keys(block_size, device, unit))
                 key = pieces.get(match.partial_tokens)
@@ -801,6 +818,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             match.blocks_by_tier = {Medium.GPU: b} if b else {}
             match.unconfirmed_by_tier = {}
             match.partial_tokens = 0
+            match.partial_unit = None
 
     # --- tier-only stores: resolving offloaded chunks ------------------------------------------
 
@@ -923,6 +941,9 @@ class InMemoryPrefixIndex(PrefixIndex):
                     self._hold(state, m, state.engine_to_key[m], cls, result, count_dup=True)
 
     def _observe_chunk(self, state: _ReplicaState, h: int, cls: int) -> None:
+        gcd, seen, last = state.chunk_obs.get(cls, (0, 0, -1))
+        if h == last:
+            return  # a re-store of the chunk just walked says nothing new about the length
         chain, engine_to_key = state.chain, state.engine_to_key
         landing = state.landing.get(cls, ())
         bit = 1 << (_W * state.slot + cls)
@@ -946,9 +967,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         else:
             return
         # Keep the gcd so far and how many observations made it.
-        gcd, seen = state.chunk_obs.get(cls, (0, 0))
         gcd, seen = math.gcd(gcd, steps), seen + 1
-        state.chunk_obs[cls] = (gcd, seen)
+        state.chunk_obs[cls] = (gcd, seen, h)
         if seen >= 2 and gcd <= _MAX_CHUNK_BLOCKS:
             state.chunk_blocks[cls] = gcd
 
@@ -1038,7 +1058,9 @@ class InMemoryPrefixIndex(PrefixIndex):
                 result.unresolved += n_hashes
                 return
             parent = prec.keys[-1]
-        extra = [(event.lora_name,)] * (size // bs) if event.lora_name else None
+        # LMCache's chunks: their blocks are keyed at the replica's size, where its events say
+        # nothing of extra keys but the LoRA name.
+        extra = event_extra_keys(None, event.lora_name, size // bs)
         if size % bs == 0:
             self._chunk_seen(state, cls, size // bs)
         for i, h in enumerate(event.block_hashes):
@@ -1087,7 +1109,8 @@ class InMemoryPrefixIndex(PrefixIndex):
     def _remove_unconfirmed(
         self, state: _ReplicaState, event: BlockRemoved, source: str, result: ApplyResult
     ) -> None:
-        """Publishers of unconfirmed media send no removals today; honour one if they do."""
+        """Publishers of unconfirmed media (as of vLLM 0.32) send no removals; honour one if
+        they do."""
         cls = _cls(event.medium, confirmed=False)
         held = state.held.get(source)
         for h in event.block_hashes:
@@ -1237,24 +1260,6 @@ class InMemoryPrefixIndex(PrefixIndex):
                 self._cap_hybrid(request, keys, states, block_size, out)
             return out
 
-    def lookup_keys(
-        self,
-        keys: Sequence[int],
-        replicas: Sequence[str],
-        block_size: int,
-        *,
-        request: RequestKeys | None = None,
-    ) -> dict[str, PrefixMatch]:
-        """Lookup of precomputed keys (all replicas must share ``block_size``). With
-        ``request``, replicas that publish partial blocks are probed past their full ones."""
-        with self._lock:
-            states = [self._replicas[r] for r in replicas if r in self._replicas]
-            out = self._walk(keys, states, block_size)
-            if request is not None:
-                self._probe_partials(request, states, block_size, out)
-            self._cap_hybrid(request, keys, states, block_size, out)
-            return out
-
     def _probe_partials(
         self,
         request: RequestKeys,
@@ -1274,6 +1279,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             for tokens, key in reversed(request.partial_keys(block_size, match.blocks, unit)):
                 if get(key, 0) & bit:
                     match.partial_tokens = tokens
+                    match.partial_unit = unit
                     break
 
     def _walk(
@@ -1403,6 +1409,17 @@ class InMemoryPrefixIndex(PrefixIndex):
                 )
                 for s in self._replicas.values()
             ]
+
+    def stats(self) -> IndexFigures:
+        return IndexFigures(
+            distinct_blocks=len(self._masks),
+            estimated_bytes=self.estimated_bytes(),
+            max_entries=self.max_entries,
+            evicted_entries=self.evicted_entries,
+            unconfirmed_ttl_s=self.unconfirmed_ttl_s,
+            unconfirmed_max_blocks=self.unconfirmed_max_blocks,
+            expired_unconfirmed_blocks=self.expired_blocks,
+        )
 
     @property
     def entries(self) -> int:

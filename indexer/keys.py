@@ -29,7 +29,9 @@ import xxhash
 __all__ = [
     "ExtraKeys",
     "RequestKeys",
+    "block_extra_keys",
     "block_keys",
+    "event_extra_keys",
     "mm_block_keys",
     "pack_tokens",
     "partial_key",
@@ -129,6 +131,23 @@ def mm_block_keys(mm: MMItems, start: int, end: int) -> list[tuple[str, int]]:
     ]
 
 
+def block_extra_keys(
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    mm: Sequence[tuple[str, int]] = (),
+) -> ExtraKeys:
+    """One block's extra keys in vLLM's order and untagged form, as its events publish them:
+    the LoRA name, the multimodal items the block overlaps, the cache_salt (a prompt's first
+    block only: pass it for that block). None when there are none."""
+    extra: list[Any] = []
+    if lora_name:
+        extra.append(lora_name)
+    extra.extend(mm)
+    if cache_salt:
+        extra.append(cache_salt)
+    return tuple(extra) or None
+
+
 def request_extra_keys(
     n_blocks: int,
     *,
@@ -138,21 +157,29 @@ def request_extra_keys(
     block_size: int = 0,
 ) -> list[ExtraKeys] | None:
     """The per-block extra keys vLLM derives for a request (LoRA name on every block, the
-    multimodal items a block overlaps, cache_salt on the first; vLLM's order), in the
-    untagged form its events publish. ``mm`` needs ``block_size``."""
+    multimodal items a block overlaps, cache_salt on the first). ``mm`` needs
+    ``block_size``."""
     if not lora_name and not cache_salt and not mm:
         return None
-    out: list[ExtraKeys] = []
-    for i in range(n_blocks):
-        extra: list[Any] = []
-        if lora_name:
-            extra.append(lora_name)
-        if mm:
-            extra.extend(mm_block_keys(mm, i * block_size, (i + 1) * block_size))
-        if i == 0 and cache_salt:
-            extra.append(cache_salt)
-        out.append(tuple(extra) or None)
-    return out
+    return [
+        block_extra_keys(
+            lora_name,
+            cache_salt if i == 0 else None,
+            mm_block_keys(mm, i * block_size, (i + 1) * block_size) if mm else (),
+        )
+        for i in range(n_blocks)
+    ]
+
+
+def event_extra_keys(
+    carried: Sequence[ExtraKeys] | None, lora_name: str | None, n_blocks: int
+) -> Sequence[ExtraKeys] | None:
+    """The per-block extra keys of a stored event: those it carries, or, from a publisher
+    that does not send them (vLLM before the field, LMCache), the LoRA name on every block,
+    the one extra key such an event still names."""
+    if carried is not None:
+        return carried
+    return request_extra_keys(n_blocks, lora_name=lora_name)
 
 
 class RequestKeys:
@@ -208,12 +235,8 @@ class RequestKeys:
             end = start + m * unit
             if end > self.n_tokens:
                 break
-            extra: list[Any] = []
-            if self.lora_name:
-                extra.append(self.lora_name)
-            if salt and m == 1:
-                extra.append(salt)
+            extra = block_extra_keys(self.lora_name, salt if m == 1 else None)
             piece = self.packed[(end - unit) * 4 : end * 4]
-            key = partial_key(key, piece, tuple(extra) or None)
+            key = partial_key(key, piece, extra)
             out.append((m * unit, key))
         return out

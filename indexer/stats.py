@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex
+from kvroute.indexer.index import PrefixIndex
 from kvroute.indexer.subscriber import EventSubscriber
+from kvroute.indexer.tiers import Tier
 
 __all__ = ["IndexStats", "ReplicaStats", "collect_stats"]
 
@@ -35,9 +36,9 @@ class IndexStats:
     replicas: list[ReplicaStats]
     entries: int
     entries_by_tier: dict[str, int]
-    distinct_blocks: int | None
-    max_entries: int | None
-    evicted_entries: int | None
+    distinct_blocks: int
+    max_entries: int
+    evicted_entries: int
     estimated_bytes: int
     bytes_per_entry: float | None
     events_applied: int
@@ -49,9 +50,9 @@ class IndexStats:
     resets: int
     freshness: dict[str, int] = field(default_factory=dict)
     unconfirmed_by_tier: dict[str, int] = field(default_factory=dict)
-    unconfirmed_ttl_s: float | None = None
-    unconfirmed_max_blocks: int | None = None
-    expired_unconfirmed_blocks: int | None = None
+    unconfirmed_ttl_s: float = 0.0
+    unconfirmed_max_blocks: int = 0
+    expired_unconfirmed_blocks: int = 0
     unknown_media: dict[str, int] = field(default_factory=dict)
     unresolved_blocks: int = 0
 
@@ -105,8 +106,8 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
     feeds = subscriber.feed_stats() if subscriber is not None else {}
     streams = subscriber.stream_stats() if subscriber is not None else {}
     replicas: list[ReplicaStats] = []
-    by_tier: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
-    unconfirmed: dict[str, int] = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+    by_tier: dict[str, int] = {t.label(): 0 for t in Tier}
+    unconfirmed: dict[str, int] = {t.label(): 0 for t in Tier}
     seen = set()
     for summary in index.summary():
         seen.add(summary.replica)
@@ -139,19 +140,19 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         for medium, n in f.unknown_media.items():
             unknown_media[medium] = unknown_media.get(medium, 0) + n
     entries = sum(r.entries for r in replicas)
-    estimated = index.estimated_bytes()
+    figures = index.stats()
+    estimated = figures.estimated_bytes
     freshness: dict[str, int] = {}
     for feed in feeds.values():
         freshness[feed.freshness.value] = freshness.get(feed.freshness.value, 0) + 1
-    mem = index if isinstance(index, InMemoryPrefixIndex) else None
     return IndexStats(
         taken_at=time.time(),
         replicas=replicas,
         entries=entries,
         entries_by_tier=by_tier,
-        distinct_blocks=mem.distinct_blocks if mem else None,
-        max_entries=mem.max_entries if mem else None,
-        evicted_entries=mem.evicted_entries if mem else None,
+        distinct_blocks=figures.distinct_blocks,
+        max_entries=figures.max_entries,
+        evicted_entries=figures.evicted_entries,
         estimated_bytes=estimated,
         bytes_per_entry=round(estimated / entries, 1) if entries else None,
         events_applied=sum(f.events_applied for f in feeds.values()),
@@ -163,9 +164,9 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         resets=sum(f.resets for f in feeds.values()),
         freshness=freshness,
         unconfirmed_by_tier=unconfirmed,
-        unconfirmed_ttl_s=mem.unconfirmed_ttl_s if mem else None,
-        unconfirmed_max_blocks=mem.unconfirmed_max_blocks if mem else None,
-        expired_unconfirmed_blocks=mem.expired_blocks if mem else None,
+        unconfirmed_ttl_s=figures.unconfirmed_ttl_s,
+        unconfirmed_max_blocks=figures.unconfirmed_max_blocks,
+        expired_unconfirmed_blocks=figures.expired_unconfirmed_blocks,
         unknown_media=unknown_media,
         unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
     )

@@ -47,21 +47,22 @@ from dataclasses import dataclass, field
 
 import xxhash
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from kvroute.indexer.budget import ByteBudget
 from kvroute.indexer.index import PrefixIndex
 from kvroute.indexer.wire import (
-    AllBlocksCleared,
     EventBatch,
     Frame,
-    Medium,
     WireError,
     decode_batch,
     decode_frames,
     decode_replay_reply,
+    is_device_clear,
     payload_hints,
+    touches_lower_tier,
 )
 from kvroute.indexer.wire import encode_replay_request as _replay_request
-from zmq.utils.monitor import recv_monitor_message
 
 __all__ = [
     "EventSource",
@@ -107,21 +108,13 @@ def moot_prefix(frames: Sequence[Frame]) -> tuple[int, int] | None:
         except WireError:
             continue  # applied in turn, and counted as malformed there
         for j in range(len(events) - 1, -1, -1):
-            event = events[j]
-            if isinstance(event, AllBlocksCleared) and event.medium in (None, Medium.GPU):
-                if any(_touches_lower_tier(e) for e in events[:j]) or any(
+            if is_device_clear(events[j]):
+                if any(touches_lower_tier(e) for e in events[:j]) or any(
                     payload_hints(f.payload)[1] for f in frames[:i]
                 ):
                     return None
                 return i, j
     return None
-
-
-def _touches_lower_tier(event: object) -> bool:
-    if isinstance(event, AllBlocksCleared):
-        return event.medium not in (None, Medium.GPU)
-    medium = getattr(event, "medium", Medium.GPU)
-    return medium is not Medium.GPU or not getattr(event, "confirmed", True)
 
 
 def _run_to(by_seq: dict[int, Frame], start: int, end: int) -> list[Frame]:
@@ -261,7 +254,7 @@ class ReplicaFeed:
         self.stats.freshness = freshness
         self.stats.reason = reason
 
-    def clear(self, reason: str, *, restarted: bool = False) -> None:
+    def _clear(self, reason: str, *, restarted: bool = False) -> None:
         """Forget what this stream can no longer vouch for, and rebuild from live events."""
         self._forget(restarted=restarted)
         self._set(Freshness.REBUILDING, reason)
@@ -270,27 +263,51 @@ class ReplicaFeed:
         self.index.clear_source(self.source.replica, self.source.stream, restarted=restarted)
         self.stats.clears += 1
 
-    def mark_disconnected(self) -> None:
+    def on_disconnected(self) -> None:
+        """The publisher's connection went down."""
         with self.lock:
             if self.stats.freshness is not Freshness.CONNECTING:
                 self._set(Freshness.STALE, "publisher disconnected; entries kept until it returns")
 
-    def publisher_gone(self, after_s: float) -> None:
+    def on_gone(self, after_s: float) -> None:
         """The publisher stayed away ``after_s``: what it published is no longer believed."""
         with self.lock:
             if self.stats.freshness is Freshness.STALE:
                 self._forget(restarted=True)
                 self.stats.reason = f"publisher gone for over {after_s:.0f}s: cleared"
 
-    def mark_connected(self) -> bool:
-        """Returns True when this is a reconnect after the publisher was gone."""
+    def on_connected(self) -> None:
+        """The publisher's connection is up: a reconnect catches up (``_resync``), a first
+        connection joins (``bootstrap``)."""
         with self.lock:
             if self.stats.freshness is Freshness.STALE:
                 self._set(Freshness.SYNCING, "publisher reconnected; waiting for the next batch")
-                return True
-            return False
+                self._resync()
+            else:
+                self._bootstrap()
 
-    def resync(self) -> None:
+    def on_replica_down(self, reason: str) -> None:
+        """The replica was seen to die (from outside the stream): what it published is gone
+        with it, and its next process rebuilds from live events."""
+        with self.lock:
+            self._clear(reason, restarted=True)
+
+    def on_crash(self) -> None:
+        """The socket loop died: nothing more will arrive, so nothing held is believed."""
+        with self.lock:
+            self._clear("feed thread crashed; see the log")
+            self._set(Freshness.STALE, "feed thread crashed; see the log")
+
+    def expire(self) -> None:
+        """Drop the replica's unconfirmed holdings past their time."""
+        self.index.expire(self.source.replica)
+
+    def note_malformed(self, reason: str) -> None:
+        """A message that could not be decoded at all (live, or a replay's reply)."""
+        self.stats.malformed_messages += 1
+        self.stats.rejected_reasons[f"malformed message: {reason}"] += 1
+
+    def _resync(self) -> None:
         """After a reconnect, ask the replay socket what happened while we were away.
 
         A restarted replica may publish its first batches before our SUB socket reconnects
@@ -299,60 +316,84 @@ class ReplicaFeed:
         unchanged, the publisher is the same process (apply what we missed); if not, it is a
         new process (reset, then replay its history from 0).
         """
-        with self.lock:
-            if self.expected is None or self.replay is None:
-                return
-            last = self.expected - 1
-            frames = self.replay(last)
-            if frames is None:
-                return  # cannot tell now: the next live batch decides
-            self.stats.replays += 1
-            frames = sorted(frames, key=lambda f: f.seq)
-            if frames and frames[0].seq == last and _digest(frames[0].payload) == self._last_digest:
-                for frame in frames[1:]:
-                    if frame.seq == self.expected:
-                        self._apply(frame)
-                self._replayed = (last, self.expected)
-                self._set(Freshness.LIVE, "publisher reconnected; caught up from replay")
-                return
-            self.stats.resets += 1
-            self._forget(restarted=True)
-            self.expected = None
-            self._replayed = None
-            history = self.replay(0)
-            if history is None:
-                self._set(
-                    Freshness.REBUILDING, "replica restarted; its new history is not replayable"
-                )
-                return
-            self.stats.replays += 1
-            self._take_whole_history(history, "replica restarted (found on reconnect)")
+        if self.expected is None or self.replay is None:
+            return
+        last = self.expected - 1
+        frames = self._ask_replay(last)
+        if frames is None:
+            return  # cannot tell now: the next live batch decides
+        self.stats.replays += 1
+        frames = sorted(frames, key=lambda f: f.seq)
+        if frames and frames[0].seq == last and _digest(frames[0].payload) == self._last_digest:
+            for frame in frames[1:]:
+                if frame.seq == self.expected:
+                    self._apply(frame)
+            self._replayed = (last, self.expected)
+            self._set(Freshness.LIVE, "publisher reconnected; caught up from replay")
+            return
+        self._on_restart()
+        history = self._ask_replay(0)
+        if history is None:
+            self._set(Freshness.REBUILDING, "replica restarted; its new history is not replayable")
+            return
+        self.stats.replays += 1
+        self._take_whole_history(history, "replica restarted (found on reconnect)")
 
     def bootstrap(self) -> None:
+        """Join: take the replica's history now (what ``on_connected`` does first time)."""
+        with self.lock:
+            self._bootstrap()
+
+    def _bootstrap(self) -> None:
         """On first connecting, take the replica's history from the replay socket now.
 
         Waiting for the replica's next batch instead would leave a router that starts while
         the fleet is idle (a restart at night, one more router in an HA set) knowing no
         replica's cache, every feed ``connecting``, until each replica next stores or evicts.
         """
-        with self.lock:
-            if (
-                self.replay is None
-                or self.expected is not None
-                or self.stats.freshness is not Freshness.CONNECTING
-            ):
-                return
-            self._set(Freshness.SYNCING, "joining: replaying the replica's history")
-            frames = self.replay(0)
-            if frames is None:
-                self.stats.replay_failures += 1
-                self._set(
-                    Freshness.CONNECTING,
-                    "the join replay was not answered; waiting for the first event batch",
-                )
-                return
-            self.stats.replays += 1
-            self._take_whole_history(frames, "joined")
+        if (
+            self.replay is None
+            or self.expected is not None
+            or self.stats.freshness is not Freshness.CONNECTING
+        ):
+            return
+        self._set(Freshness.SYNCING, "joining: replaying the replica's history")
+        frames = self._ask_replay(0)
+        if frames is None:
+            self.stats.replay_failures += 1
+            self._set(
+                Freshness.CONNECTING,
+                "the join replay was not answered; waiting for the first event batch",
+            )
+            return
+        self.stats.replays += 1
+        self._take_whole_history(frames, "joined")
+
+    def _ask_replay(self, start: int) -> list[Frame] | None:
+        """Every buffered batch from ``start`` (None: no answer). What was asked for is taken
+        whole, so its bytes are charged to the stream's budget (see ``_admit``)."""
+        if self.replay is None:
+            return None
+        frames = self.replay(start)
+        if frames is not None and self.budget is not None:
+            self.budget.charge(sum(len(f.payload) for f in frames))
+        return frames
+
+    def _on_restart(self) -> None:
+        """The replica's process restarted: its cache is new and its batches count from 0."""
+        self.stats.resets += 1
+        self._forget(restarted=True)
+        self.expected = None
+        self._replayed = None
+
+    def _on_slowed_down(self, seq: int) -> None:
+        """A throttled publisher is under its budget again: rebuild from batch ``seq`` on. A
+        replay of the dropped batches would be the flood again, and the stream was cleared,
+        so nothing before it is owed."""
+        self._throttled = False
+        self.expected = seq
+        self._replayed = None
+        self._set(Freshness.REBUILDING, "publisher slowed down: rebuilding from live events")
 
     def _take_whole_history(self, history: list[Frame], why: str) -> None:
         """Take a replay from batch 0 as everything the replica process published."""
@@ -375,8 +416,7 @@ class ReplicaFeed:
         try:
             frame = decode_frames(frames)
         except WireError as exc:
-            self.stats.malformed_messages += 1
-            self.stats.rejected_reasons[f"malformed message: {exc}"] += 1
+            self.note_malformed(str(exc))
             return
         self.handle(frame)
 
@@ -419,12 +459,7 @@ class ReplicaFeed:
             self.stats.foreign_topic += 1
             return
         if self._throttled:
-            # Rebuild from live events: a replay of the dropped batches would be the flood
-            # again, and the stream was cleared, so nothing before this batch is owed.
-            self._throttled = False
-            self.expected = frame.seq
-            self._replayed = None
-            self._set(Freshness.REBUILDING, "publisher slowed down: rebuilding from live events")
+            self._on_slowed_down(frame.seq)
         seq = frame.seq
         expected = self.expected
         if expected is None:
@@ -450,11 +485,8 @@ class ReplicaFeed:
         if replayed is not None and replayed[0] <= seq < replayed[1]:
             self.stats.duplicates += 1
             return
-        # The replica's sequence went backwards: it restarted, and its cache is new.
-        self.stats.resets += 1
-        self._forget(restarted=True)
-        self.expected = None
-        self._replayed = None
+        # The replica's sequence went backwards: it restarted.
+        self._on_restart()
         if seq == 0:
             self._apply(frame)
             self._set(Freshness.LIVE, f"replica restarted (seq {expected - 1} -> 0); index rebuilt")
@@ -464,14 +496,14 @@ class ReplicaFeed:
     def _catch_up(self, start: int, frame: Frame, why: str) -> None:
         """Fill [start, frame.seq) from the replay socket, then apply ``frame``."""
         self._set(Freshness.SYNCING, why)
-        frames = self.replay(start) if self.replay is not None else None
+        frames = self._ask_replay(start)
         if frames is None:
             self.stats.replay_failures += 1
             why = f"{why}; " + (
                 "no replay endpoint" if self.replay is None else "replay failed or timed out"
             )
             self.stats.missed_batches += frame.seq - start
-            self.clear(f"{why}: cleared, rebuilding from live events")
+            self._clear(f"{why}: cleared, rebuilding from live events")
             self._apply(frame)
             return
         self.stats.replays += 1
@@ -492,7 +524,7 @@ class ReplicaFeed:
         complete = first == start
         if not complete:
             self.stats.missed_batches += first - start
-            self.clear(
+            self._clear(
                 f"{why}; replay no longer holds batch {start}: cleared, rebuilding from "
                 f"batches {first}..{run[-1].seq} and live events"
             )
@@ -554,23 +586,24 @@ class _FeedThread(threading.Thread):
 
     def __init__(
         self,
-        feed: ReplicaFeed,
+        source: EventSource,
+        index: PrefixIndex,
         ctx: zmq.Context,
         *,
+        budget: ByteBudget | None,
         replay_timeout_s: float,
         stale_clear_after_s: float,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        name = feed.source.replica + (f"-{feed.source.stream}" if feed.source.stream else "")
+        name = source.replica + (f"-{source.stream}" if source.stream else "")
         super().__init__(name=f"kv-feed-{name}", daemon=True)
-        self.feed = feed
         self.ctx = ctx
         self.replay_timeout_s = replay_timeout_s
         self.stale_clear_after_s = stale_clear_after_s
         self.max_message_bytes = max_message_bytes
         self.stop_event = threading.Event()
-        if feed.source.replay_endpoint:
-            feed.replay = self._replay
+        replay = self._replay if source.replay_endpoint else None
+        self.feed = ReplicaFeed(source, index, replay=replay, budget=budget)
 
     def _replay(self, start: int) -> list[Frame] | None:
         """Ask the replay socket for every batch from ``start``; None when it does not answer."""
@@ -590,12 +623,10 @@ class _FeedThread(threading.Thread):
                     return None
                 try:
                     frame = decode_replay_reply(sock.recv_multipart())
-                except WireError:
-                    self.feed.stats.malformed_messages += 1
+                except WireError as exc:
+                    self.feed.note_malformed(str(exc))
                     continue
                 if frame is None:
-                    if self.feed.budget is not None:
-                        self.feed.budget.charge(sum(len(f.payload) for f in frames))
                     return frames
                 frames.append(frame)
                 if len(frames) > MAX_REPLAY_FRAMES:
@@ -640,14 +671,11 @@ class _FeedThread(threading.Thread):
                 if monitor in ready:
                     event = recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_DISCONNECTED:
-                        self.feed.mark_disconnected()
+                        self.feed.on_disconnected()
                         stale_since = down_since = time.monotonic()
                     elif event["event"] == zmq.EVENT_CONNECTED:
                         down_since = None
-                        if self.feed.mark_connected():
-                            self.feed.resync()
-                        else:
-                            self.feed.bootstrap()
+                        self.feed.on_connected()
                         stale_since = None
                 if sub in ready:
                     # Drain what is queued before polling again: bursts arrive together.
@@ -664,16 +692,14 @@ class _FeedThread(threading.Thread):
                     sub.connect(source.endpoint)
                     down_since = now
                 if stale_since is not None and now - stale_since > self.stale_clear_after_s:
-                    self.feed.publisher_gone(self.stale_clear_after_s)
+                    self.feed.on_gone(self.stale_clear_after_s)
                     stale_since = None
                 if now >= next_expiry:
-                    self.feed.index.expire(source.replica)
+                    self.feed.expire()
                     next_expiry = now + _EXPIRE_EVERY_S
         except Exception:  # the feed must never die silently
             log.exception("event feed of %s%s crashed", source.replica, source.stream)
-            with self.feed.lock:
-                self.feed.clear("feed thread crashed; see the log")
-                self.feed._set(Freshness.STALE, "feed thread crashed; see the log")
+            self.feed.on_crash()
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
@@ -713,10 +739,11 @@ class EventSubscriber:
                 self._stop(key)
             rate = self.max_bytes_per_s
             budget = None if not rate else ByteBudget(rate, max(2 * rate, self.max_message_bytes))
-            feed = ReplicaFeed(source, self.index, budget=budget)
             thread = _FeedThread(
-                feed,
+                source,
+                self.index,
                 self.ctx,
+                budget=budget,
                 replay_timeout_s=self.replay_timeout_s,
                 max_message_bytes=self.max_message_bytes,
                 stale_clear_after_s=self.stale_clear_after_s,
@@ -757,8 +784,7 @@ class EventSubscriber:
             self.index.clear_replica(replica)
             return
         for feed in feeds:
-            with feed.lock:
-                feed.clear(reason, restarted=True)
+            feed.on_replica_down(reason)
 
     def sources(self) -> list[EventSource]:
         with self._lock:

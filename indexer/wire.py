@@ -1,7 +1,10 @@
 """vLLM's KV-event wire format: the one module that knows frames, msgpack layouts and replay.
 
 Everything that reads or writes vLLM KV events goes through here, so a change in vLLM's format
-is a change in one file. The decoder is strict about what it needs and lenient about what it
+is a change in one file. Each event has one msgspec definition (``WireBlockStored``...,
+vLLM's own field for field), used to decode and to encode; the decoded ``BlockStored``...
+dataclasses are what the index takes (hashes as u64 ints, the medium as a tier).
+The decoder is strict about what it needs and lenient about what it
 does not: unknown fields are ignored, both the map-tagged encoding (vLLM 0.32/0.33) and the
 positional-array encoding (older vLLM, llm-d's FS backend) are accepted, events packed as
 nested msgpack bytes (llm-d's FS backend) are unpacked, and a malformed event is rejected with
@@ -20,13 +23,14 @@ Wire facts (see docs/indexer.md):
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from kvroute.indexer.tiers import Tier
 
 __all__ = [
     "MEDIA",
@@ -40,7 +44,12 @@ __all__ = [
     "Medium",
     "MediumKind",
     "UnknownMedium",
+    "WireAllBlocksCleared",
+    "WireBatch",
+    "WireBlockRemoved",
+    "WireBlockStored",
     "WireError",
+    "WireEvent",
     "decode_batch",
     "decode_frames",
     "decode_replay_reply",
@@ -49,8 +58,12 @@ __all__ = [
     "encode_replay_end",
     "encode_replay_reply",
     "encode_replay_request",
+    "is_device_clear",
     "medium_kind",
+    "parse_replay_request",
     "payload_hints",
+    "to_wire",
+    "touches_lower_tier",
 ]
 
 
@@ -58,12 +71,8 @@ class WireError(ValueError):
     """A frame or payload that cannot be decoded at all (the whole message is skipped)."""
 
 
-class Medium(enum.IntEnum):
-    """Cache tiers, ordered from fastest to slowest (the order is the tier's bit offset)."""
-
-    GPU = 0
-    CPU = 1
-    STORAGE = 2
+# The wire's medium is a cache tier; the tiers are defined once, in kvroute.indexer.tiers.
+Medium = Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,28 +201,64 @@ class Frame:
     payload: bytes
 
 
-# Field order of each event class, as vLLM declares them (positional encoding follows it).
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-)
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-_CLEARED_FIELDS = ("medium",)
+# --- the wire's definitions: vLLM's msgspec classes (vllm/distributed/kv_events.py), field for
+# field, in its order. They decode vLLM's batches (in C) and encode ours, byte for byte as vLLM.
+# ``medium`` on a clear is kvroute's own addition (vLLM's clear has no fields).
+
+
+class WireBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class WireBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class WireAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    medium: str | None = None
+
+
+WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
+
+
+class WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[WireEvent]
+    data_parallel_rank: int | None = None
+
+
+_WIRE_CLASSES: dict[str, type[WireEvent]] = {
+    "BlockStored": WireBlockStored,
+    "BlockRemoved": WireBlockRemoved,
+    "AllBlocksCleared": WireAllBlocksCleared,
+}
+# How many fields (after the tag) older vLLM's positional events carried.
+_POSITIONAL_FIELDS: dict[type[WireEvent], int] = {
+    WireBlockStored: 7,
+    WireBlockRemoved: 2,
+    WireAllBlocksCleared: 0,
+}
 
 _decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
+_typed_decoder = msgspec.msgpack.Decoder(WireBatch)
 
 REPLAY_END_SEQ = -1
 _REPLAY_END_SEQ_BYTES = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)
@@ -257,7 +302,8 @@ def _token_list(value: object) -> list[int]:
 
 
 def _fields(raw: object) -> tuple[str, dict[str, Any]]:
-    """Return (tag, fields by name) for either encoding."""
+    """Return (tag, fields by name) for either encoding; positional fields are named by the
+    wire definition's declaration order."""
     if isinstance(raw, dict):
         tag = raw.get("type")
         if not isinstance(tag, str):
@@ -265,34 +311,22 @@ def _fields(raw: object) -> tuple[str, dict[str, Any]]:
         return tag, raw
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
         tag = raw[0]
-        names = {
-            "BlockStored": _STORED_FIELDS,
-            "BlockRemoved": _REMOVED_FIELDS,
-            "AllBlocksCleared": _CLEARED_FIELDS,
-        }.get(tag, ())
+        cls = _WIRE_CLASSES.get(tag)
+        names = cls.__struct_fields__ if cls is not None else ()
         return tag, dict(zip(names, raw[1:], strict=False))
     raise ValueError(f"event is neither a tagged map nor a tagged array: {type(raw).__name__}")
 
 
-def _stored_medium(f: dict[str, Any]) -> tuple[Medium, bool, str | None]:
-    raw = f.get("medium")
-    kind = medium_kind(raw)
-    return kind.tier, kind.confirmed, _medium_name(raw)
+def _medium_field(f: dict[str, Any]) -> str | None:
+    medium = f.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise UnknownMedium(medium)
+    return medium
 
 
-def _decode_event(raw: object) -> Event:
-    if type(raw) is dict and raw.get("type") == "BlockRemoved" and len(raw) <= 3:
-        # Fast path: vLLM sends one of these per evicted block.
-        hashes = raw.get("block_hashes")
-        if type(hashes) is list and len(hashes) == 1 and type(hashes[0]) is int:
-            group = raw.get("group_idx", 0)
-            medium = raw.get("medium")
-            if type(group) is int and (medium is None or type(medium) is str):
-                kind = MEDIA.get(medium)
-                if kind is not None:
-                    return BlockRemoved(
-                        [hashes[0] & _U64], kind.tier, group, kind.confirmed, _medium_name(medium)
-                    )
+def _tolerant_event(raw: object) -> WireEvent:
+    """One event the typed decoder refused (older or newer field sets, positional or packed
+    events, wrong types) as its wire definition, or ValueError saying what is wrong."""
     if isinstance(raw, bytes):
         # llm-d's FS backend packs each event into msgpack bytes of its own.
         try:
@@ -306,100 +340,43 @@ def _decode_event(raw: object) -> Event:
         if "block_hashes" not in f or "token_ids" not in f:
             raise ValueError("BlockStored without block_hashes or token_ids")
         hashes = _hash_list(f["block_hashes"])
-        if not hashes:
-            raise ValueError("BlockStored with no block hashes")
         tokens = _token_list(f["token_ids"])
-        parent_raw = f.get("parent_block_hash")
-        # A tier-only store names known blocks; its parent means nothing (llm-d's FS backend
-        # sends 0 for "unknown").
-        parent = None if parent_raw is None or not tokens else _block_hash(parent_raw)
-        block_size = _int_field(f.get("block_size"), "block_size", default=0)
-        if block_size < 0:
-            raise ValueError("negative block_size")
-        if tokens and block_size == 0:
-            raise ValueError("BlockStored with token_ids but block_size 0")
-        if tokens and len(tokens) != len(hashes) * block_size:
-            raise ValueError(
-                f"BlockStored token_ids has {len(tokens)} tokens for {len(hashes)} blocks "
-                f"of {block_size}"
-            )
+        parent = f.get("parent_block_hash")
         extra = f.get("extra_keys")
-        if extra is not None:
-            if not isinstance(extra, list | tuple) or len(extra) != len(hashes):
-                raise ValueError("extra_keys must hold one entry per block")
-            extra = list(extra)
+        if extra is not None and not isinstance(extra, list | tuple):
+            raise ValueError("extra_keys must hold one entry per block")
         lora_name = f.get("lora_name")
         if lora_name is not None and not isinstance(lora_name, str):
             raise ValueError("lora_name must be a string")
         lora_id = f.get("lora_id")
-        if lora_id is not None:
-            lora_id = _int_field(lora_id, "lora_id")
         locality = f.get("locality")
-        tier, confirmed, name = _stored_medium(f)
-        return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent,
+        return WireBlockStored(
+            block_hashes=hashes,  # type: ignore[arg-type]
+            # A tier-only store's parent means nothing (llm-d's FS backend sends 0).
+            parent_block_hash=None if parent is None or not tokens else _block_hash(parent),
             token_ids=tokens,
-            block_size=block_size,
-            medium=tier,
+            block_size=_int_field(f.get("block_size"), "block_size", default=0),
+            lora_id=None if lora_id is None else _int_field(lora_id, "lora_id"),
+            medium=_medium_field(f),
             lora_name=lora_name,
-            lora_id=lora_id,
-            extra_keys=extra,
+            extra_keys=None if extra is None else list(extra),
             group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
             locality=locality if isinstance(locality, str) else None,
-            confirmed=confirmed,
-            medium_name=name,
         )
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
             raise ValueError("BlockRemoved without block_hashes")
-        tier, confirmed, name = _stored_medium(f)
-        return BlockRemoved(
-            block_hashes=_hash_list(f["block_hashes"]),
-            medium=tier,
+        return WireBlockRemoved(
+            block_hashes=_hash_list(f["block_hashes"]),  # type: ignore[arg-type]
+            medium=_medium_field(f),
             group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
-            confirmed=confirmed,
-            medium_name=name,
         )
     if tag == "AllBlocksCleared":
-        medium = f.get("medium")
-        return AllBlocksCleared(medium=None if medium is None else medium_kind(medium).tier)
+        return WireAllBlocksCleared(medium=_medium_field(f))
     raise ValueError(f"unknown event type {tag!r}")
 
 
-class _StoredWire(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class _RemovedWire(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
-    block_hashes: list[int | bytes]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _ClearedWire(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
-    medium: str | None = None
-
-
-class _BatchWire(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_StoredWire | _RemovedWire | _ClearedWire]
-    data_parallel_rank: int | None = None
-
-
-_typed_decoder = msgspec.msgpack.Decoder(_BatchWire)
-
-
-def _fast_hashes(values: list[int | bytes]) -> list[int]:
+def _hashes(values: list[int | bytes]) -> list[int]:
     try:
         if min(values) >= 0:  # type: ignore[type-var]
             return values  # type: ignore[return-value]
@@ -408,49 +385,68 @@ def _fast_hashes(values: list[int | bytes]) -> list[int]:
     return _hash_list(values)
 
 
-def _from_wire(wire: _StoredWire | _RemovedWire | _ClearedWire) -> Event:
-    """Typed wire struct -> event, with the checks msgspec's types cannot express."""
-    if type(wire) is _RemovedWire:
-        kind = MEDIA.get(wire.medium)
-        if kind is None:
-            raise ValueError("unknown medium")  # the generic path counts it
+def _from_wire(wire: WireEvent) -> Event:
+    """A wire event as the index takes it: hashes as u64 ints, the medium as a tier, and the
+    checks msgspec's types cannot express (ValueError says which failed; UnknownMedium)."""
+    if type(wire) is WireBlockRemoved:
+        kind = medium_kind(wire.medium)
         return BlockRemoved(
-            _fast_hashes(wire.block_hashes),
+            _hashes(wire.block_hashes),
             kind.tier,
             wire.group_idx or 0,
             kind.confirmed,
             _medium_name(wire.medium),
         )
-    if type(wire) is _StoredWire:
+    if type(wire) is WireBlockStored:
         n = len(wire.block_hashes)
         tokens, bs = wire.token_ids, wire.block_size
-        extra = wire.extra_keys
-        kind = MEDIA.get(wire.medium)
-        if (
-            kind is None
-            or not n
-            or bs < 0
-            or (tokens and len(tokens) != n * bs)
-            or (extra is not None and len(extra) != n)
-        ):
-            raise ValueError("inconsistent BlockStored")  # the slow path says exactly why
+        if not n:
+            raise ValueError("BlockStored with no block hashes")
+        if bs < 0:
+            raise ValueError("negative block_size")
+        if tokens and bs == 0:
+            raise ValueError("BlockStored with token_ids but block_size 0")
+        if tokens and len(tokens) != n * bs:
+            raise ValueError(
+                f"BlockStored token_ids has {len(tokens)} tokens for {n} blocks of {bs}"
+            )
+        if wire.extra_keys is not None and len(wire.extra_keys) != n:
+            raise ValueError("extra_keys must hold one entry per block")
+        kind = medium_kind(wire.medium)
         parent = wire.parent_block_hash
         return BlockStored(
-            block_hashes=_fast_hashes(wire.block_hashes),
+            block_hashes=_hashes(wire.block_hashes),
+            # A tier-only store names known blocks; its parent means nothing.
             parent_block_hash=None if parent is None or not tokens else _block_hash(parent),
             token_ids=tokens,
             block_size=bs,
             medium=kind.tier,
             lora_name=wire.lora_name,
             lora_id=wire.lora_id,
-            extra_keys=extra,
+            extra_keys=wire.extra_keys,
             group_idx=wire.group_idx or 0,
             locality=wire.locality,
             confirmed=kind.confirmed,
             medium_name=_medium_name(wire.medium),
         )
-    assert type(wire) is _ClearedWire
+    assert type(wire) is WireAllBlocksCleared
     return AllBlocksCleared(None if wire.medium is None else medium_kind(wire.medium).tier)
+
+
+def _from_raw(raw: object) -> Event:
+    return _from_wire(_tolerant_event(raw))
+
+
+def _add_events(batch: EventBatch, items: Sequence[Any], convert: Callable[[Any], Event]) -> None:
+    """Append each item as an event, or count why it is none."""
+    events, rejected = batch.events, batch.rejected
+    for item in items:
+        try:
+            events.append(convert(item))
+        except UnknownMedium as exc:
+            batch.unknown_media[exc.medium] += 1
+        except (ValueError, TypeError, OverflowError) as exc:
+            rejected.append(str(exc))
 
 
 def decode_batch(payload: bytes) -> EventBatch:
@@ -460,16 +456,21 @@ def decode_batch(payload: bytes) -> EventBatch:
     malformed are left out and described in ``EventBatch.rejected``; events naming a medium
     no known publisher uses are left out and counted in ``EventBatch.unknown_media``.
 
-    Well-formed vLLM 0.32/0.33 batches take a typed path decoded in C; anything else (old
-    positional events, packed events, other publishers' media, a malformed event) takes the
-    generic path, which also says why an event was rejected.
+    A batch the wire definitions describe (vLLM 0.32/0.33) is decoded by them, in C; any
+    other (old positional events, packed events, other field sets or types) is decoded
+    generically and each event brought to its wire definition by hand, which says why an
+    event was refused. Both end in ``_from_wire``.
     """
     try:
         wire = _typed_decoder.decode(payload)
-        events = [_from_wire(e) for e in wire.events]
-        return EventBatch(wire.ts, events, wire.data_parallel_rank)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
-        pass
+        return _decode_tolerant(payload)
+    batch = EventBatch(wire.ts, [], wire.data_parallel_rank)
+    _add_events(batch, wire.events, _from_wire)
+    return batch
+
+
+def _decode_tolerant(payload: bytes) -> EventBatch:
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
@@ -487,14 +488,20 @@ def decode_batch(payload: bytes) -> EventBatch:
     if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
         dp_rank = None
     batch = EventBatch(ts=float(ts), events=[], data_parallel_rank=dp_rank)
-    for raw_event in events_raw:
-        try:
-            batch.events.append(_decode_event(raw_event))
-        except UnknownMedium as exc:
-            batch.unknown_media[exc.medium] += 1
-        except (ValueError, TypeError, OverflowError) as exc:
-            batch.rejected.append(str(exc))
+    _add_events(batch, events_raw, _from_raw)
     return batch
+
+
+def is_device_clear(event: Event) -> bool:
+    """Whether ``event`` clears the device tier (vLLM's block pool on a prefix-cache reset)."""
+    return isinstance(event, AllBlocksCleared) and event.medium in (None, Medium.GPU)
+
+
+def touches_lower_tier(event: Event) -> bool:
+    """Whether ``event`` changes a tier other than the confirmed device tier."""
+    if isinstance(event, AllBlocksCleared):
+        return not is_device_clear(event)
+    return event.medium is not Medium.GPU or not event.confirmed
 
 
 # The bytes msgpack gives the strings below (fixstr headers): a payload without any of them
@@ -545,57 +552,34 @@ def _wire_medium(event: BlockStored | BlockRemoved) -> str:
     return event.medium_name if event.medium_name is not None else event.medium.name
 
 
-def _event_map(event: Event) -> dict[str, Any]:
-    """An event as vLLM 0.32/0.33 encodes it: tagged map, defaults omitted."""
+def to_wire(event: Event) -> WireEvent:
+    """An event in its wire definition, as vLLM would publish it (defaults omitted)."""
     if isinstance(event, BlockStored):
-        out: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": event.block_hashes,
-            "parent_block_hash": event.parent_block_hash,
-            "token_ids": event.token_ids,
-            "block_size": event.block_size,
-            "lora_id": event.lora_id,
-            "medium": _wire_medium(event),
-            "lora_name": event.lora_name,
-        }
-        if event.extra_keys is not None:
-            out["extra_keys"] = event.extra_keys
-        if event.group_idx:
-            out["group_idx"] = event.group_idx
-        if event.locality is not None:
-            out["locality"] = event.locality
-        return out
+        return WireBlockStored(
+            block_hashes=event.block_hashes,  # type: ignore[arg-type]
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=_wire_medium(event),
+            lora_name=event.lora_name,
+            extra_keys=event.extra_keys,
+            group_idx=event.group_idx or None,
+            locality=event.locality,
+        )
     if isinstance(event, BlockRemoved):
-        out = {
-            "type": "BlockRemoved",
-            "block_hashes": event.block_hashes,
-            "medium": _wire_medium(event),
-        }
-        if event.group_idx:
-            out["group_idx"] = event.group_idx
-        return out
-    out = {"type": "AllBlocksCleared"}
-    if event.medium is not None:
-        out["medium"] = event.medium.name
-    return out
+        return WireBlockRemoved(
+            block_hashes=event.block_hashes,  # type: ignore[arg-type]
+            medium=_wire_medium(event),
+            group_idx=event.group_idx or None,
+        )
+    return WireAllBlocksCleared(None if event.medium is None else event.medium.name)
 
 
-def _event_array(event: Event) -> list[Any]:
-    """An event as older vLLM encoded it: ``[tag, field...]`` in declaration order."""
-    if isinstance(event, BlockStored):
-        return [
-            "BlockStored",
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            _wire_medium(event),
-            event.lora_name,
-        ]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, _wire_medium(event)]
-    return ["AllBlocksCleared"]
+def _positional(wire: WireEvent) -> list[Any]:
+    """A wire event as older vLLM encoded it: ``[tag, field...]``, its fields only."""
+    fields = msgspec.structs.astuple(wire)[: _POSITIONAL_FIELDS[type(wire)]]
+    return [wire.__struct_config__.tag, *fields]
 
 
 def encode_batch(
@@ -606,8 +590,10 @@ def encode_batch(
     positional: bool = False,
 ) -> bytes:
     """Encode a batch exactly as vLLM does (``positional=True``: the pre-2026 array events)."""
-    encode_event = _event_array if positional else _event_map
-    return _encoder.encode([ts, [encode_event(e) for e in events], data_parallel_rank])
+    wire = [to_wire(e) for e in events]
+    if positional:
+        return _encoder.encode([ts, [_positional(w) for w in wire], data_parallel_rank])
+    return _encoder.encode(WireBatch(ts, wire, data_parallel_rank))
 
 
 def encode_frames(topic: str, seq: int, payload: bytes) -> list[bytes]:

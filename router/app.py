@@ -16,6 +16,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
 from kvroute.router.config import RouterSettings
 from kvroute.router.dashboard import add_dashboard
 from kvroute.router.dashboard_data import DashboardData
@@ -27,9 +31,6 @@ from kvroute.router.requests import decode_json, parse_body
 from kvroute.router.response_ids import ResponseHomes
 from kvroute.router.service import RouterService
 from kvroute.router.tokenization import TokenizerBase
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 __all__ = ["create_app"]
 

@@ -36,6 +36,7 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes as n
 import jinja2.sandbox
+
 from kvroute.router.errors import RouterError
 
 __all__ = [

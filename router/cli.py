@@ -13,13 +13,13 @@ import logging
 import sys
 
 from kvroute.router.config import (
-    POLICIES,
     ConfigError,
     CostSettings,
     RouterSettings,
     parse_model_tokenizer_flag,
     parse_replica_flag,
 )
+from kvroute.router.policies import POLICIES
 
 __all__ = ["add_arguments", "main", "settings_from_args"]
 
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")
     routing = parser.add_argument_group("routing")
-    routing.add_argument("--policy", choices=POLICIES, default=d.policy)
+    routing.add_argument("--policy", choices=tuple(POLICIES), default=d.policy)
     routing.add_argument(
         "--tokenizer",
         default=None,
@@ -252,6 +252,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
+
     from kvroute.router.app import create_app
     from kvroute.router.http_protocol import header_deadline_protocol
 

@@ -26,8 +26,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kvroute.router.policies import POLICIES
+
 __all__ = [
-    "POLICIES",
     "ConfigError",
     "CostSettings",
     "ModelTokenizerConfig",
@@ -38,8 +39,6 @@ __all__ = [
     "parse_replica",
     "parse_replica_flag",
 ]
-
-POLICIES = ("kvroute", "round_robin", "least_loaded", "session", "approx_prefix")
 
 
 class ConfigError(ValueError):

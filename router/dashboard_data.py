@@ -17,12 +17,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvroute.indexer.tiers import Tier
+
 if TYPE_CHECKING:
     from kvroute.router.service import RouterService
 
 __all__ = ["DashboardData", "HitRateSeries", "Totals"]
 
-TIERS = ("GPU", "CPU", "STORAGE")
+TIERS = tuple(t.label() for t in Tier)  # the keys of entries_by_tier, fastest first
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
 from kvroute.router.config import ConfigError, ReplicaConfig
 from kvroute.router.periodic import PeriodicTask
 

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
+
 from kvroute.router.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from kvroute.router.errors import RouterError
 from kvroute.router.prompts import PROMPT_PARSERS

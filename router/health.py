@@ -18,6 +18,7 @@ import logging
 import time
 
 import httpx
+
 from kvroute.router.periodic import PeriodicTask
 from kvroute.router.replicas import (
     Replica,

@@ -37,17 +37,24 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
-from kvroute.router.config import CostSettings
+
+from kvroute.indexer.tiers import Tier
+
+if TYPE_CHECKING:  # router/config.py validates policy names against POLICIES (no cycle)
+    from kvroute.router.config import CostSettings, RouterSettings
 
 __all__ = [
+    "POLICIES",
     "POLICY_REASONS",
     "ApproxPrefixPolicy",
+    "CostEstimate",
     "KvroutePolicy",
     "LeastLoadedPolicy",
     "Policy",
+    "Ranking",
     "ReplicaView",
     "RoundRobinPolicy",
     "RouteContext",
@@ -71,8 +78,23 @@ POLICY_REASONS = (
 
 
 @dataclass(slots=True)
+class CostEstimate:
+    """kvroute's estimate for one candidate, in seconds (the formula: the module docstring).
+    ``est_ttft_s`` is queue + compute + load; ``cost_s``, what kvroute ranks by, adds
+    ``delay_to_others_s``. Both are stored, not derived: rank() reads them many times."""
+
+    queue_s: float
+    compute_s: float
+    load_s: float
+    est_ttft_s: float
+    delay_to_others_s: float  # what its uncached prefill costs the queue it joins
+    cost_s: float
+
+
+@dataclass(slots=True)
 class ReplicaView:
-    """One candidate as a policy sees it; also what /debug/route shows."""
+    """One candidate as a policy sees it; also what /debug/route shows (with the estimate
+    the policy returned for it, once the router ``record``s it)."""
 
     name: str
     pending: float = 0.0
@@ -96,6 +118,16 @@ class ReplicaView:
     queue_s: float | None = None
     compute_s: float | None = None
     load_s: float | None = None
+
+    def record(self, estimate: CostEstimate) -> None:
+        """Keep the estimate a policy returned for this candidate, for the decision's record
+        (/debug/route, the decision log) and the queue model's observation."""
+        self.est_ttft_s = estimate.est_ttft_s
+        self.delay_to_others_s = estimate.delay_to_others_s
+        self.cost_s = estimate.cost_s
+        self.queue_s = estimate.queue_s
+        self.compute_s = estimate.compute_s
+        self.load_s = estimate.load_s
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__slots__}
@@ -123,6 +155,27 @@ class RouteContext:
     home: str | None = None  # the replica this prefix was first placed on, if remembered
 
 
+@dataclass(slots=True)
+class Ranking:
+    """What a policy returns: the candidates best first, the reason for the first, and its
+    cost estimate of each candidate by name (empty for policies that do not estimate). The
+    views it was given are left as they were."""
+
+    views: list[ReplicaView]
+    reason: str
+    estimates: dict[str, CostEstimate] = field(default_factory=dict)
+
+    @property
+    def first(self) -> ReplicaView:
+        return self.views[0]
+
+
+# The keys of ReplicaView.tokens_by_tier that the cost reads per candidate, computed once.
+_GPU = Tier.GPU.label()
+_CPU, _CPU_UNCONFIRMED = Tier.CPU.label(), Tier.CPU.label(confirmed=False)
+_STORAGE, _STORAGE_UNCONFIRMED = Tier.STORAGE.label(), Tier.STORAGE.label(confirmed=False)
+
+
 def rendezvous(affinity: bytes, name: str) -> int:
     """Highest-random-weight hashing: the same request prefix prefers the same replica, and
     removing a replica moves only the prefixes that preferred it."""
@@ -130,13 +183,28 @@ def rendezvous(affinity: bytes, name: str) -> int:
 
 
 class Policy(ABC):
+    """A routing policy. The class attributes say what the router must gather for it, so that
+    no code outside this module tells policies apart by name."""
+
     name: str
     # Whether rank() reads RouteContext.home; the router keeps homes only for such policies.
     uses_homes: bool = False
+    # Whether rank() reads what a prompt's tokens give (index matches, routing history): the
+    # router then tokenizes every request, with the replicas when no tokenizer is configured.
+    needs_tokens: bool = False
+    # Whether rank() reads ReplicaView.approx_tokens: the router then matches each prompt
+    # against where it sent earlier ones (router/approx.py) and records where this one went.
+    uses_routing_history: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> Policy:
+        """The policy as configured by the router's settings."""
+        return cls()
 
     @abstractmethod
-    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
-        """Candidates best first, and the reason for the first."""
+    def rank(self, ctx: RouteContext) -> Ranking:
+        """Candidates best first, the reason for the first, and any cost estimates; the views
+        in ``ctx`` are read, never written."""
 
     def _by_load(self, ctx: RouteContext, views: list[ReplicaView]) -> list[ReplicaView]:
         return sorted(views, key=lambda v: (v.pending, -rendezvous(ctx.affinity, v.name)))
@@ -145,9 +213,14 @@ class Policy(ABC):
 class KvroutePolicy(Policy):
     name = "kvroute"
     uses_homes = True
+    needs_tokens = True
 
     def __init__(self, cost: CostSettings) -> None:
         self.cost = cost
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> Policy:
+        return cls(settings.cost)
 
     def queue_delay(self, view: ReplicaView) -> float:
         c = self.cost
@@ -162,64 +235,72 @@ class KvroutePolicy(Policy):
             delay += c.kv_pressure_s * min(1.0, over)
         return delay
 
-    def estimate(self, view: ReplicaView, prompt_tokens: int) -> None:
-        """Fill the view's est_ttft_s and its parts."""
+    def estimate(self, view: ReplicaView, prompt_tokens: int) -> CostEstimate:
+        """The view's est_ttft_s, its parts, and what it costs the others."""
         c = self.cost
         weight = 1.0 if view.freshness is None else c.freshness_weight.get(view.freshness, 0.0)
         tiers = view.tokens_by_tier
-        gpu = tiers.get("GPU", 0) * weight
+        gpu = tiers.get(_GPU, 0) * weight
         # Tiers whose publisher never announces removals are believed in part.
         unconfirmed = weight * c.unconfirmed_weight
-        cpu = tiers.get("CPU", 0) * weight + tiers.get("CPU_UNCONFIRMED", 0) * unconfirmed
-        storage = (
-            tiers.get("STORAGE", 0) * weight + tiers.get("STORAGE_UNCONFIRMED", 0) * unconfirmed
-        )
+        cpu = tiers.get(_CPU, 0) * weight + tiers.get(_CPU_UNCONFIRMED, 0) * unconfirmed
+        storage = tiers.get(_STORAGE, 0) * weight + tiers.get(_STORAGE_UNCONFIRMED, 0) * unconfirmed
         # Hinted blocks beyond the index match: the replica is computing them right now.
         gpu += max(0, view.hint_tokens - view.match_tokens)
         uncached = max(0.0, prompt_tokens - gpu - cpu - storage)
-        view.queue_s = self.queue_delay(view)
-        view.compute_s = c.prefill_s_per_token * uncached
-        view.load_s = c.load_s_per_token_cpu * cpu + c.load_s_per_token_storage * storage
-        view.est_ttft_s = view.queue_s + view.compute_s + view.load_s
+        queue_s = self.queue_delay(view)
+        compute_s = c.prefill_s_per_token * uncached
+        load_s = c.load_s_per_token_cpu * cpu + c.load_s_per_token_storage * storage
+        est_ttft_s = queue_s + compute_s + load_s
         # Prefill shares the engine (chunked prefill batches it with the others' steps): the
         # requests already pending there are slowed by about this request's prefill. A spill
         # recomputes a prefix the holder would have served from cache; charging that to the
         # fleet keeps a passing queue difference from scattering a returning user's history.
-        view.delay_to_others_s = (
-            c.delay_to_others_weight
-            * (view.compute_s + view.load_s)
-            * min(view.pending, c.queue_knee)
+        delay_to_others_s = (
+            c.delay_to_others_weight * (compute_s + load_s) * min(view.pending, c.queue_knee)
         )
-        view.cost_s = view.est_ttft_s + view.delay_to_others_s
+        return CostEstimate(
+            queue_s,
+            compute_s,
+            load_s,
+            est_ttft_s,
+            delay_to_others_s,
+            est_ttft_s + delay_to_others_s,
+        )
 
-    def near_equals(self, by_cost: list[ReplicaView]) -> list[ReplicaView]:
+    def near_equals(
+        self, by_cost: list[ReplicaView], estimates: dict[str, CostEstimate]
+    ) -> list[ReplicaView]:
         """The replicas the home order may pick from: as much work for this request as the
         cheapest (its prefill plus loads: a cache hit is never given up for a home) and a
         cost within ``home_slack`` of it (the load bound)."""
-        best = by_cost[0]
+        best = estimates[by_cost[0].name]
         eps = self.cost.tie_epsilon_s
-        cost_bound = (best.cost_s or 0.0) * (1.0 + self.cost.home_slack) + eps
-        work_bound = (best.compute_s or 0.0) + (best.load_s or 0.0) + eps
+        cost_bound = best.cost_s * (1.0 + self.cost.home_slack) + eps
+        work_bound = best.compute_s + best.load_s + eps
         return [
             v
             for v in by_cost
-            if (v.cost_s or 0.0) <= cost_bound
-            and (v.compute_s or 0.0) + (v.load_s or 0.0) <= work_bound
+            if (e := estimates[v.name]).cost_s <= cost_bound
+            and e.compute_s + e.load_s <= work_bound
         ]
 
-    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+    def rank(self, ctx: RouteContext) -> Ranking:
         prompt = ctx.prompt_tokens or 0
-        for view in ctx.views:
-            self.estimate(view, prompt)
-        by_cost = sorted(ctx.views, key=lambda v: v.cost_s or 0.0)
-        near = self.near_equals(by_cost)
+        estimates = {view.name: self.estimate(view, prompt) for view in ctx.views}
+        by_cost = sorted(ctx.views, key=lambda v: estimates[v.name].cost_s)
+        near = self.near_equals(by_cost, estimates)
         home = next((v for v in near if v.name == ctx.home), None)
         if home is not None:
             chosen = home
         elif ctx.home is None:  # a new prefix: where the fewest new homes went lately
             chosen = min(
                 near,
-                key=lambda v: (v.home_rate, v.cost_s or 0.0, -rendezvous(ctx.affinity, v.name)),
+                key=lambda v: (
+                    v.home_rate,
+                    estimates[v.name].cost_s,
+                    -rendezvous(ctx.affinity, v.name),
+                ),
             )
         else:  # home too busy, or a hot prefix spilling: a stable second choice
             chosen = min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
@@ -233,7 +314,7 @@ class KvroutePolicy(Policy):
             reason = "hint"
         else:
             reason = "prefix"
-        return ranked, reason
+        return Ranking(ranked, reason, estimates)
 
 
 class RoundRobinPolicy(Policy):
@@ -242,17 +323,17 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+    def rank(self, ctx: RouteContext) -> Ranking:
         views = sorted(ctx.views, key=lambda v: v.name)
         start = next(self._counter) % len(views)
-        return views[start:] + views[:start], "round_robin"
+        return Ranking(views[start:] + views[:start], "round_robin")
 
 
 class LeastLoadedPolicy(Policy):
     name = "least_loaded"
 
-    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
-        return self._by_load(ctx, ctx.views), "load"
+    def rank(self, ctx: RouteContext) -> Ranking:
+        return Ranking(self._by_load(ctx, ctx.views), "load")
 
 
 class SessionPolicy(Policy):
@@ -260,11 +341,11 @@ class SessionPolicy(Policy):
 
     name = "session"
 
-    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
+    def rank(self, ctx: RouteContext) -> Ranking:
         if not ctx.session_id:
-            return self._by_load(ctx, ctx.views), "session_new"
+            return Ranking(self._by_load(ctx, ctx.views), "session_new")
         key = ctx.session_id.encode()
-        return sorted(ctx.views, key=lambda v: -rendezvous(key, v.name)), "session"
+        return Ranking(sorted(ctx.views, key=lambda v: -rendezvous(key, v.name)), "session")
 
 
 class ApproxPrefixPolicy(Policy):
@@ -272,37 +353,50 @@ class ApproxPrefixPolicy(Policy):
     threshold, else the least loaded (``approx_tokens`` comes from RoutingHistory)."""
 
     name = "approx_prefix"
+    needs_tokens = True
+    uses_routing_history = True
 
     def __init__(self, match_threshold: float, balance_abs: int, balance_rel: float) -> None:
         self.match_threshold = match_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
 
-    def rank(self, ctx: RouteContext) -> tuple[list[ReplicaView], str]:
-        by_load = self._by_load(ctx, ctx.views)
-        lo, hi = by_load[0].pending, by_load[-1].pending
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return by_load, "approx_balance"
-        prompt = max(1, ctx.prompt_tokens or 0)
-        best = max(ctx.views, key=lambda v: (v.approx_tokens, -v.pending))
-        if best.approx_tokens / prompt >= self.match_threshold:
-            return [best] + [v for v in by_load if v is not best], "approx_match"
-        return by_load, "approx_load"
-
-
-def make_policy(name: str, settings: Any) -> Policy:
-    if name == "kvroute":
-        return KvroutePolicy(settings.cost)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    if name == "session":
-        return SessionPolicy()
-    if name == "approx_prefix":
-        return ApproxPrefixPolicy(
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> Policy:
+        return cls(
             settings.approx_match_threshold,
             settings.approx_balance_abs,
             settings.approx_balance_rel,
         )
-    raise ValueError(f"unknown policy {name!r}")
+
+    def rank(self, ctx: RouteContext) -> Ranking:
+        by_load = self._by_load(ctx, ctx.views)
+        lo, hi = by_load[0].pending, by_load[-1].pending
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return Ranking(by_load, "approx_balance")
+        prompt = max(1, ctx.prompt_tokens or 0)
+        best = max(ctx.views, key=lambda v: (v.approx_tokens, -v.pending))
+        if best.approx_tokens / prompt >= self.match_threshold:
+            return Ranking([best] + [v for v in by_load if v is not best], "approx_match")
+        return Ranking(by_load, "approx_load")
+
+
+# Every policy, by the name --policy, the settings file and the benchmarks accept: the one
+# list of them. The order is the routing benchmark's default run order (the baselines first).
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobinPolicy,
+        LeastLoadedPolicy,
+        SessionPolicy,
+        ApproxPrefixPolicy,
+        KvroutePolicy,
+    )
+}
+
+
+def make_policy(name: str, settings: RouterSettings) -> Policy:
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}")
+    return cls.from_settings(settings)

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import msgspec
+
 from kvroute.router.chat_render import truncate_ids
 from kvroute.router.errors import RouterError
 from kvroute.router.lru import LRU, token_list_bytes

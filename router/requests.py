@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
+
 from kvroute.router.errors import RouterError
 
 __all__ = [

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 
 import msgspec
+
 from kvroute.router.lru import LRU
 
 __all__ = ["MAX_IDS", "ResponseHomes", "SseResponseId", "id_from_body", "id_in_path"]

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.indexer.index import InMemoryPrefixIndex, PrefixMatch
+from kvroute.indexer.index import PrefixIndex, PrefixMatch
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.subscriber import EventSubscriber
-from kvroute.indexer.wire import Medium
+from kvroute.indexer.tiers import Tier
 from kvroute.router.approx import RoutingHistory
 from kvroute.router.config import RouterSettings
 from kvroute.router.decision_log import DecisionLog
@@ -30,14 +30,15 @@ from kvroute.router.tokenization import TokenizerBase
 
 __all__ = ["Decision", "Router", "home_affinity", "match_tiers", "predicted_cached_tokens"]
 
+# Each tier, fastest first, with its keys in ReplicaView.tokens_by_tier (confirmed,
+# unconfirmed), looked up once.
+_TIER_LABELS = tuple((t, t.label(), t.label(confirmed=False)) for t in sorted(Tier))
 # Which tiers' tokens a match loses first when capped (the tail of a match sits in the
 # slowest tier it reaches).
-_TIER_DROP_ORDER = (
-    "STORAGE_UNCONFIRMED",
-    "STORAGE",
-    "CPU_UNCONFIRMED",
-    "CPU",
-    "GPU",
+_TIER_DROP_ORDER = tuple(
+    label
+    for _, confirmed, unconfirmed in reversed(_TIER_LABELS)
+    for label in (unconfirmed, confirmed)
 )
 
 
@@ -52,11 +53,15 @@ def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int)
 def match_tiers(match: PrefixMatch) -> dict[str, int]:
     """A match's tokens per tier name: confirmed tiers by name, and the tiers of publishers
     that never announce removals as ``<TIER>_UNCONFIRMED``."""
-    tiers = {t.name: match.tokens_in(t) for t in Medium if match.tokens_in(t)}
-    for t in Medium:
-        n = match.unconfirmed_tokens_in(t)
+    tiers: dict[str, int] = {}
+    for tier, label, _ in _TIER_LABELS:
+        n = match.tokens_in(tier)
         if n:
-            tiers[f"{t.name}_UNCONFIRMED"] = n
+            tiers[label] = n
+    for tier, _, label in _TIER_LABELS:
+        n = match.unconfirmed_tokens_in(tier)
+        if n:
+            tiers[label] = n
     return tiers
 
 
@@ -116,7 +121,7 @@ class Router:
     def __init__(
         self,
         settings: RouterSettings,
-        index: InMemoryPrefixIndex,
+        index: PrefixIndex,
         subscriber: EventSubscriber | None,
         tokenizer: TokenizerBase | None,
         policy: Policy,
@@ -203,12 +208,12 @@ class Router:
         decision.lora_name = lora
         affinity = req.model.encode()
         if tokens:
-            mm = getattr(tokens, "mm", None)
-            request = RequestKeys(tokens, lora_name=lora, cache_salt=req.cache_salt, mm=mm)
             assert prompts is not None
-            batch = [request] + [
-                RequestKeys(p, lora_name=lora, cache_salt=req.cache_salt) for p in prompts[1:]
+            batch = [
+                RequestKeys(p, lora_name=lora, cache_salt=req.cache_salt, mm=getattr(p, "mm", None))
+                for p in prompts
             ]
+            request = batch[0]
             if len(batch) > 1:
                 decision.batch_sizes = [len(p) for p in prompts]
             self._match(decision, views, batch)
@@ -226,11 +231,14 @@ class Router:
         ctx = RouteContext(
             list(views.values()), decision.prompt_tokens, affinity, session_id, decision.home
         )
-        ranked_views, reason = self.policy.rank(ctx)
+        ranking = self.policy.rank(ctx)
+        for view in ranking.views:
+            if (estimate := ranking.estimates.get(view.name)) is not None:
+                view.record(estimate)
         by_name = {r.name: r for r in candidates}
-        decision.reason = reason
-        decision.views = ranked_views
-        decision.ranked = [by_name[v.name] for v in ranked_views]
+        decision.reason = ranking.reason
+        decision.views = ranking.views
+        decision.ranked = [by_name[v.name] for v in ranking.views]
         return decision
 
     def _match(
@@ -255,9 +263,7 @@ class Router:
                     decision.keys[bs] = keys
                 else:
                     decision.batch_keys.setdefault(bs, []).append(keys)
-                matches = (
-                    self.index.lookup_keys(keys, indexed, bs, request=request) if indexed else {}
-                )
+                matches = self.index.lookup(request, replicas=indexed) if indexed else {}
                 hints = self.hints.match(names, keys)
                 shared = 0
                 if batch:
@@ -269,7 +275,7 @@ class Router:
                     cap, tiers = 0, {}
                     m = matches.get(name)
                     if m is not None and m.tokens:
-                        unit = self.index.partial_unit(name) if m.partial_tokens else bs
+                        unit = m.partial_unit if m.partial_tokens else bs
                         cap = predicted_cached_tokens(m.tokens, n, unit or bs)
                         tiers = match_tiers(m)
                         excess = m.tokens - cap
@@ -289,7 +295,7 @@ class Router:
                     view.predicted_cached_tokens += max(cap, hint)
                     if batch:
                         decision.batch_predicted.setdefault(name, []).append(max(cap, hint))
-        if self.policy.name == "approx_prefix":
+        if self.policy.uses_routing_history:
             request = requests[0]
             n = request.n_tokens
             abs_ = self.settings.approx_block_size

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-from kvroute.indexer.index import InMemoryPrefixIndex
+
+from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex
 from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.subscriber import EventSource, EventSubscriber
 from kvroute.router.accuracy import AccuracyTracker
@@ -51,7 +52,7 @@ class RouterService:
             max_messages=settings.max_messages,
             max_n=settings.max_n,
         )
-        self.index = InMemoryPrefixIndex(
+        self.index: PrefixIndex = InMemoryPrefixIndex(
             max_entries=settings.index_max_entries,
             unconfirmed_ttl_s=settings.unconfirmed_ttl_s,
             unconfirmed_max_blocks=settings.unconfirmed_max_blocks,
@@ -199,7 +200,7 @@ class RouterService:
                 for model, c in s.model_tokenizers.items()
             }
         remote = None
-        needs_tokens = s.policy in ("kvroute", "approx_prefix")
+        needs_tokens = self.router.policy.needs_tokens
         if default is not None or per_model or s.tokenizer_mode == "remote" or needs_tokens:
             remote = RemoteTokenizer(
                 self.client,
@@ -450,7 +451,7 @@ class RouterService:
         return {
             "replicas": replicas,
             "tokenizer_modes": {m: st.mode for m, st in check.models.items()} if check else {},
-            "index_bytes": self.index.estimated_bytes(),
+            "index_bytes": self.index.stats().estimated_bytes,
             "hint_keys": len(self.router.hints),
         }
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 import msgspec
+
 from kvroute.router.chat_render import (
     ContentFormat,
     conversation,

@@ -1,6 +1,6 @@
 """A minimal pooled HTTP/1.1 client for the proxy's hot path (asyncio protocol + httptools).
 
-Why not httpx or aiohttp: on our 2-core machines the bare httpx client peaks near 200 req/s
+Why not httpx or aiohttp: on a 2-core machine the bare httpx client peaks near 200 req/s
 at 64 concurrent requests on one core and aiohttp near 2,200, while a request through this
 client costs one ``write`` and a few parser callbacks (the load generator built the same way
 passes ~15,000 req/s). The proxy needs little of HTTP: send a request whose body it already

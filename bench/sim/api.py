@@ -2,12 +2,14 @@
 
 Endpoints and shapes follow vLLM 0.32: /v1/completions and /v1/chat/completions (JSON or SSE
 ending in ``data: [DONE]``, ``stream_options.include_usage``, ``usage.prompt_tokens_details.
-cached_tokens``), /v1/models, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
+cached_tokens``), /v1/models (the base model and its LoRA adapters), /v1/load_lora_adapter and
+/v1/unload_lora_adapter, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
 /version, and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``; the
-Responses API, Anthropic messages, embeddings and pooling are in kvroute.bench.sim.more_api. The app
-is plain Starlette (what FastAPI runs on) with hand-written validation: sixteen of these share
-two cores with the router and the load generator, so per-request overhead matters more than
-schemas.
+Responses API, Anthropic messages, embeddings and pooling are in kvroute.bench.sim.more_api,
+the render endpoints in kvroute.bench.sim.render_api. The app is plain Starlette (what
+FastAPI runs on) with hand-written validation: a fleet runs many replicas on one event loop,
+so per-request overhead matters more than schemas. Every route records its POSTs in
+``replica.seen`` and applies the replica's ``ReplicaFaults`` (kvroute.bench.sim.faults).
 
 Deviations, stated so nobody mistakes them for vLLM's: the generated text is a deterministic
 function of the prompt (see SimTokenizer.generate), every request generates exactly
@@ -20,95 +22,70 @@ reports, as vLLM 0.32 does, the cached tokens of its last prompt only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import msgspec
-from kvroute.bench.sim.more_api import MoreHandlers
-from kvroute.bench.sim.replica import Generation, InjectedError, SimReplica
-from kvroute.bench.sim.scheduler import ReplicaDied
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-__all__ = ["ApiError", "create_app", "error_response"]
+from kvroute.bench.sim.faults import SeenRequest
+from kvroute.bench.sim.http_common import (
+    ApiError,
+    error_response,
+    json_response,
+    opt_bool,
+    opt_int,
+    read_body,
+    run_to_end,
+    sse_data,
+    with_cancellation,
+)
+from kvroute.bench.sim.more_api import MoreHandlers
+from kvroute.bench.sim.render_api import RenderHandlers
+from kvroute.bench.sim.replica import Generation, InjectedError, SimReplica
+from kvroute.bench.sim.scheduler import ReplicaDied
 
-_json = msgspec.json.Encoder()
-_decode = msgspec.json.Decoder()
+__all__ = ["create_app", "request_token_ids"]
 
-
-class ApiError(Exception):
-    """An error to answer in vLLM's schema."""
-
-    def __init__(
-        self, message: str, *, code: int = 400, type_: str | None = None, param: str | None = None
-    ):
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.type = type_ or {400: "BadRequestError", 404: "NotFoundError"}.get(
-            code, "InternalServerError"
-        )
-        self.param = param
-
-
-def error_response(err: ApiError) -> Response:
-    body = {
-        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
-    }
-    return Response(_json.encode(body), status_code=err.code, media_type="application/json")
+_BAD_LORA = "InvalidUserInput"  # vLLM's error type for a bad LoRA (un)load request
+# Endpoints that run the engine: ``ReplicaFaults.fail_status`` and ``headers`` apply to them.
+_GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+)
 
 
-def _ok(body: Any) -> Response:
-    return Response(_json.encode(body), media_type="application/json")
+class Handlers:
+    """The core endpoints, and the request parsing every endpoint module shares."""
 
-
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = _decode.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ApiError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
-    return body
-
-
-def _opt_int(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ApiError(f"{name} must be an integer >= {minimum}", param=name)
-    return value
-
-
-def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(f"{name} must be a boolean", param=name)
-    return value
-
-
-class _Handlers:
     def __init__(self, replica: SimReplica) -> None:
         self.r = replica
         self.more = MoreHandlers(self)
+        self.render = RenderHandlers(self)
 
     @property
     def model(self) -> str:
         return self.r.config.model
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    def check_model(self, body: dict[str, Any]) -> str | None:
+        """Refuse a model this server does not serve; return the LoRA adapter asked for."""
         model = body.get("model")
-        if model is not None and model != self.model:
-            raise ApiError(f"The model `{model}` does not exist.", code=404, param="model")
+        if model is None or model == self.model:
+            return None
+        if model in self.r.config.loras:
+            return str(model)
+        raise ApiError(f"The model `{model}` does not exist.", code=404, param="model")
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The server's tokenizer on prompt text (with an injected drift, if any)."""
+        ids = self.r.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        prefix = self.r.faults.tokenizer_prefix
+        return [*prefix, *ids] if prefix else ids
 
     def _unsupported(self, body: dict[str, Any]) -> None:
         n = body.get("n")
@@ -119,20 +96,20 @@ class _Handlers:
         if body.get("logprobs") not in (None, False):
             raise ApiError("the simulator does not return logprobs", param="logprobs")
 
-    def _max_tokens(self, body: dict[str, Any], *names: str) -> int:
+    def max_tokens_of(self, body: dict[str, Any], *names: str) -> int:
         for name in names:
-            value = _opt_int(body, name, minimum=1)
+            value = opt_int(body, name, minimum=1)
             if value is not None:
                 return value
         return self.r.config.default_max_tokens
 
-    def _cache_salt(self, body: dict[str, Any]) -> str | None:
+    def cache_salt_of(self, body: dict[str, Any]) -> str | None:
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ApiError("cache_salt must be a non-empty string", param="cache_salt")
         return salt
 
-    def _chat_ids(self, body: dict[str, Any], *, add_special_tokens: bool = False) -> list[int]:
+    def chat_ids(self, body: dict[str, Any], *, add_special_tokens: bool = False) -> list[int]:
         """vLLM's chat path: render the template to text, then tokenize the text."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -164,21 +141,22 @@ class _Handlers:
         try:
             text = self.r.tokenizer.render_chat(
                 messages,
-                add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-                continue_final_message=_opt_bool(body, "continue_final_message", False),
+                add_generation_prompt=opt_bool(body, "add_generation_prompt", True),
+                continue_final_message=opt_bool(body, "continue_final_message", False),
                 chat_template_kwargs=kwargs,
                 tools=tools,
+                chat_template=self.r.config.chat_template,
             )
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
-        return self.r.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def _prompt_ids(self, body: dict[str, Any], *, add_special_tokens: bool = True) -> list[int]:
+    def prompt_ids(self, body: dict[str, Any], *, add_special_tokens: bool = True) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.r.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.encode(prompt, add_special_tokens=add_special_tokens)
         if (
             isinstance(prompt, list)
             and prompt
@@ -186,7 +164,7 @@ class _Handlers:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
             )
         ):
-            self._check_vocab(prompt, "prompt")
+            self.check_vocab(prompt, "prompt")
             return list(prompt)
         raise ApiError(
             "prompt must be a string or a non-empty list of token ids (batched prompts are not "
@@ -203,10 +181,10 @@ class _Handlers:
             isinstance(p, list) for p in prompt
         ):
             return None
-        special = _opt_bool(body, "add_special_tokens", True)
-        return [self._prompt_ids({"prompt": p}, add_special_tokens=special) for p in prompt]
+        special = opt_bool(body, "add_special_tokens", True)
+        return [self.prompt_ids({"prompt": p}, add_special_tokens=special) for p in prompt]
 
-    def _check_vocab(self, ids: list[int], param: str) -> None:
+    def check_vocab(self, ids: list[int], param: str) -> None:
         """vLLM's answer to a token id outside the vocabulary (a 400, not a crash)."""
         if not ids:
             return
@@ -219,10 +197,10 @@ class _Handlers:
     # --- endpoints ----------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if self.r.faults.healthy else 503)
 
     async def models(self, request: Request) -> Response:
-        return _ok(
+        return json_response(
             {
                 "object": "list",
                 "data": [
@@ -234,7 +212,19 @@ class _Handlers:
                         "root": str(self.r.tokenizer.model_dir),
                         "parent": None,
                         "max_model_len": self.r.config.max_model_len,
-                    }
+                    },
+                    *(
+                        {
+                            "id": name,
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "vllm",
+                            "root": f"/loras/{name}",
+                            "parent": self.model,
+                            "max_model_len": self.r.config.max_model_len,
+                        }
+                        for name in self.r.config.loras
+                    ),
                 ],
             }
         )
@@ -244,22 +234,25 @@ class _Handlers:
             self.r.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
+    def request_ids(self, body: dict[str, Any]) -> list[int]:
+        """The prompt's ids as vLLM's /tokenize computes them (chat defaults:
+        add_generation_prompt=True, no special tokens)."""
+        if "messages" in body:
+            return self.chat_ids(
+                body, add_special_tokens=opt_bool(body, "add_special_tokens", False)
+            )
+        return self.prompt_ids(body, add_special_tokens=opt_bool(body, "add_special_tokens", True))
+
     async def tokenize(self, request: Request) -> Response:
+        if self.r.faults.tokenize_delay_s:
+            await asyncio.sleep(self.r.faults.tokenize_delay_s)
         try:
-            body = await _body(request)
-            self._check_model(body)
-            if "messages" in body:
-                # vLLM's chat tokenize defaults: add_generation_prompt=True, no special tokens.
-                ids = self._chat_ids(
-                    body, add_special_tokens=_opt_bool(body, "add_special_tokens", False)
-                )
-            else:
-                ids = self._prompt_ids(
-                    body, add_special_tokens=_opt_bool(body, "add_special_tokens", True)
-                )
+            body = await read_body(request)
+            self.check_model(body)
+            ids = self.request_ids(body)
         except ApiError as err:
             return error_response(err)
-        return _ok(
+        return json_response(
             {
                 "count": len(ids),
                 "max_model_len": self.r.config.max_model_len,
@@ -270,17 +263,59 @@ class _Handlers:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = await _body(request)
-            self._check_model(body)
+            body = await read_body(request)
+            self.check_model(body)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens
             ):
                 raise ApiError("tokens must be a list of token ids", param="tokens")
-            self._check_vocab(tokens, "tokens")
+            self.check_vocab(tokens, "tokens")
         except ApiError as err:
             return error_response(err)
-        return _ok({"prompt": self.r.tokenizer.tok.decode(tokens)})
+        return json_response({"prompt": self.r.tokenizer.tok.decode(tokens)})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime LoRA loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): the adapter is
+        listed and servable at once."""
+        try:
+            body = await read_body(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not name or not path or not isinstance(name, str):
+                raise ApiError(
+                    "Both 'lora_name' and 'lora_path' must be provided.", type_=_BAD_LORA
+                )
+            if name == self.model:
+                raise ApiError(
+                    f"The lora adapter '{name}' conflicts with a served base model.",
+                    type_=_BAD_LORA,
+                )
+            if name in self.r.config.loras and not body.get("load_inplace"):
+                raise ApiError(
+                    f"The lora adapter '{name}' has already been loaded. If you want to load "
+                    "the adapter in place, set 'load_inplace' to True.",
+                    type_=_BAD_LORA,
+                )
+        except ApiError as err:
+            return error_response(err)
+        if name not in self.r.config.loras:
+            self.r.config.loras = (*self.r.config.loras, name)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            name = body.get("lora_name")
+            if not name:
+                raise ApiError(
+                    "'lora_name' needs to be provided to unload a LoRA adapter.", type_=_BAD_LORA
+                )
+            if name not in self.r.config.loras:
+                raise ApiError(f"The lora adapter '{name}' cannot be found.", code=404)
+        except ApiError as err:
+            return error_response(err)
+        self.r.config.loras = tuple(n for n in self.r.config.loras if n != name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if not self.r.reset_prefix_cache():
@@ -297,23 +332,23 @@ class _Handlers:
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
-            body = await _body(request)
-            self._check_model(body)
+            body = await read_body(request)
+            lora = self.check_model(body)
             self._unsupported(body)
             batch = None if chat else self._batch_ids(body)
             if batch is not None:
-                return await self.more.completions_batch(body, batch)
-            ids = self._chat_ids(body) if chat else self._prompt_ids(body)
+                return await self.more.completions_batch(body, batch, lora)
+            ids = self.chat_ids(body) if chat else self.prompt_ids(body)
             max_tokens = (
-                self._max_tokens(body, "max_completion_tokens", "max_tokens")
+                self.max_tokens_of(body, "max_completion_tokens", "max_tokens")
                 if chat
-                else self._max_tokens(body, "max_tokens")
+                else self.max_tokens_of(body, "max_tokens")
             )
             too_long = self.r.check_length(len(ids), max_tokens)
             if too_long:
                 raise ApiError(too_long)
-            salt = self._cache_salt(body)
-            stream = _opt_bool(body, "stream", False)
+            salt = self.cache_salt_of(body)
+            stream = opt_bool(body, "stream", False)
             opts = body.get("stream_options") or {}
             if not isinstance(opts, dict):
                 raise ApiError("stream_options must be an object", param="stream_options")
@@ -321,7 +356,7 @@ class _Handlers:
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        gen = self.r.generate(ids, max_tokens, cache_salt=salt)
+        gen = self.r.generate(ids, max_tokens, cache_salt=salt, lora_name=lora)
         if stream:
             # Wait for the first token before answering, so errors found before any output
             # (injected faults, a dead replica) get a status code, as in vLLM.
@@ -341,14 +376,10 @@ class _Handlers:
                 ),
                 media_type="text/event-stream",
             )
-        state: Generation | None = None
         try:
-            async with contextlib.aclosing(gen):
-                async for item in gen:
-                    state = item[0]
+            state = await run_to_end(gen)
         except (InjectedError, ReplicaDied) as exc:
             return error_response(ApiError(str(exc), code=500))
-        assert state is not None
         text = self.r.tokenizer.decode(state.output)
         if chat:
             choice: dict[str, Any] = {
@@ -372,7 +403,7 @@ class _Handlers:
                 "stop_reason": None,
                 "prompt_logprobs": None,
             }
-        return _ok(
+        return json_response(
             {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
@@ -426,7 +457,7 @@ class _Handlers:
             }
             if include_usage and continuous_usage:
                 out["usage"] = _usage(state)
-            return b"data: " + _json.encode(out) + b"\n\n"
+            return sse_data(out)
 
         state, ids = first
         async with contextlib.aclosing(gen):  # type: ignore[type-var]
@@ -445,13 +476,17 @@ class _Handlers:
                         }
                     ],
                 }
-                yield b"data: " + _json.encode(role) + b"\n\n"
+                yield sse_data(role)
             done = len(state.output) >= state.max_tokens
             yield chunk(state, ids, "length" if done else None)
+            sent = 1
             try:
                 async for state, ids in gen:
+                    if sent == self.r.faults.die_after_chunks:
+                        raise InjectedError("injected mid-stream death")
                     done = len(state.output) >= state.max_tokens
                     yield chunk(state, ids, "length" if done else None)
+                    sent += 1
             except ReplicaDied:
                 return  # the stream just stops, without [DONE], as when a process dies
         if include_usage:
@@ -463,7 +498,7 @@ class _Handlers:
                 "choices": [],
                 "usage": _usage(state),
             }
-            yield b"data: " + _json.encode(tail) + b"\n\n"
+            yield sse_data(tail)
         yield b"data: [DONE]\n\n"
 
 
@@ -476,8 +511,42 @@ def _usage(state: Generation) -> dict[str, Any]:
     }
 
 
+def request_token_ids(replica: SimReplica, body: dict[str, Any]) -> list[int]:
+    """The ids ``POST /tokenize`` answers for ``body`` (raises ApiError on a bad body)."""
+    return Handlers(replica).request_ids(body)
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _observed(replica: SimReplica, endpoint: Endpoint) -> Endpoint:
+    """Record each POST in ``replica.seen`` and apply the faults of generation endpoints
+    (forced status, extra headers)."""
+
+    async def wrapped(request: Request) -> Response:
+        path = request.url.path
+        if request.method == "POST":
+            try:
+                body = await read_body(request)
+            except ApiError:
+                body = {}
+            replica.seen.append(SeenRequest(path, body, dict(request.headers)))
+        faults = replica.faults
+        if path not in _GENERATION_PATHS:
+            return await endpoint(request)
+        if faults.fail_status is not None:
+            message = f"injected failure on {replica.config.name}"
+            response = error_response(ApiError(message, code=faults.fail_status))
+        else:
+            response = await endpoint(request)
+        response.headers.update(faults.headers)
+        return response
+
+    return wrapped
+
+
 def create_app(replica: SimReplica) -> Starlette:
-    h = _Handlers(replica)
+    h = Handlers(replica)
     routes = [
         Route("/health", h.health, methods=["GET"]),
         Route("/v1/models", h.models, methods=["GET"]),
@@ -485,9 +554,15 @@ def create_app(replica: SimReplica) -> Starlette:
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
-        Route("/v1/completions", h.completions, methods=["POST"]),
-        Route("/v1/chat/completions", h.chat_completions, methods=["POST"]),
+        Route("/v1/load_lora_adapter", h.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", h.unload_lora_adapter, methods=["POST"]),
+        Route("/v1/completions", with_cancellation(h.completions), methods=["POST"]),
+        Route("/v1/chat/completions", with_cancellation(h.chat_completions), methods=["POST"]),
         *h.more.routes(),
+        *h.render.routes(),
+    ]
+    routes = [
+        Route(r.path, _observed(replica, r.endpoint), methods=list(r.methods or ())) for r in routes
     ]
     app = Starlette(routes=routes)
 

@@ -50,6 +50,7 @@ class CachedBlock:
     extra: tuple[Any, ...] | None
     tier: Medium | None
     ref: int = 0
+    lora_name: str | None = None  # the adapter that computed it (its events name it)
     kids: set[CachedBlock] = field(default_factory=set, repr=False)
     # The request still computing this block (vLLM caches blocks when it schedules them, so
     # others can hit them before they are computed; the scheduler makes those wait).
@@ -219,6 +220,7 @@ class TieredPrefixCache:
         tokens: Sequence[int],
         digests: Sequence[bytes],
         extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+        lora_name: str | None = None,
     ) -> list[CachedBlock]:
         """The request computes ``tokens``: cache its full blocks past those it already holds.
 
@@ -265,6 +267,7 @@ class TieredPrefixCache:
                     extra=extra,
                     tier=Medium.GPU,
                     ref=1,
+                    lora_name=lora_name,
                 )
                 self._blocks[d] = block
                 if parent is not None:
@@ -317,6 +320,7 @@ class TieredPrefixCache:
                 token_ids=tokens,
                 block_size=self.block_size,
                 medium=tier,
+                lora_name=run[0].lora_name,  # a chain never mixes adapters (its extra keys)
                 # One entry per block, always, as vLLM's block pool and kvroute's connector
                 # send them (None for a block without extra keys).
                 extra_keys=[b.extra for b in run],

@@ -18,10 +18,11 @@ Simulator only, so tests can see where a request ran: every such answer carries
 ``x-sim-data-parallel-rank`` naming the engine that served it.
 
 The engines are ``SimReplica`` objects started without HTTP (``start_engine``); the HTTP
-handlers are the single-replica ones (kvroute.bench.sim.api) over this object (it offers the part of
-``SimReplica`` they use: ``config``, ``tokenizer``, ``metrics.render``, ``check_length``,
-``generate``, ``reset_prefix_cache``), with the chosen rank passed through a context variable
-set by the ASGI wrapper below, so kvroute.bench.sim.api needs no DP code.
+handlers are the single-replica ones (kvroute.bench.sim.api) over this object (it offers the
+part of ``SimReplica`` they use: ``config``, ``tokenizer``, ``metrics.render``,
+``check_length``, ``generate``, ``reset_prefix_cache``, ``faults``, ``seen``), with the chosen
+rank passed through a context variable set by the ASGI wrapper below, so kvroute.bench.sim.api
+needs no DP code.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+
+from kvroute.bench.sim.api import create_app
+from kvroute.bench.sim.faults import ReplicaFaults, RequestLog
 from kvroute.bench.sim.http_server import SocketHTTPServer
 from kvroute.bench.sim.replica import Generation, SimReplica, SimReplicaConfig
 from kvroute.bench.sim.tokenizer import SimTokenizer
@@ -52,7 +56,7 @@ def make_server(
     """A plain replica, or a data-parallel server of ``data_parallel_size`` engines."""
     if data_parallel_size > 1:
         return SimDPServer(config, tokenizer, data_parallel_size)
-    return SimReplica(config, tokenizer)
+    return SimReplica(config, tokenizer, create_app)
 
 
 def engines_of(server: SimReplica | SimDPServer) -> list[SimReplica]:
@@ -134,6 +138,11 @@ class SimDPServer:
             for r in range(size)
         ]
         self.metrics = _Metrics(self)
+        # One set of faults for the server and its engines; one record of what it received.
+        self.faults = ReplicaFaults()
+        self.seen = RequestLog()
+        for engine in self.engines:
+            engine.faults = self.faults
         # Requests the server sent each engine and has not finished (vLLM's engine_inflight).
         self.in_flight = [0] * size
         self.pinned = [0] * size  # requests that came with the rank header
@@ -159,13 +168,20 @@ class SimDPServer:
         return self.engines[0].check_length(prompt_tokens, max_tokens)
 
     def generate(
-        self, prompt: list[int], max_tokens: int, *, cache_salt: str | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[tuple[Generation, list[int]]]:
         """Run on the rank the ASGI wrapper chose for this request (least loaded without)."""
         rank = _rank.get()
         if rank is None:
             rank = self.pick()
-        return self.engines[rank].generate(prompt, max_tokens, cache_salt=cache_salt)
+        return self.engines[rank].generate(
+            prompt, max_tokens, cache_salt=cache_salt, lora_name=lora_name
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Every engine's device cache (vLLM resets all ranks); False while one is busy."""
@@ -224,8 +240,6 @@ class SimDPServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Bind HTTP, then each engine's PUB and replay sockets on consecutive ports (kept
         across restarts)."""
-        from kvroute.bench.sim.api import create_app
-
         self.host = host
         self.port = self._http.bind(host, port)
         if not self.events_port:

@@ -6,8 +6,10 @@ control server for what a test or benchmark does to a fleet (kill, restart, rese
 inject faults, read cache contents). ``python -m kvroute.bench.sim.fleet --replicas 16`` prints one
 JSON line when every replica listens (``ready``), then serves until SIGINT/SIGTERM.
 
-``SimFleet`` runs that command as a child process and talks to its control server, so the
-fleet never competes with the caller's event loop or GIL.
+``SimFleet`` runs that command as a child process group (``kvroute.deploy.processes``) and
+talks to its control server, so the fleet never competes with the caller's event loop or GIL.
+It picks the control port, and the fleet is ready when ``GET /fleet`` answers there: the
+control server listens only once every replica does. ``kvroute up --engine sim`` uses it too.
 
 ``data_parallel_size`` > 1 makes each replica a data-parallel server (bench/sim/dp.py): one HTTP
 port, that many engines, each with its own event sockets. The control server knows each
@@ -22,23 +24,24 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.replica import SimReplicaConfig
+from kvroute.deploy.processes import ChildProcess, RunsChild, free_port
 
-__all__ = ["FleetConfig", "FleetReplica", "SimFleet", "add_arguments", "main", "serve_fleet"]
+__all__ = ["FleetReplica", "SimFleet", "SimFleetConfig", "add_arguments", "main", "serve_fleet"]
 
 
 @dataclass(slots=True)
-class FleetConfig:
+class SimFleetConfig:
     """A fleet of identical replicas (``hash_seeds``: per-replica engine hash seeds)."""
 
     replicas: int = 4
@@ -57,6 +60,7 @@ class FleetConfig:
     hash_seeds: bool = False
     seed: int = 0
     host: str = "127.0.0.1"
+    control_port: int = 0  # the control server's port; 0 picks a free one
     # Engines per replica: > 1 makes each replica a data-parallel server (kvroute.bench.sim.dp).
     data_parallel_size: int = 1
     latency: LatencyModel = field(default_factory=LatencyModel)
@@ -112,7 +116,7 @@ class FleetReplica:
 
 
 async def serve_fleet(
-    config: FleetConfig,
+    config: SimFleetConfig,
     *,
     ready: Any = None,
     replicas_file: Path | None = None,
@@ -120,15 +124,16 @@ async def serve_fleet(
 ) -> None:
     """Run the fleet until ``stop`` is set (or SIGINT/SIGTERM). ``ready(info)`` is called once
     every replica and the control server listen."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
     from kvroute.bench.sim.dp import SimDPServer, engines_of, make_server
     from kvroute.bench.sim.http_server import SocketHTTPServer
     from kvroute.bench.sim.looplag import LoopLagMonitor
     from kvroute.bench.sim.replica import SimReplica
     from kvroute.bench.sim.tokenizer import SimTokenizer, ensure_model_dir
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
 
     model_dir = ensure_model_dir(
         Path(config.model_dir) if config.model_dir else None, max_model_len=config.max_model_len
@@ -274,7 +279,7 @@ async def serve_fleet(
         await r.start(config.host)
     lag.start()
     control = SocketHTTPServer()
-    port = control.bind(config.host, 0)
+    port = control.bind(config.host, config.control_port)
     await control.serve(control_app, "fleet control")
     info = {
         "ready": True,
@@ -310,7 +315,7 @@ async def serve_fleet(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = FleetConfig()
+    d = SimFleetConfig()
     parser.add_argument("--replicas", type=int, default=d.replicas, help="number of replicas")
     parser.add_argument("--model", default=d.model, help="served model name")
     parser.add_argument(
@@ -353,6 +358,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--host", default=d.host)
     parser.add_argument(
+        "--control-port",
+        type=int,
+        default=d.control_port,
+        help="the control server's port (0: a free one)",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         type=int,
         default=d.data_parallel_size,
@@ -371,10 +382,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace) -> FleetConfig:
+def config_from_args(args: argparse.Namespace) -> SimFleetConfig:
     latency = LatencyModel(**{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
-    kwargs = {f.name: getattr(args, f.name) for f in fields(FleetConfig) if f.name != "latency"}
-    return FleetConfig(latency=latency, **kwargs)
+    kwargs = {f.name: getattr(args, f.name) for f in fields(SimFleetConfig) if f.name != "latency"}
+    return SimFleetConfig(latency=latency, **kwargs)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -391,32 +402,44 @@ def main(args: argparse.Namespace) -> int:
 # --- the handle ------------------------------------------------------------------------------
 
 
-class SimFleet:
+class SimFleet(RunsChild):
     """Start a fleet subprocess, wait until it listens, and control it.
 
-    Use as a context manager; ``stop`` always terminates the child (then kills it if it does
-    not exit within a few seconds).
+    Use as a context manager; ``stop`` always ends the child's process group (SIGTERM, then
+    SIGKILL after a grace period). ``log_path``: where the child's output goes (default: a
+    temporary file, removed at stop).
     """
 
+    name = "sim-fleet"
+
     def __init__(
-        self, config: FleetConfig | None = None, *, start_timeout_s: float = 120.0
+        self,
+        config: SimFleetConfig | None = None,
+        *,
+        start_timeout_s: float = 120.0,
+        log_path: Path | None = None,
     ) -> None:
-        self.config = config or FleetConfig()
+        self.config = config or SimFleetConfig()
         self.start_timeout_s = start_timeout_s
         self.replicas: list[FleetReplica] = []
         self.control = ""
         self.model_dir = ""
-        self._proc: subprocess.Popen[str] | None = None
+        self.process = ChildProcess(self.name, log_path)
         self._client = httpx.Client(timeout=60.0)
 
     def start(self) -> SimFleet:
+        """Start the child and wait until its control server answers (it listens only once
+        every replica does); stops the child again when it does not."""
+        if not self.config.control_port:
+            self.config = replace(self.config, control_port=free_port(self.config.host))
+        self.control = f"http://{self.config.host}:{self.config.control_port}"
         cmd = [sys.executable, "-m", "kvroute.bench.sim.fleet", *self.config.to_argv()]
-        self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=os.environ.copy()
-        )
-        line = self._read_ready()
-        info = json.loads(line)
-        self.control = info["control"]
+        self.process.start(cmd)
+        try:
+            info = json.loads(self.process.wait_http(self.control + "/fleet", self.start_timeout_s))
+        except BaseException:
+            self.stop()
+            raise
         self.model_dir = info["model_dir"]
         self.replicas = [
             FleetReplica(
@@ -451,31 +474,6 @@ class SimFleet:
             "default_block_size": self.config.block_size,
             **overrides,
         }
-
-    def _read_ready(self) -> str:
-        assert self._proc is not None and self._proc.stdout is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self._proc.stdout, selectors.EVENT_READ)
-        try:
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=0.5):
-                    if self._proc.poll() is not None:
-                        raise RuntimeError(
-                            f"fleet exited with {self._proc.returncode} before ready"
-                        )
-                    continue
-                line = self._proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"fleet exited with {self._proc.wait()} before ready")
-                if line.startswith("{") and '"ready"' in line:
-                    return line
-        finally:
-            sel.close()
-        self.stop()
-        raise TimeoutError(f"fleet not ready within {self.start_timeout_s} s")
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         resp = self._client.post(self.control + path, json=body or {})
@@ -517,16 +515,7 @@ class SimFleet:
         return self._get("/lag")
 
     def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
+        self.process.stop(grace_s=10.0)
         self._client.close()
 
     def __enter__(self) -> SimFleet:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvroute.bench.sim.scheduler import Scheduler
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvroute.bench.sim.scheduler import Scheduler
 
 __all__ = ["ReplicaMetrics"]
 

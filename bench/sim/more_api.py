@@ -29,84 +29,87 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-from kvroute.bench.sim.replica import Generation, InjectedError
-from kvroute.bench.sim.scheduler import ReplicaDied
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvroute.bench.sim.http_common import (
+    ApiError,
+    error_response,
+    json_response,
+    opt_bool,
+    read_body,
+    run_to_end,
+    sse_event,
+    with_cancellation,
+)
+from kvroute.bench.sim.replica import Generation, InjectedError
+from kvroute.bench.sim.scheduler import ReplicaDied
+
 if TYPE_CHECKING:
-    from kvroute.bench.sim.api import _Handlers
+    from kvroute.bench.sim.api import Handlers
 
 __all__ = ["VLLM_VERSION", "MoreHandlers"]
 
 VLLM_VERSION = "0.32.0"
 _STORE_MAX = 4096
 _DIM = 8
-_json = msgspec.json.Encoder()
 
 
 class MoreHandlers:
-    def __init__(self, base: _Handlers) -> None:
+    def __init__(self, base: Handlers) -> None:
         self.base = base
         self.store: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
     def routes(self) -> list[Route]:
         return [
             Route("/version", self.version, methods=["GET"]),
-            Route("/v1/responses", self.responses_create, methods=["POST"]),
+            Route("/v1/responses", with_cancellation(self.responses_create), methods=["POST"]),
             Route("/v1/responses/{response_id}", self.responses_get, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.responses_delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", self.responses_cancel, methods=["POST"]),
-            Route("/v1/messages", self.messages, methods=["POST"]),
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-            Route("/pooling", self.pooling, methods=["POST"]),
+            Route("/v1/messages", with_cancellation(self.messages), methods=["POST"]),
+            Route("/v1/embeddings", with_cancellation(self.embeddings), methods=["POST"]),
+            Route("/pooling", with_cancellation(self.pooling), methods=["POST"]),
         ]
 
     # --- helpers ----------------------------------------------------------------------------
 
-    async def _run(self, ids: list[int], max_tokens: int, salt: str | None) -> Generation:
-        state: Generation | None = None
-        gen = self.base.r.generate(ids, max_tokens, cache_salt=salt)
-        async with contextlib.aclosing(gen):
-            async for item in gen:
-                state = item[0]
-        assert state is not None
-        return state
+    async def _run(
+        self, ids: list[int], max_tokens: int, salt: str | None, lora: str | None
+    ) -> Generation:
+        gen = self.base.r.generate(ids, max_tokens, cache_salt=salt, lora_name=lora)
+        return await run_to_end(gen)
 
     def _ids_for_messages(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> list[int]:
         chat = {
             "messages": messages,
             "chat_template_kwargs": body.get("chat_template_kwargs"),
         }
-        return self.base._chat_ids(chat)
-
-    def _error(self, message: str, code: int = 400, param: str | None = None) -> Response:
-        from kvroute.bench.sim.api import ApiError, error_response
-
-        return error_response(ApiError(message, code=code, param=param))
+        return self.base.chat_ids(chat)
 
     # --- a batch of completion prompts -------------------------------------------------------
 
-    async def completions_batch(self, body: dict[str, Any], prompts: list[list[int]]) -> Response:
+    async def completions_batch(
+        self, body: dict[str, Any], prompts: list[list[int]], lora: str | None
+    ) -> Response:
         """vLLM serves a batch on one engine, its prompts concurrently, choices in prompt
         order; its usage sums the prompts' tokens but reports the LAST prompt's cached tokens
         (vLLM 0.32 ``OpenAIServingCompletion``: ``last_final_res.num_cached_tokens``)."""
-        from kvroute.bench.sim.api import ApiError, _opt_bool, error_response
-
-        if _opt_bool(body, "stream", False):
+        if opt_bool(body, "stream", False):
             raise ApiError(
                 "the simulator answers a batch of prompts whole, not streamed", param="stream"
             )
-        max_tokens = self.base._max_tokens(body, "max_tokens")
+        max_tokens = self.base.max_tokens_of(body, "max_tokens")
         for ids in prompts:
             too_long = self.base.r.check_length(len(ids), max_tokens)
             if too_long:
                 raise ApiError(too_long)
-        salt = self.base._cache_salt(body)
+        salt = self.base.cache_salt_of(body)
         try:
-            states = await asyncio.gather(*(self._run(ids, max_tokens, salt) for ids in prompts))
+            states = await asyncio.gather(
+                *(self._run(ids, max_tokens, salt, lora) for ids in prompts)
+            )
         except (InjectedError, ReplicaDied) as exc:
             return error_response(ApiError(str(exc), code=500))
         decode = self.base.r.tokenizer.decode
@@ -139,18 +142,16 @@ class MoreHandlers:
             "service_tier": None,
             "kv_transfer_params": None,
         }
-        return Response(_json.encode(out), media_type="application/json")
+        return json_response(out)
 
     # --- /version -----------------------------------------------------------------------------
 
     async def version(self, request: Request) -> Response:
-        return Response(_json.encode({"version": VLLM_VERSION}), media_type="application/json")
+        return json_response({"version": VLLM_VERSION})
 
     # --- /v1/responses --------------------------------------------------------------------------
 
     def _messages(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        from kvroute.bench.sim.api import ApiError
-
         messages: list[dict[str, Any]] = []
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
@@ -181,20 +182,18 @@ class MoreHandlers:
         return messages
 
     async def responses_create(self, request: Request) -> Response:
-        from kvroute.bench.sim.api import ApiError, _body, _opt_bool, error_response
-
         try:
-            body = await _body(request)
-            self.base._check_model(body)
+            body = await read_body(request)
+            lora = self.base.check_model(body)
             messages = self._messages(body)
             ids = self._ids_for_messages(body, messages)
-            max_tokens = self.base._max_tokens(body, "max_output_tokens")
+            max_tokens = self.base.max_tokens_of(body, "max_output_tokens")
             too_long = self.base.r.check_length(len(ids), max_tokens)
             if too_long:
                 raise ApiError(too_long)
-            salt = self.base._cache_salt(body)
-            stream = _opt_bool(body, "stream", False)
-            store = _opt_bool(body, "store", True)
+            salt = self.base.cache_salt_of(body)
+            stream = opt_bool(body, "stream", False)
+            store = opt_bool(body, "store", True)
         except ApiError as err:
             return error_response(err)
         # History as the next turn sees it: what was rendered, less the previous answers'
@@ -202,17 +201,17 @@ class MoreHandlers:
         response = self._response(body, max_tokens)
         if stream:
             return StreamingResponse(
-                self._responses_stream(response, messages, ids, max_tokens, salt, store),
+                self._responses_stream(response, messages, ids, max_tokens, salt, lora, store),
                 media_type="text/event-stream",
             )
         try:
-            state = await self._run(ids, max_tokens, salt)
+            state = await self._run(ids, max_tokens, salt, lora)
         except (InjectedError, ReplicaDied) as exc:
             return error_response(ApiError(str(exc), code=500))
         self._finish(response, state)
         if store:
             self._store(response, messages)
-        return Response(_json.encode(response), media_type="application/json")
+        return json_response(response)
 
     def _response(self, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
         return {
@@ -270,6 +269,7 @@ class MoreHandlers:
         ids: list[int],
         max_tokens: int,
         salt: str | None,
+        lora: str | None,
         store: bool,
     ) -> AsyncIterator[bytes]:
         seq = 0
@@ -278,7 +278,7 @@ class MoreHandlers:
             nonlocal seq
             data = {"type": kind, "sequence_number": seq, **fields}
             seq += 1
-            return b"event: " + kind.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
+            return sse_event(kind, data)
 
         if store:
             self._store(response, messages)
@@ -300,7 +300,7 @@ class MoreHandlers:
         )
         decode = self.base.r.tokenizer.decode
         state: Generation | None = None
-        gen = self.base.r.generate(ids, max_tokens, cache_salt=salt)
+        gen = self.base.r.generate(ids, max_tokens, cache_salt=salt, lora_name=lora)
         try:
             async with contextlib.aclosing(gen):
                 async for item in gen:
@@ -338,8 +338,6 @@ class MoreHandlers:
         yield event("response.completed", response=response)
 
     def _not_found(self, response_id: str) -> Response:
-        from kvroute.bench.sim.api import ApiError, error_response
-
         return error_response(
             ApiError(
                 f"Response with id '{response_id}' not found.",
@@ -354,7 +352,7 @@ class MoreHandlers:
         stored = self.store.get(response_id)
         if stored is None:
             return self._not_found(response_id)
-        return Response(_json.encode(stored[0]), media_type="application/json")
+        return json_response(stored[0])
 
     async def responses_cancel(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -362,8 +360,6 @@ class MoreHandlers:
         if stored is None:
             return self._not_found(response_id)
         if stored[0]["status"] not in ("queued", "in_progress"):
-            from kvroute.bench.sim.api import ApiError, error_response
-
             return error_response(
                 ApiError(
                     "Cannot cancel a synchronous response.",
@@ -372,40 +368,39 @@ class MoreHandlers:
                 )
             )
         stored[0]["status"] = "cancelled"
-        return Response(_json.encode(stored[0]), media_type="application/json")
+        return json_response(stored[0])
 
     async def responses_delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
         if self.store.pop(response_id, None) is None:
             return self._not_found(response_id)
         body = {"id": response_id, "object": "response", "deleted": True}
-        return Response(_json.encode(body), media_type="application/json")
+        return json_response(body)
 
     # --- /v1/messages (Anthropic) ---------------------------------------------------------------
 
     async def messages(self, request: Request) -> Response:
-        from kvroute.bench.sim.api import ApiError, _body, _opt_bool, error_response
-
         try:
-            body = await _body(request)
-            self.base._check_model(body)
+            body = await read_body(request)
+            lora = self.base.check_model(body)
             chat = _anthropic_chat(body)
             ids = self._ids_for_messages(body, chat)
-            max_tokens = self.base._max_tokens(body, "max_tokens")
+            max_tokens = self.base.max_tokens_of(body, "max_tokens")
             too_long = self.base.r.check_length(len(ids), max_tokens)
             if too_long:
                 raise ApiError(too_long)
-            stream = _opt_bool(body, "stream", False)
-            salt = self.base._cache_salt(body)
+            stream = opt_bool(body, "stream", False)
+            salt = self.base.cache_salt_of(body)
         except ApiError as err:
             return error_response(err)
         mid = f"msg_{uuid.uuid4().hex}"
         if stream:
             return StreamingResponse(
-                self._messages_stream(mid, ids, max_tokens, salt), media_type="text/event-stream"
+                self._messages_stream(mid, ids, max_tokens, salt, lora),
+                media_type="text/event-stream",
             )
         try:
-            state = await self._run(ids, max_tokens, salt)
+            state = await self._run(ids, max_tokens, salt, lora)
         except (InjectedError, ReplicaDied) as exc:
             return error_response(ApiError(str(exc), code=500))
         out = {
@@ -418,17 +413,17 @@ class MoreHandlers:
             "stop_sequence": None,
             "usage": _anthropic_usage(state),
         }
-        return Response(_json.encode(out), media_type="application/json")
+        return json_response(out)
 
     async def _messages_stream(
-        self, mid: str, ids: list[int], max_tokens: int, salt: str | None
+        self, mid: str, ids: list[int], max_tokens: int, salt: str | None, lora: str | None
     ) -> AsyncIterator[bytes]:
         def event(kind: str, data: dict[str, Any]) -> bytes:
-            return b"event: " + kind.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
+            return sse_event(kind, data)
 
         decode = self.base.r.tokenizer.decode
         state: Generation | None = None
-        gen = self.base.r.generate(ids, max_tokens, cache_salt=salt)
+        gen = self.base.r.generate(ids, max_tokens, cache_salt=salt, lora_name=lora)
         try:
             async with contextlib.aclosing(gen):
                 async for state, new in gen:
@@ -483,21 +478,17 @@ class MoreHandlers:
         return await self._pool(request, embeddings=False)
 
     async def _pool(self, request: Request, *, embeddings: bool) -> Response:
-        from kvroute.bench.sim.api import ApiError, _body, _opt_bool, error_response
-
         try:
-            body = await _body(request)
-            self.base._check_model(body)
+            body = await read_body(request)
+            lora = self.base.check_model(body)
             if body.get("messages") is not None:
                 prompts = [
-                    self.base._chat_ids(
+                    self.base.chat_ids(
                         {
                             "messages": body["messages"],
-                            "add_generation_prompt": _opt_bool(
-                                body, "add_generation_prompt", False
-                            ),
+                            "add_generation_prompt": opt_bool(body, "add_generation_prompt", False),
                         },
-                        add_special_tokens=_opt_bool(body, "add_special_tokens", False),
+                        add_special_tokens=opt_bool(body, "add_special_tokens", False),
                     )
                 ]
             else:
@@ -511,11 +502,11 @@ class MoreHandlers:
                 raise ApiError(
                     "encoding_format must be 'float' or 'base64'", param="encoding_format"
                 )
-            salt = self.base._cache_salt(body)
+            salt = self.base.cache_salt_of(body)
         except ApiError as err:
             return error_response(err)
         try:
-            await asyncio.gather(*(self._run(ids, 1, salt) for ids in prompts))
+            await asyncio.gather(*(self._run(ids, 1, salt, lora) for ids in prompts))
         except (InjectedError, ReplicaDied) as exc:
             return error_response(ApiError(str(exc), code=500))
         data = []
@@ -542,19 +533,17 @@ class MoreHandlers:
                 "prompt_tokens_details": None,
             },
         }
-        return Response(_json.encode(out), media_type="application/json")
+        return json_response(out)
 
     def _inputs(self, body: dict[str, Any]) -> list[list[int]]:
-        from kvroute.bench.sim.api import ApiError, _opt_bool
-
         value = body.get("input")
-        special = _opt_bool(body, "add_special_tokens", True)
+        special = opt_bool(body, "add_special_tokens", True)
         if isinstance(value, str) or (
             isinstance(value, list) and value and all(_is_id(t) for t in value)
         ):
-            return [self.base._prompt_ids({"prompt": value}, add_special_tokens=special)]
+            return [self.base.prompt_ids({"prompt": value}, add_special_tokens=special)]
         if isinstance(value, list) and value and all(isinstance(v, str | list) for v in value):
-            return [self.base._prompt_ids({"prompt": v}, add_special_tokens=special) for v in value]
+            return [self.base.prompt_ids({"prompt": v}, add_special_tokens=special) for v in value]
         raise ApiError(
             "input must be a string, a list of strings, token ids or lists of token ids",
             param="input",
@@ -608,8 +597,6 @@ def _text_of(content: object) -> str | None:
 
 
 def _input_item(item: object) -> dict[str, Any]:
-    from kvroute.bench.sim.api import ApiError
-
     if not isinstance(item, dict):
         raise ApiError("input items must be objects", param="input")
     kind = item.get("type")
@@ -643,8 +630,6 @@ def _input_item(item: object) -> dict[str, Any]:
 
 
 def _anthropic_chat(body: dict[str, Any]) -> list[dict[str, Any]]:
-    from kvroute.bench.sim.api import ApiError
-
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if isinstance(system, list):

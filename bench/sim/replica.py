@@ -1,8 +1,11 @@
 """One simulated vLLM replica: engine (cache + scheduler + events) and its lifecycle.
 
 The HTTP layer (kvroute.bench.sim.api) calls ``generate``; the fleet calls ``start``, ``kill``,
-``restart``. A killed replica behaves like a dead process: its port refuses connections, its
-event publisher is gone, in-flight requests fail, device and CPU caches are lost. A restart
+``restart``. The replica knows no HTTP: it serves whatever ASGI app its ``app_factory`` builds
+for it (kvroute.bench.sim.api.create_app, given by kvroute.bench.sim.dp.make_server).
+
+A killed replica behaves like a dead process: its port refuses connections, its event
+publisher is gone, in-flight requests fail, device and CPU caches are lost. A restart
 binds the same ports again with a new publisher (sequence numbers from 0, an empty replay
 buffer) and keeps the STORAGE tier, which it re-announces in its first batch, as a storage
 connector that indexes its store at start-up would.
@@ -16,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvroute.bench.publisher import EventPublisher
 from kvroute.bench.sim.cache import TieredPrefixCache
+from kvroute.bench.sim.faults import ReplicaFaults, RequestLog
 from kvroute.bench.sim.hashing import EngineHasher
 from kvroute.bench.sim.http_server import SocketHTTPServer
 from kvroute.bench.sim.latency import LatencyModel
@@ -59,6 +64,13 @@ class SimReplicaConfig:
     # The engine's rank inside a data-parallel server (bench/sim/dp.py): the ``engine`` label of
     # its metrics and the third element of its event payloads. None: a plain replica.
     dp_rank: int | None = None
+    # LoRA adapters served besides the base model (``--lora-modules``): listed in /v1/models,
+    # accepted as a request's model, their blocks keyed apart by the adapter's name.
+    loras: tuple[str, ...] = ()
+    # The server's ``--chat-template`` (the template text); None: the tokenizer's own.
+    chat_template: str | None = None
+    # ``--enable-scale-out``: serve the render endpoints; without it vLLM answers them 403.
+    scale_out: bool = False
 
 
 @dataclass(slots=True)
@@ -94,8 +106,17 @@ async def _port_released(endpoint: str, timeout_s: float = 5.0) -> None:
 class SimReplica:
     """A replica of the simulated fleet; every method runs on the fleet's asyncio loop."""
 
-    def __init__(self, config: SimReplicaConfig, tokenizer: SimTokenizer) -> None:
+    def __init__(
+        self,
+        config: SimReplicaConfig,
+        tokenizer: SimTokenizer,
+        app_factory: Callable[[SimReplica], Any] | None = None,
+    ) -> None:
         self.config = config
+        self.app_factory = app_factory  # builds the ASGI app ``start`` serves
+        self.faults = ReplicaFaults()
+        self.seen = RequestLog()
+        self.requests_aborted = 0  # stopped before their end (client gone, stream broken)
         self.tokenizer = tokenizer
         self.hasher = EngineHasher(config.hash_seed)
         self.cache = TieredPrefixCache(
@@ -168,12 +189,12 @@ class SimReplica:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Bind HTTP, PUB and replay sockets (port 0: free ports, kept across restarts)."""
-        from kvroute.bench.sim.api import create_app
-
+        if self.app_factory is None:
+            raise RuntimeError(f"replica {self.config.name} has no app_factory to serve")
         self.host = host
         self.port = self._http.bind(host, port)
         self._open_engine(host)
-        await self._http.serve(create_app(self), f"replica {self.config.name}")
+        await self._http.serve(self.app_factory(self), f"replica {self.config.name}")
         self._go_live()
 
     def _open_engine(self, host: str) -> None:
@@ -270,22 +291,29 @@ class SimReplica:
         return None
 
     async def generate(
-        self, prompt: list[int], max_tokens: int, *, cache_salt: str | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[tuple[Generation, list[int]]]:
         """Run one request; yields (state, new token ids) after prefill and per decode chunk.
 
         Raises InjectedError (fault injection) or ReplicaDied. Always releases the request's
-        blocks, also when the consumer stops early (client disconnect).
+        blocks, also when the consumer stops early (client disconnect). A latency model whose
+        decode step costs nothing yields one token per chunk, as fast as the loop runs.
         """
         if self.config.error_rate > 0 and self.rng.random() < self.config.error_rate:
             raise InjectedError("injected failure (simulated engine error)")
         bs = self.config.block_size
-        extra = request_extra_keys(len(prompt) // bs, cache_salt=cache_salt)
+        extra = request_extra_keys(len(prompt) // bs, cache_salt=cache_salt, lora_name=lora_name)
         req = SimRequest(
             prompt=prompt,
             digests=self.hasher.chain(prompt, bs, extra_keys=extra),
             extra_keys=extra,
             max_tokens=max_tokens,
+            lora_name=lora_name,
         )
         gen = Generation(prompt_tokens=len(prompt), max_tokens=max_tokens)
         sched = self.scheduler
@@ -294,6 +322,9 @@ class SimReplica:
         try:
             t_first = await sched.prefill(req)
             gen.cached_tokens = req.cached_tokens
+            if self.faults.prefill_delay_s:
+                await asyncio.sleep(self.faults.prefill_delay_s)
+                t_first = sched.now()
             self.metrics.observe_ttft(t_first - req.arrival)
             output = self.tokenizer.generate(prompt, max_tokens)
             gen.output = output[:1]
@@ -306,7 +337,7 @@ class SimReplica:
                 if sched is not self.scheduler or not self.alive:
                     raise ReplicaDied("replica died")
                 now = sched.now()
-                progress += (now - last) / step
+                progress += (now - last) / step if step > 0 else 1.0
                 last = now
                 n = min(int(progress), max_tokens - len(gen.output))
                 if n <= 0:
@@ -318,6 +349,9 @@ class SimReplica:
             finished = True
             sched.finish(req, gen.output)
             self.metrics.observe_e2e(sched.now() - req.arrival)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.requests_aborted += 1
+            raise
         finally:
             if not finished:
                 sched.abort(req)

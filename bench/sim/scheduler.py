@@ -52,6 +52,7 @@ class SimRequest:
     digests: list[bytes]
     extra_keys: list[tuple[Any, ...] | None] | None
     max_tokens: int
+    lora_name: str | None = None
     id: int = field(default_factory=itertools.count().__next__)
     arrival: float = 0.0
     alloc: Allocation | None = None
@@ -159,7 +160,7 @@ class Scheduler:
             return
         tokens = req.prompt + output
         digests = req.digests + self._output_digests(req, tokens)
-        self.cache.commit(req.alloc, tokens, digests, req.extra_keys)
+        self.cache.commit(req.alloc, tokens, digests, req.extra_keys, req.lora_name)
         self.cache.release(req.alloc)
         self.stats.generation_tokens += len(output)
         self.stats.requests_finished += 1
@@ -221,7 +222,9 @@ class Scheduler:
             self._running[req.id] = req
             self._prefilling[req.id] = req
             req.deps = list({id(o): o for b in alloc.blocks if (o := b.owner) is not None}.values())
-            req.owned = self.cache.commit(alloc, req.prompt, req.digests, req.extra_keys)
+            req.owned = self.cache.commit(
+                alloc, req.prompt, req.digests, req.extra_keys, req.lora_name
+            )
             for block in req.owned:
                 block.owner = req
         self._flush()

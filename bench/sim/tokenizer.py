@@ -25,21 +25,25 @@ DEFAULT_MAX_MODEL_LEN = 32768
 
 
 def default_model_dir(max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> Path:
-    """Where the simulator keeps its model directory (``KVROUTE_SIM_MODEL_DIR`` overrides)."""
+    """Where the simulator keeps its model directory: in the state dir
+    (``kvroute.deploy.state_dir``) unless ``KVROUTE_SIM_MODEL_DIR`` says otherwise."""
     env = os.environ.get("KVROUTE_SIM_MODEL_DIR")
     if env:
         return Path(env)
-    return Path.home() / ".cache" / "kvroute" / f"sim-model-{max_model_len}"
+    from kvroute.deploy.state_dir import default_state_dir
+
+    return default_state_dir() / f"sim-model-{max_model_len}"
 
 
 def ensure_model_dir(
     model_dir: Path | None = None, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN
 ) -> Path:
-    """Build the tiny model directory once (idempotent; a few seconds the first time)."""
+    """Build the tiny model directory once (idempotent; a few seconds the first time).
+    Without weights: only the tokenizer is used, and a base install has no torch."""
     from kvroute.deploy.tiny_model import build_tiny_model
 
     return build_tiny_model(
-        model_dir or default_model_dir(max_model_len), max_model_len=max_model_len
+        model_dir or default_model_dir(max_model_len), max_model_len=max_model_len, weights=False
     )
 
 
@@ -76,8 +80,10 @@ class SimTokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The chat prompt text (raises ValueError on messages the template cannot render).
+        """The chat prompt text (raises ValueError on messages the template cannot render);
+        ``chat_template`` is the server's ``--chat-template`` (None: the tokenizer's).
 
         As vLLM's "string" content format hands messages to the template: a missing content
         is an empty string, and the ``developer`` role becomes ``system`` (merged with the
@@ -85,7 +91,8 @@ class SimTokenizer:
         from kvroute.router.chat_render import map_developer_role
 
         conv = [{**m, "content": ""} if m.get("content") is None else dict(m) for m in messages]
-        conv = map_developer_role(conv, getattr(self.tok, "chat_template", None))
+        template = chat_template or getattr(self.tok, "chat_template", None)
+        conv = map_developer_role(conv, template)
         try:
             text = self.tok.apply_chat_template(
                 conv,
@@ -93,6 +100,7 @@ class SimTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
+                chat_template=template,
                 **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja2 and transformers raise a variety of types

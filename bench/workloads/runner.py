@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
 from kvroute.bench.workloads.base import Session, Workload
 
 __all__ = ["RequestRecord", "pick_router", "run_workload"]

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+
+from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 
 
 @pytest.fixture(scope="session")
 def sim_fleet() -> Iterator[SimFleet]:
-    config = FleetConfig(
+    config = SimFleetConfig(
         replicas=3,
         block_size=16,
         gpu_blocks=48,

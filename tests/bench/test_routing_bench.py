@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from kvroute.bench import routing_bench
 from kvroute.bench.workloads.runner import pick_router
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+
 from kvroute.bench.sim.fleet import SimFleet
 from kvroute.bench.sim.tokenizer import SimTokenizer
 

@@ -12,6 +12,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvroute.bench.sim.cache import Allocation, TieredPrefixCache
 from kvroute.bench.sim.hashing import EngineHasher, digest_to_int
 from kvroute.indexer.index import InMemoryPrefixIndex

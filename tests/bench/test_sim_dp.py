@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import zmq
-from kvroute.bench.sim.fleet import FleetConfig, SimFleet
+
+from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.indexer.wire import decode_batch, decode_frames
 from kvroute.router.replicas import parse_vllm_metrics_by_engine
@@ -21,7 +22,7 @@ from kvroute.router.replicas import parse_vllm_metrics_by_engine
 
 @pytest.fixture(scope="module")
 def dp_fleet() -> Iterator[SimFleet]:
-    config = FleetConfig(
+    config = SimFleetConfig(
         replicas=1,
         data_parallel_size=2,
         block_size=16,

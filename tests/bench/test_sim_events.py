@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from kvroute.bench.sim.fleet import SimFleet
 from kvroute.bench.sim.hashing import EngineHasher, digest_to_int
 from kvroute.indexer.index import InMemoryPrefixIndex

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import zmq
+
 from kvroute.bench.sim.fleet import SimFleet
 from kvroute.indexer.wire import Frame, decode_batch, decode_replay_reply, encode_replay_request
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from kvroute.bench.sim.cache import TieredPrefixCache
 from kvroute.bench.sim.hashing import EngineHasher
 from kvroute.bench.sim.latency import LatencyModel

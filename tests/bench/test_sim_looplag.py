@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+
 from kvroute.bench.sim.fleet import SimFleet
 from kvroute.bench.sim.looplag import LoopLagMonitor
 

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
 from kvroute.bench.sim.fleet import SimFleet
 
 MODEL = "kvroute-sim"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvroute.bench.sim.tokenizer import SimTokenizer, ensure_model_dir
 from kvroute.bench.workloads import BUILDERS, TextSource
 from kvroute.bench.workloads.runner import RequestRecord

@@ -6,6 +6,7 @@ import hashlib
 import pickle
 
 import torch
+
 from kvroute.connector.planner import Planner
 from kvroute.connector.transfer import PagedKV
 from kvroute.connector.worker import WorkerExecutor

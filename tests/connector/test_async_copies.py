@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvroute.connector.copiers import AsyncCopier, SyncCopier, make_copier
 from kvroute.connector.copy_ledger import DONE, PendingStore, SlotFences, StoreLedger
 from kvroute.connector.disk_tier import unlink_chunk_all_ranks
 from kvroute.connector.identity import RankInfo
-from kvroute.connector.plan import CPU, DISK, LOADED, STORED
-
+from kvroute.connector.plan import LOADED, STORED
+from kvroute.indexer.tiers import Tier
 from tests.connector.fake_device import FakeBackend
 from tests.connector.helpers import (
     BPC,
@@ -166,11 +167,14 @@ def test_store_is_reported_and_written_only_after_its_event_completed(tmp_path: 
     assert list((tmp_path / "tp0-pp0").iterdir()) == []  # nor is the slot written out
     be.complete_all()
     reports = ex.take_reports()
-    assert [(r.kind, r.tier) for r in reports] == [(STORED, CPU)]
+    assert [(r.kind, r.tier) for r in reports] == [(STORED, Tier.CPU)]
     p.on_reports(reports)
     ex.writer.flush(10)
     p.on_reports(ex.take_reports())
-    assert [(e.kind, e.tier) for e in p.take_events()] == [("stored", CPU), ("stored", DISK)]
+    assert [(e.kind, e.tier) for e in p.take_events()] == [
+        ("stored", Tier.CPU),
+        ("stored", Tier.STORAGE),
+    ]
     # and the landed chunk loads back exactly
     res = p.lookup("b", hashes, tokens, len(tokens), 0)
     p.on_alloc("b", [30, 31, 32], res.num_tokens)

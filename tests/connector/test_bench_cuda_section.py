@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 import torch
+
 from kvroute.bench.connector_bench import _cuda_tiers, _device_tiers, add_arguments
 from kvroute.connector.copiers import AsyncCopier
-
 from tests.connector.fake_device import FakeBackend
 
 

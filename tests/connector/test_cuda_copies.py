@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvroute.connector.copiers import AsyncCopier, make_copier
 from kvroute.connector.disk_scan import scan_layout
 from kvroute.connector.disk_tier import unlink_chunk_all_ranks
 from kvroute.connector.identity import RankInfo
-from kvroute.connector.plan import CPU, STORED
+from kvroute.connector.plan import STORED
 from kvroute.connector.transfer import PagedKV
-
+from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import BPC, CHUNK, IDENTITY, block_hashes, make_executor, make_planner
 
 pytestmark = pytest.mark.skipif(
@@ -80,7 +81,7 @@ def test_the_host_does_not_wait_for_a_store_while_the_device_is_busy() -> None:
     issued = time.perf_counter() - t0
     assert ex.take_reports() == []  # the copy waits for the forward: not STORED yet
     ex.wait_idle()
-    assert [(r.kind, r.tier) for r in ex.take_reports()] == [(STORED, CPU)]
+    assert [(r.kind, r.tier) for r in ex.take_reports()] == [(STORED, Tier.CPU)]
     assert issued < 0.5  # after_forward only enqueued work
     ex.close()
 

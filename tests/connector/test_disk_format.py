@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvroute.connector import disk_format
 from kvroute.connector.disk_format import (
     ChunkFileError,
@@ -21,7 +22,6 @@ from kvroute.connector.disk_format import (
 from kvroute.connector.disk_scan import scan_directory
 from kvroute.connector.disk_tier import DiskWriter, chunk_path, unlink_chunk
 from kvroute.connector.keys import chunk_info
-
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, block_hashes
 
 

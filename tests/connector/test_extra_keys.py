@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvroute.connector.disk_format import (
     file_name,
     header_for_chunk,
@@ -16,8 +17,8 @@ from kvroute.connector.disk_format import (
 )
 from kvroute.connector.extra_keys import decode_extra_keys, encode_extra_keys
 from kvroute.connector.keys import ChunkExtras, chunk_info
-from kvroute.connector.plan import CPU, STORED, Report
-
+from kvroute.connector.plan import STORED, Report
+from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import BLOCK, BPC, CHUNK, IDENTITY, block_hashes, make_planner
 
 KEYS = (("adapter-a", ("img-1", 3), "salt", b"\x00\xffdigest"), None)
@@ -59,7 +60,7 @@ def test_the_planner_describes_new_chunks_with_the_request_extras() -> None:
     p.on_scheduled("a", list(range(2 * BPC)), hashes[:BPC], tokens, CHUNK, extras)
     p.on_scheduled("a", None, hashes, tokens, len(tokens), extras)
     assert asked == [(0, BPC), (BPC, 2 * BPC)]  # once per new chunk, its own blocks
-    p.on_reports([Report(STORED, s.key, CPU) for s in p.take_plan().stores])
+    p.on_reports([Report(STORED, s.key, Tier.CPU) for s in p.take_plan().stores])
     infos = [e.info for e in p.take_events()]
     assert [i.extras for i in infos] == [
         ChunkExtras(3, "lora-x", (("lora-x", 0), ("lora-x", 1))),

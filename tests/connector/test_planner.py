@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvroute.connector.bookkeeping import EntryState
-from kvroute.connector.plan import CPU, DISK, LOADED, REMOVED, STORED, Report
-
+from kvroute.connector.plan import LOADED, REMOVED, STORED, Report
+from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import BLOCK, BPC, CHUNK, block_hashes, make_planner
 
 
@@ -20,7 +20,7 @@ def _store(p, req_id: str, tokens, hashes, block_ids=None) -> list:
     return plan.stores
 
 
-def _confirm(p, stores, tier=CPU) -> None:
+def _confirm(p, stores, tier=Tier.CPU) -> None:
     p.on_reports([Report(STORED, s.key, tier) for s in stores])
 
 
@@ -33,7 +33,7 @@ def test_store_events_only_after_worker_confirms() -> None:
     assert p.lookup("b", hashes, tokens, len(tokens), 0).num_tokens == 0  # PENDING not served
     _confirm(p, stores)
     ev = p.take_events()
-    assert [(e.kind, e.tier) for e in ev] == [("stored", CPU)] * 2
+    assert [(e.kind, e.tier) for e in ev] == [("stored", Tier.CPU)] * 2
     assert ev[0].info.parent_hash is None and ev[1].info.parent_hash == hashes[BPC - 1]
     assert list(ev[1].info.block_hashes) == hashes[BPC : 2 * BPC]
     assert list(ev[1].info.token_ids) == tokens[CHUNK : 2 * CHUNK]
@@ -74,13 +74,15 @@ def test_cpu_capacity_and_lru_eviction_order() -> None:
     # touch r0 (a hit) so r1 becomes least recently used
     res = p.lookup("x", reqs[0][1], reqs[0][0], len(reqs[0][0]), 0)
     p.on_alloc("x", list(range(BPC + 1)), res.num_tokens)
-    p.on_reports([Report(LOADED, reqs[0][1][BPC - 1], CPU, req_id="x")])
+    p.on_reports([Report(LOADED, reqs[0][1][BPC - 1], Tier.CPU, req_id="x")])
     p.take_plan()
     t3, h3 = _req(13, 1)
     stores = _store(p, "r3", t3, h3)
     assert len(stores) == 1
     ev = p.take_events()
-    assert [(e.kind, e.tier, e.info.key) for e in ev] == [("removed", CPU, reqs[1][1][BPC - 1])]
+    assert [(e.kind, e.tier, e.info.key) for e in ev] == [
+        ("removed", Tier.CPU, reqs[1][1][BPC - 1])
+    ]
     assert p.cpu.used == 3
     assert stores[0].slot == p.cpu.get(h3[BPC - 1]).slot
 
@@ -95,7 +97,7 @@ def test_pinned_and_pending_entries_are_not_evicted() -> None:
     c = _req(22, 1)
     assert _store(p, "c", *c) == []  # nothing evictable: skipped, not blocked
     assert p.stats.store_skipped_full == 1
-    p.on_reports([Report(LOADED, a[1][BPC - 1], CPU, req_id="x")])
+    p.on_reports([Report(LOADED, a[1][BPC - 1], Tier.CPU, req_id="x")])
     _confirm(p, pending)
     p.take_events()
     d = _req(23, 1)
@@ -122,19 +124,23 @@ def test_demotion_to_disk_and_disk_hit_with_promotion() -> None:
     p._plan.stores.extend(stores)  # (re-queue: _store consumed the plan)
     ka = a[1][BPC - 1]
     assert ka in p.disk and p.disk.get(ka).state is EntryState.PENDING
-    p.on_reports([Report(STORED, ka, DISK)])
+    p.on_reports([Report(STORED, ka, Tier.STORAGE)])
     _confirm(p, stores)
     kinds = [(e.kind, e.tier) for e in p.take_events()]
-    assert ("removed", CPU) in kinds and ("stored", DISK) in kinds and ("stored", CPU) in kinds
+    assert (
+        ("removed", Tier.CPU) in kinds
+        and ("stored", Tier.STORAGE) in kinds
+        and ("stored", Tier.CPU) in kinds
+    )
     # a is now only on disk: lookup is async; the load pins the file
     res = p.lookup("x", a[1], a[0], len(a[0]), 0)
     assert res.num_tokens == CHUNK and res.is_async
     p.on_alloc("x", list(range(BPC + 1)), res.num_tokens)
     plan = p.take_plan()
     (op,) = plan.disk_loads["x"]
-    assert op.source == DISK and op.block_ids == [0, 1]
+    assert op.source == Tier.STORAGE and op.block_ids == [0, 1]
     assert p.disk.get(ka).pins == 1
-    p.on_reports([Report(LOADED, ka, DISK, req_id="x")])
+    p.on_reports([Report(LOADED, ka, Tier.STORAGE, req_id="x")])
     assert p.disk.get(ka).pins == 0
     # Promotion: when the loaded request runs, its chunk is stored into RAM from the
     # device blocks (evicting b, which goes to disk by demotion).
@@ -142,7 +148,7 @@ def test_demotion_to_disk_and_disk_hit_with_promotion() -> None:
     plan = p.take_plan()
     assert [s.key for s in plan.stores] == [ka] and plan.stores[0].disk_header is None
     assert [d.key for d in plan.demotes] == [b[1][BPC - 1]]
-    p.on_reports([Report(STORED, ka, CPU)])
+    p.on_reports([Report(STORED, ka, Tier.CPU)])
     assert p.cpu.ready(ka) is not None
 
 
@@ -159,7 +165,12 @@ def test_disk_full_pauses_writes_and_serving_goes_on() -> None:
     stores = _store(p, "a", *a)
     assert stores[0].disk_header is not None  # write-through
     ka = a[1][BPC - 1]
-    p.on_reports([Report(STORED, ka, CPU), Report(STORED, ka, DISK, ok=False, error="disk_full")])
+    p.on_reports(
+        [
+            Report(STORED, ka, Tier.CPU),
+            Report(STORED, ka, Tier.STORAGE, ok=False, error="disk_full"),
+        ]
+    )
     assert p.stats.disk_full_events == 1 and ka not in p.disk
     b = _req(41, 1)
     stores_b = _store(p, "b", *b)
@@ -185,7 +196,7 @@ def test_disk_capacity_evicts_lru_files() -> None:
 
             p.disk.capacity = 2 * max_file_size(size, p.payload_bytes)
             continue
-        p.on_reports([Report(STORED, s.key, DISK) for s in st])
+        p.on_reports([Report(STORED, s.key, Tier.STORAGE) for s in st])
     assert len(p.disk) == 2
     r3 = _req(60, 1)
     _store(p, "r3", *r3)
@@ -199,19 +210,19 @@ def test_corrupt_file_report_drops_entry_with_event() -> None:
 
     info = chunk_info(a[1], a[0], BLOCK, BPC, 0)
     p.add_disk_entries([(info, 1000)])
-    assert [(e.kind, e.tier) for e in p.take_events()] == [("stored", DISK)]
+    assert [(e.kind, e.tier) for e in p.take_events()] == [("stored", Tier.STORAGE)]
     res = p.lookup("x", a[1], a[0], len(a[0]), 0)
     p.on_alloc("x", list(range(BPC + 1)), res.num_tokens)
     p.take_plan()
     p.on_reports(
         [
-            Report(REMOVED, info.key, DISK, ok=False, error="corrupt"),
-            Report(STORED, info.key, CPU, ok=False, error="corrupt"),
-            Report(LOADED, info.key, DISK, ok=False, req_id="x", error="corrupt"),
+            Report(REMOVED, info.key, Tier.STORAGE, ok=False, error="corrupt"),
+            Report(STORED, info.key, Tier.CPU, ok=False, error="corrupt"),
+            Report(LOADED, info.key, Tier.STORAGE, ok=False, req_id="x", error="corrupt"),
         ]
     )
     assert info.key not in p.disk and info.key not in p.cpu
-    assert [(e.kind, e.tier) for e in p.take_events()] == [("removed", DISK)]
+    assert [(e.kind, e.tier) for e in p.take_events()] == [("removed", Tier.STORAGE)]
     assert p.lookup("y", a[1], a[0], len(a[0]), 0).num_tokens == 0
     assert p.slots.num_free == 4
 
@@ -225,7 +236,7 @@ def test_slot_with_pending_write_through_is_reused_only_after_the_write() -> Non
     _confirm(p, stores)  # in RAM; its disk write is still pending
     assert _store(p, "b", *b) == []  # a evicted, but its slot is still being read
     assert p.slots.num_free == 0
-    p.on_reports([Report(STORED, ka, DISK)])  # the write finished: slot free again
+    p.on_reports([Report(STORED, ka, Tier.STORAGE)])  # the write finished: slot free again
     assert p.slots.num_free == 1
     assert len(_store(p, "c", *c)) == 1
 
@@ -239,5 +250,5 @@ def test_hit_split_by_tier_for_vllm_metrics() -> None:
     infos = [chunk_info(hashes, tokens, BLOCK, BPC, c) for c in (1, 2)]
     p.add_disk_entries([(i, 1000) for i in infos])  # chunks 1-2 on disk only
     res = p.lookup("x", hashes, tokens, len(tokens), BLOCK)
-    assert [h.tier for h in res.hits] == [CPU, DISK, DISK] and res.is_async
-    assert p.hit_split("x", res.num_tokens) == {CPU: CHUNK - BLOCK, DISK: 2 * CHUNK}
+    assert [h.tier for h in res.hits] == [Tier.CPU, Tier.STORAGE, Tier.STORAGE] and res.is_async
+    assert p.hit_split("x", res.num_tokens) == {Tier.CPU: CHUNK - BLOCK, Tier.STORAGE: 2 * CHUNK}

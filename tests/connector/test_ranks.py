@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kvroute.connector.disk_format import (
     FORMAT_VERSION,
     file_name,
@@ -37,7 +38,7 @@ from kvroute.connector.plan import REMOVED
 from kvroute.connector.planner import Planner
 from kvroute.connector.transfer import PagedKV
 from kvroute.connector.worker import WorkerExecutor
-
+from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import BLOCK, BPC, CHUNK, block_data, block_hashes, make_paged
 
 FIELDS = {"model": "unit-test"}
@@ -191,8 +192,8 @@ def test_a_chunk_is_ready_only_when_every_rank_confirmed(tmp_path: Path) -> None
     assert p.take_events() == []  # rank 1 has not confirmed yet
     p.on_reports(exs[1].take_reports())
     assert sorted((e.kind, e.tier) for e in p.take_events()) == [
-        ("stored", "cpu"),
-        ("stored", "disk"),
+        ("stored", Tier.CPU),
+        ("stored", Tier.STORAGE),
     ]
     for ex in exs:
         ex.close()
@@ -221,7 +222,7 @@ def test_a_file_renamed_into_another_ranks_directory_is_foreign(tmp_path: Path) 
     assert [(r.kind, r.error) for r in reports if r.kind == REMOVED] == [(REMOVED, "corrupt")]
     p.on_reports(reports)
     # The chunk is dropped as a whole: announced, and every rank's file is removed.
-    assert [(e.kind, e.tier) for e in p.take_events()] == [("removed", "disk")]
+    assert [(e.kind, e.tier) for e in p.take_events()] == [("removed", Tier.STORAGE)]
     assert not rank0_file.exists() and not rank1_file.exists()
     t.close()
 
@@ -254,7 +255,7 @@ def test_a_directory_written_at_tp2_is_a_miss_at_tp1(tmp_path: Path) -> None:
     p1.on_alloc("b", [40, 41, 42], res.num_tokens)
     _step(p1, [ex])
     assert ex.take_load_errors() == {40, 41}
-    assert [(e.kind, e.tier) for e in p1.take_events()] == [("removed", "disk")]
+    assert [(e.kind, e.tier) for e in p1.take_events()] == [("removed", Tier.STORAGE)]
     ex.close()
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvroute.connector.disk_format import PREFIX_SIZE, read_chunk_file
 
+from kvroute.connector.disk_format import PREFIX_SIZE, read_chunk_file
 from tests.connector.vllm_helpers import complete as _complete
 from tests.connector.vllm_helpers import delta as _delta
 from tests.connector.vllm_helpers import source_hits as _source_hits
@@ -54,6 +54,7 @@ class EventCollector:
 
     def _run(self) -> None:
         import zmq
+
         from kvroute.indexer.wire import decode_batch
 
         while not self._stop.is_set():
@@ -80,16 +81,16 @@ class EventCollector:
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kvroute.deploy.processes import free_port
+    from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
     from kvroute.deploy.vllm_server import (
-        DEFAULT_STATE_DIR,
         VllmReplica,
         VllmReplicaSpec,
-        free_port,
         kvroute_connector_config,
     )
 
-    model = build_tiny_model(DEFAULT_STATE_DIR / "models" / "tiny-2k", max_model_len=MAX_LEN)
+    model = build_tiny_model(default_state_dir() / "models" / "tiny-2k", max_model_len=MAX_LEN)
     disk = tmp_path_factory.mktemp("kvroute-disk")
     ev_port = free_port()
     spec = VllmReplicaSpec(

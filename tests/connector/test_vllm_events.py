@@ -13,11 +13,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from kvroute.connector.disk_scan import scan_layout
 from kvroute.connector.identity import RankInfo
-from kvroute.connector.plan import CPU, DISK, STORED, Report
+from kvroute.connector.plan import STORED, Report
 from kvroute.connector.planner import TierEvent
-
+from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, make_executor, make_paged, make_planner
 
 pytestmark = pytest.mark.vllm
@@ -104,7 +105,7 @@ def test_ram_tier_events_match_the_device_events(kind: str) -> None:
         request.num_tokens,
         request_extras(request, BLOCK),
     )
-    p.on_reports([Report(STORED, s.key, CPU) for s in p.take_plan().stores])
+    p.on_reports([Report(STORED, s.key, Tier.CPU) for s in p.take_plan().stores])
     ours = [to_vllm_event(e) for e in p.take_events()]
     assert len(ours) == len(device) == N_CHUNKS
     for o, d in zip(ours, device, strict=True):
@@ -152,11 +153,11 @@ def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, k
     ex.after_forward(plan)
     ex.wait_idle()
     p.on_reports(ex.take_reports())
-    stored = [to_vllm_event(e) for e in p.take_events() if e.tier == DISK]
+    stored = [to_vllm_event(e) for e in p.take_events() if e.tier == Tier.STORAGE]
     ex.close()
     # Restart: the scan announces every file with the extras from its header.
     found = scan_layout(tmp_path, IDENTITY, [RankInfo()])
-    restart = [to_vllm_event(TierEvent("stored", DISK, info)) for info, _ in found]
+    restart = [to_vllm_event(TierEvent("stored", Tier.STORAGE, info)) for info, _ in found]
     by_parent = {e.parent_block_hash: e for e in restart}
     assert len(stored) == len(restart) == N_CHUNKS
     for d in device:
@@ -168,7 +169,6 @@ def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, k
 def test_block_removed_stays_hashes_and_medium() -> None:
     from kvroute.connector.events import to_vllm_event
     from kvroute.connector.keys import ChunkExtras, chunk_info
-
     from tests.connector.helpers import block_hashes
 
     tokens = list(range(2 * BPC * BLOCK))
@@ -180,7 +180,7 @@ def test_block_removed_stays_hashes_and_medium() -> None:
         1,
         ChunkExtras(3, "a", (("a",), ("a",))),
     )
-    ev = to_vllm_event(TierEvent("removed", DISK, info))
+    ev = to_vllm_event(TierEvent("removed", Tier.STORAGE, info))
     assert type(ev).__name__ == "BlockRemoved"
     assert ev.medium == "STORAGE" and len(ev.block_hashes) == BPC
 

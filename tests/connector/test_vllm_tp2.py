@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvroute.connector.disk_format import PREFIX_SIZE
 
+from kvroute.connector.disk_format import PREFIX_SIZE
 from tests.connector.vllm_helpers import complete, delta, source_hits, text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -38,15 +38,15 @@ def _rank_files(disk: Path, tp_rank: int) -> dict[str, Path]:
 def test_tp2_replica_serves_a_disk_hit_with_identical_greedy_output(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
     from kvroute.deploy.vllm_server import (
-        DEFAULT_STATE_DIR,
         VllmReplica,
         VllmReplicaSpec,
         kvroute_connector_config,
     )
 
-    model = build_tiny_model(DEFAULT_STATE_DIR / "models" / "tiny-2k", max_model_len=MAX_LEN)
+    model = build_tiny_model(default_state_dir() / "models" / "tiny-2k", max_model_len=MAX_LEN)
     cfg = json.loads((model / "config.json").read_text())
     assert cfg["num_attention_heads"] % 2 == 0 and cfg["num_key_value_heads"] % 2 == 0
     disk = tmp_path_factory.mktemp("kvroute-disk-tp2")

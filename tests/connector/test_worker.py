@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvroute.connector.disk_format import file_name
 from kvroute.connector.disk_scan import scan_layout
 from kvroute.connector.disk_tier import unlink_chunk_all_ranks
 from kvroute.connector.identity import RankInfo
-from kvroute.connector.plan import CPU
 from kvroute.connector.transfer import PagedKV
-
+from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import (
     BLOCK,
     BPC,
@@ -77,7 +77,7 @@ def test_restart_serves_from_disk_exactly(tmp_path: Path) -> None:
     step(p, ex)  # write-through: RAM and disk
     step(p, ex)  # disk write reports arrive
     media = sorted((e.kind, e.tier) for e in p.take_events())
-    assert media == [("stored", "cpu")] * 2 + [("stored", "disk")] * 2
+    assert media == [("stored", Tier.CPU)] * 2 + [("stored", Tier.STORAGE)] * 2
     ex.close()
 
     # "Restart": new planner from a directory scan, new executor, RAM empty.
@@ -106,7 +106,7 @@ def test_restart_serves_from_disk_exactly(tmp_path: Path) -> None:
     step(p2, ex2)
     res2 = p2.lookup("c", hashes, tokens, len(tokens), 0)
     assert res2.num_tokens == 2 * CHUNK and not res2.is_async
-    assert {h.tier for h in res2.hits} == {CPU}
+    assert {h.tier for h in res2.hits} == {Tier.CPU}
     ex2.close()
 
 
@@ -135,7 +135,7 @@ def test_corrupt_file_on_load_is_recomputed_and_removed(tmp_path: Path) -> None:
     assert ex.take_finished_loads() == {"b"}  # still released, so vLLM recomputes
     assert ex.take_load_errors() == set(dst[:BPC])
     assert not path.exists()
-    assert [(e.kind, e.tier) for e in p.take_events()] == [("removed", "disk")]
+    assert [(e.kind, e.tier) for e in p.take_events()] == [("removed", Tier.STORAGE)]
     assert p.lookup("c", hashes, tokens, len(tokens), 0).num_tokens == 0
     ex.close()
 

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
+
+import pytest
+
+# What ``kvroute up`` prints once every replica and the router answer.
+READY_LINE = "Ctrl-C stops everything."
 
 
 def pgrep(*args: str) -> list[int]:
@@ -27,3 +33,20 @@ def leftovers(state_dir: Path, groups: list[int]) -> list[int]:
     for group in groups:
         found |= set(pgrep("-g", str(group)))
     return sorted(pid for pid in found if not is_zombie(pid))
+
+
+def wait_until_up(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    """Read ``kvroute up``'s output until its ready line; fail the test with what it printed
+    (killing it) when it exits or the timeout passes first."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if READY_LINE in line:
+            return "".join(lines)
+    proc.kill()
+    pytest.fail("kvroute up never became ready:\n" + "".join(lines))

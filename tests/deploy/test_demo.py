@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 
 from kvroute.deploy.demo import RunResult, Workload, format_stats, format_table
-from kvroute.deploy.vllm_server import PROJECT_ROOT
-
 from tests.deploy.helpers import leftovers
 
 
@@ -62,7 +60,7 @@ def test_demo_runs_end_to_end_on_the_simulated_fleet(tmp_path: Path) -> None:
         [sys.executable, "-m", "kvroute.deploy.cli", "demo", "--engine", "sim", "--state-dir",
          str(state), "--conversations", "3", "--turns", "3", "--rounds", "1",
          "--json-out", str(out)],
-        cwd=PROJECT_ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=180,

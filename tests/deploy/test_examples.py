@@ -8,11 +8,13 @@ import re
 from pathlib import Path
 
 import yaml
-from kvroute.connector.config import ConnectorConfig
-from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE, PROJECT_ROOT
-from kvroute.router.config import load_replicas_file
 
-EXAMPLES = PROJECT_ROOT / "deploy" / "examples"
+from kvroute.connector.config import ConnectorConfig
+from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
+from kvroute.router.config import load_replicas_file
+from tests.paths import REPO_ROOT
+
+EXAMPLES = REPO_ROOT / "deploy" / "examples"
 EVENTS_KEYS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic"}
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvroute.bench.sim.fleet import FleetConfig, SimFleet
-from kvroute.bench.sim.latency import LatencyModel
-from kvroute.bench.sim.router_proc import RouterProcess
-from kvroute.deploy.vllm_server import PROJECT_ROOT
 
-DASHBOARD = PROJECT_ROOT / "deploy" / "grafana" / "kvroute-dashboard.json"
+from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.deploy.router_process import RouterProcess
+from tests.paths import REPO_ROOT
+
+DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "kvroute-dashboard.json"
 _SUFFIXES = {
     "counter": ("_total",),
     "gauge": ("",),
@@ -40,7 +41,7 @@ def _exposed(kind: str, name: str) -> set[str]:
 
 def kvroute_defined() -> set[str]:
     """Names router/metrics.py defines, as a scrape shows them."""
-    source = (PROJECT_ROOT / "router" / "metrics.py").read_text()
+    source = (REPO_ROOT / "router" / "metrics.py").read_text()
     kinds = {
         "Counter": "counter",
         "CounterMetricFamily": "counter",
@@ -88,7 +89,7 @@ def queried(dashboard: dict) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def scraped() -> set[str]:
-    config = FleetConfig(replicas=1, gpu_blocks=64, latency=LatencyModel(time_scale=0.01))
+    config = SimFleetConfig(replicas=1, gpu_blocks=64, latency=LatencyModel(time_scale=0.01))
     with SimFleet(config) as fleet:
         settings = fleet.router_settings()
         with RouterProcess(settings) as router:

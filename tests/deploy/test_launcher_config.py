@@ -6,7 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvroute.deploy.launcher import FleetConfig, FleetError, LocalFleet, ReplicaEndpoint
+
+from kvroute.deploy.fleet_config import FleetConfig
+from kvroute.deploy.local_fleet import FleetError, LocalFleet
+from kvroute.deploy.router_process import ReplicaEndpoint
 from kvroute.router.config import parse_replica_flag
 
 
@@ -124,3 +127,11 @@ def test_replica_flag_is_what_kvroute_serve_parses() -> None:
         ep.topic,
         ep.name,
     )
+
+
+@pytest.mark.parametrize(("dp", "parsed"), [(None, None), ("2", 2), ("auto", "auto")])
+def test_a_data_parallel_replica_flag_carries_its_rank_count(
+    dp: str | None, parsed: int | str | None
+) -> None:
+    ep = ReplicaEndpoint(name="dp", url="http://127.0.0.1:8001", dp=dp)
+    assert parse_replica_flag(ep.flag()).dp == parsed

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 
-from kvroute.deploy.progress import LineProgress, progress
 from tqdm import tqdm
+
+from kvroute.deploy.progress import LineProgress, progress
 
 
 class _Terminal(io.StringIO):

@@ -14,18 +14,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from kvroute.deploy.vllm_server import PROJECT_ROOT
 from openai import OpenAI
 
-from tests.deploy.helpers import leftovers, pgrep
-
-READY_LINE = "Ctrl-C stops everything."
+from tests.deploy.helpers import leftovers, pgrep, wait_until_up
 
 
 @contextmanager
@@ -45,25 +41,13 @@ def kvroute_up(
     ]
     proc = subprocess.Popen(
         [*cmd, *args],
-        cwd=PROJECT_ROOT,
+        cwd=state_dir.parent,  # anywhere: the fleet depends on no working directory
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        lines = []
-        deadline = time.monotonic() + timeout
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if READY_LINE in line:
-                break
-        if not lines or READY_LINE not in lines[-1]:
-            proc.kill()
-            pytest.fail("kvroute up never became ready:\n" + "".join(lines))
+        wait_until_up(proc, timeout)
         manifest = json.loads((state_dir / "fleet.json").read_text())
         yield proc, manifest
     finally:
@@ -122,7 +106,7 @@ def test_up_refuses_bad_settings_without_starting_anything(tmp_path: Path) -> No
     done = subprocess.run(
         [sys.executable, "-m", "kvroute.deploy.cli", "up", "--state-dir", str(state),
          "--chunk-tokens", "48"],
-        cwd=PROJECT_ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=60,

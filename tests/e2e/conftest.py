@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvroute.deploy.launcher import FleetConfig, LocalFleet
 
+from kvroute.deploy.fleet_config import FleetConfig
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.helpers import group_alive
 
 BLOCK_SIZE = 32

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
-from kvroute.deploy.launcher import LocalFleet
+
+from kvroute.deploy.local_fleet import LocalFleet
 
 T = TypeVar("T")
 

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import random
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from kvroute.deploy.launcher import TINY_MODEL_DIR
-from kvroute.deploy.tiny_model import build_tiny_model
-from kvroute.deploy.vllm_server import PROJECT_ROOT, VllmReplica, VllmReplicaSpec, free_port
-from kvroute.router.replicas import engine_gauges, parse_vllm_metrics_by_engine
 from openai import OpenAI
 
+from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess
+from kvroute.deploy.tiny_model import build_tiny_model, default_tiny_model_dir
+from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec
+from kvroute.router.replicas import engine_gauges, parse_vllm_metrics_by_engine
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm
@@ -36,7 +34,7 @@ RANKS = ["dp#dp0", "dp#dp1"]
 def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmReplica]:
     events = _free_ports()
     spec = VllmReplicaSpec(
-        model=build_tiny_model(TINY_MODEL_DIR),
+        model=build_tiny_model(default_tiny_model_dir()),
         name="dp2",
         block_size=32,
         max_model_len=1024,
@@ -73,37 +71,14 @@ def _free_ports() -> int:
 
 @pytest.fixture(scope="module")
 def router(dp_server: VllmReplica, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvroute.deploy.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--tokenizer",
-            str(dp_server.spec.model),
-            "--replica",
-            f"{dp_server.url},dp=auto,name=dp",
-            "--health-interval-s",
-            "0.5",
-        ],
-        cwd=str(PROJECT_ROOT),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("both ranks healthy", lambda: _healthy(url), timeout=60)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
+    with RouterProcess(
+        replicas=[ReplicaEndpoint(name="dp", url=dp_server.url, dp="auto")],
+        tokenizer=str(dp_server.spec.model),
+        extra_args=["--health-interval-s", "0.5"],
+        log_path=tmp_path_factory.mktemp("router") / "router.log",
+    ) as router:
+        wait_for("both ranks healthy", lambda: _healthy(router.url), timeout=60)
+        yield router.url
 
 
 def _healthy(url: str) -> bool:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.conftest import BLOCK_SIZE, CHUNK_TOKENS
 from tests.e2e.helpers import debug_route, tiers, wait_for, words
 

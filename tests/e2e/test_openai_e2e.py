@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 from openai import OpenAI
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.helpers import words
 
 pytestmark = pytest.mark.vllm

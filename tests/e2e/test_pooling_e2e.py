@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from kvroute.bench.sim.router_proc import RouterProcess
-from kvroute.deploy.launcher import cpu_cores
+
+from kvroute.deploy.local_fleet import cpu_cores
+from kvroute.deploy.router_process import RouterProcess
 from kvroute.deploy.tiny_model import build_tiny_model
 from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec
-
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 from openai import OpenAI
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.conftest import BLOCK_SIZE, CHUNK_TOKENS
 from tests.e2e.helpers import (
     counters,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.conftest import BLOCK_SIZE, GPU_BLOCKS
 from tests.e2e.helpers import chat, counters, debug_route, delta, wait_for, words
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.conftest import BLOCK_SIZE
 from tests.e2e.helpers import counters, debug_route, delta, served_by, wait_for, words
 

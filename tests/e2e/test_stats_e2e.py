@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.conftest import BLOCK_SIZE
 from tests.e2e.helpers import chat, router_stats, wait_for, words
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kvroute.deploy.launcher import LocalFleet
 
+from kvroute.deploy.local_fleet import LocalFleet
 from tests.e2e.helpers import debug_route, words
 
 pytestmark = pytest.mark.vllm

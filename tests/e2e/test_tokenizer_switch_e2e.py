@@ -17,9 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvroute.deploy.launcher import LocalFleet, RouterProcess
-from kvroute.deploy.vllm_server import VllmReplica
 
+from kvroute.deploy.local_fleet import LocalFleet
+from kvroute.deploy.router_process import RouterProcess
+from kvroute.deploy.vllm_server import VllmReplica
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm
@@ -54,7 +55,7 @@ def _state(url: str, model: str) -> dict:
 def test_replica_with_another_chat_template_is_detected_and_routed_remote(
     fleet: LocalFleet, tmp_path: Path
 ) -> None:
-    from kvroute.deploy.launcher import cpu_cores, has_gpu
+    from kvroute.deploy.local_fleet import cpu_cores, has_gpu
 
     template = tmp_path / "other.jinja"
     template.write_text(OTHER_TEMPLATE)
@@ -84,7 +85,8 @@ def test_replica_with_another_chat_template_is_detected_and_routed_remote(
             tokenizer=fleet.model,
             host=fleet.config.host,
             port=0,
-            state_dir=fleet.state_dir,
+            log_path=fleet.state_dir / "logs" / "router-tmpl.log",
+            start_timeout_s=120,
             extra_args=[
                 "--health-interval-s",
                 "0.5",
@@ -94,7 +96,6 @@ def test_replica_with_another_chat_template_is_detected_and_routed_remote(
             ],
         )
         router.start()
-        router.wait_ready(120)
         url = router.url
         first = httpx.post(
             url + "/v1/chat/completions",

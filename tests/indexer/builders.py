@@ -14,6 +14,7 @@ import hashlib
 from typing import Any
 
 from hypothesis import strategies as st
+
 from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = [

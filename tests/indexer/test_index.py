@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Medium
-
 from tests.indexer.builders import (
     BS,
     DOC,
@@ -154,6 +155,17 @@ def test_tier_only_chunks_resolve_to_their_blocks_once_the_chunk_length_is_known
     assert index.lookup(DOC)["a"].blocks_by_tier == {Medium.CPU: 6}
 
 
+def test_the_same_chunk_stored_twice_does_not_teach_a_chunk_length() -> None:
+    """A chunk announced again (re-offloaded after a device hit) walks the same blocks: it is
+    one observation, not two, so it cannot settle a length that a lost self-describing store
+    had said otherwise. Found by the lossy-join property in test_subscriber.py."""
+    index = InMemoryPrefixIndex()
+    index.apply("a", [stored(DOC, 0, 2), tier_only(DOC, [1], Medium.CPU)])
+    index.apply("a", [tier_only(DOC, [1], Medium.CPU)])
+    assert index.summary()[0].chunk_blocks == {}
+    assert index.block_tiers("a", DOC)[:2] == [{"GPU"}, {"GPU", "CPU"}]  # only what was named
+
+
 def test_device_reset_clears_the_device_tier_only() -> None:
     """vLLM's /reset_prefix_cache: the block pool sends AllBlocksCleared (no medium) and keeps
     the offloaded tiers."""
@@ -177,6 +189,7 @@ def test_partial_blocks_extend_a_match_past_its_full_blocks() -> None:
     assert result.partial_blocks == 1 and result.rejected == []
     match = index.lookup(DOC)["a"]
     assert (match.blocks, match.partial_tokens, match.tokens) == (2, 2, 10)
+    assert match.partial_unit == 2  # what a prediction rounds the partial tokens to
     assert match.tokens_in(Medium.GPU) == 10
     assert index.lookup(DOC[:9])["a"].partial_tokens == 0  # the piece is not all there
     assert index.lookup([*DOC[:8], 7, 7])["a"].partial_tokens == 0
@@ -313,6 +326,21 @@ def test_entry_cap_evicts_oldest_and_counts() -> None:
     index.apply("a", [stored(DOC, 0, 8)])
     assert index.entries <= 6 and index.evicted_entries >= 2
     assert index.lookup(DOC)["a"].blocks == 0  # the oldest (first) blocks went
+    figures = index.stats()
+    assert (figures.max_entries, figures.evicted_entries) == (6, index.evicted_entries)
+    assert figures.distinct_blocks == index.entries
+
+
+def test_stats_are_what_the_interface_reports() -> None:
+    """``/index/stats`` is built from the interface alone (``summary`` and ``stats``)."""
+    index = InMemoryPrefixIndex(unconfirmed_ttl_s=5.0, unconfirmed_max_blocks=7)
+    index.apply("a", [stored(DOC, 0, 3)])
+    body = collect_stats(index).to_dict()["fleet"]
+    figures = index.stats()
+    assert body["entries"] == 3 and body["distinct_blocks"] == figures.distinct_blocks == 3
+    assert body["estimated_bytes"] == figures.estimated_bytes > 0
+    assert body["unconfirmed"]["ttl_s"] == 5.0
+    assert body["unconfirmed"]["max_blocks_per_replica"] == 7
 
 
 def test_memory_estimate_grows_with_entries() -> None:

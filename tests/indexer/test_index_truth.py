@@ -22,6 +22,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.wire import (

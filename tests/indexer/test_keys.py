@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvroute.indexer.keys import block_keys, pack_tokens, request_extra_keys, root_key
+
+from kvroute.indexer.keys import (
+    block_extra_keys,
+    block_keys,
+    event_extra_keys,
+    pack_tokens,
+    request_extra_keys,
+    root_key,
+)
 
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=64)
 
@@ -68,3 +76,15 @@ def test_invalid_tokens_raise_value_error(bad: list) -> None:
 def test_invalid_block_size() -> None:
     with pytest.raises(ValueError):
         block_keys([1], 0)
+
+
+def test_events_and_requests_get_the_same_extra_keys() -> None:
+    """An event that carries no extra keys is keyed with what it names (its LoRA), through the
+    same per-block function as a request, so both meet on equal keys."""
+    assert block_extra_keys("sql", "s1", [("img", 3)]) == ("sql", ("img", 3), "s1")
+    assert block_extra_keys() is None
+    from_event = event_extra_keys(None, "sql", 3)
+    assert from_event == request_extra_keys(3, lora_name="sql") == [("sql",)] * 3
+    carried = [("sql", "s1"), ("sql",)]
+    assert event_extra_keys(carried, "sql", 2) is carried  # what vLLM sent is the authority
+    assert event_extra_keys(None, None, 2) is None

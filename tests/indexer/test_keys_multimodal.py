@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.keys import RequestKeys, mm_block_keys, request_extra_keys
 from kvroute.indexer.wire import BlockStored

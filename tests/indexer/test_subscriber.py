@@ -10,6 +10,7 @@ import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvroute.bench.publisher import EventPublisher
 from kvroute.indexer.budget import ByteBudget
 from kvroute.indexer.index import InMemoryPrefixIndex
@@ -32,7 +33,6 @@ from kvroute.indexer.wire import (
     encode_batch,
     encode_frames,
 )
-
 from tests.indexer.builders import DOC, DOCS, operation, removed, stored
 
 TOPIC = "kv@127.0.0.1:8000@tiny"
@@ -335,9 +335,10 @@ def test_reconnect_to_the_same_process_catches_up_without_reset() -> None:
     feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: frames[s:])
     feed.handle(frames[0])
     feed.handle(frames[1])
-    feed.mark_disconnected()
-    assert feed.mark_connected()
-    feed.resync()  # batches 2 and 3 went out while we were away
+    feed.on_disconnected()
+    assert feed.stats.freshness is Freshness.STALE
+    feed.on_connected()  # a reconnect: batches 2 and 3 went out while we were away
+    assert feed.stats.freshness is Freshness.LIVE and "reconnected" in feed.stats.reason
     assert feed.stats.resets == 0 and feed.expected == 4
     assert index.lookup(DOC)["r"].blocks == 4
     feed.handle(frames[3])  # the same batch again, live: a duplicate
@@ -354,9 +355,9 @@ def test_a_restart_found_on_reconnect_past_the_replay_buffer_is_rebuilding() -> 
     feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=lambda s: replays.pop(0))
     feed.handle(old[0])
     feed.handle(old[1])
-    feed.mark_disconnected()
-    assert feed.mark_connected()
-    feed.resync()
+    feed.on_disconnected()
+    assert feed.stats.freshness is Freshness.STALE
+    feed.on_connected()  # a reconnect, to a new process
     assert feed.stats.resets == 1 and feed.expected == 4
     assert feed.stats.freshness is Freshness.REBUILDING, feed.stats.reason
     assert index.lookup(DOC)["r"].blocks == 0
@@ -460,6 +461,32 @@ def test_a_join_replay_that_does_not_answer_leaves_the_feed_connecting() -> None
     feed.handle(frames[1])  # the first live batch: joined late, replays 0
     assert feed.stats.freshness is Freshness.LIVE
     assert index.lookup(DOC)["r"].blocks == 2
+
+
+def test_a_crashed_socket_loop_leaves_the_feed_stale_and_cleared() -> None:
+    index = InMemoryPrefixIndex()
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index)
+    feed.handle(_frames([[stored(DOC, 0, 2)]])[0])
+    assert index.lookup(DOC)["r"].blocks == 2
+    feed.on_crash()
+    assert feed.stats.freshness is Freshness.STALE and "crashed" in feed.stats.reason
+    assert index.lookup(DOC)["r"].blocks == 0
+
+
+def test_a_replay_the_feed_asked_for_is_charged_to_its_budget() -> None:
+    """A replay is taken whole, and its bytes count against the stream's budget, so a
+    publisher cannot flood through replays."""
+    frames = _frames([[stored(DOC, 0, 1)], [stored(DOC, 1, 1)]])
+    budget = ByteBudget(1000, 100_000, clock=lambda: 0.0)
+    feed = ReplicaFeed(
+        EventSource("r", "tcp://unused"),
+        InMemoryPrefixIndex(),
+        replay=lambda s: frames[s:],
+        budget=budget,
+    )
+    feed.bootstrap()
+    assert feed.stats.freshness is Freshness.LIVE
+    assert budget.level == 100_000 - sum(len(f.payload) for f in frames)
 
 
 def test_a_clear_of_one_tier_does_not_make_history_moot() -> None:

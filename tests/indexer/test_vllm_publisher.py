@@ -12,10 +12,20 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness
-from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium, decode_batch, encode_batch
-
+from kvroute.indexer.wire import (
+    BlockRemoved,
+    BlockStored,
+    Medium,
+    WireAllBlocksCleared,
+    WireBatch,
+    WireBlockRemoved,
+    WireBlockStored,
+    decode_batch,
+    encode_batch,
+)
 from tests.indexer.test_index import ehash
 from tests.indexer.test_subscriber import wait_for
 
@@ -52,6 +62,23 @@ def vllm_events():  # type: ignore[no-untyped-def]
         ],
         [kv.BlockRemoved([hashes[3]], "GPU"), kv.BlockRemoved([hashes[0]], "GPU")],
     ]
+
+
+def test_our_wire_definitions_are_vllms() -> None:
+    """Field for field, in vLLM's order, with vLLM's tags and defaults: what makes one
+    definition per event both decode vLLM's batches and encode ours as vLLM does."""
+    from vllm.distributed import kv_events as kv
+
+    for ours, theirs in [
+        (WireBlockStored, kv.BlockStored),
+        (WireBlockRemoved, kv.BlockRemoved),
+        (WireBatch, kv.KVEventBatch),
+    ]:
+        assert ours.__struct_fields__ == theirs.__struct_fields__
+        assert ours.__struct_defaults__ == theirs.__struct_defaults__
+        assert ours.__struct_config__.tag == theirs.__struct_config__.tag
+    assert kv.AllBlocksCleared.__struct_fields__ == ()
+    assert WireAllBlocksCleared.__struct_config__.tag == "AllBlocksCleared"
 
 
 def test_our_encoder_is_byte_identical_to_vllms() -> None:

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,7 +20,9 @@ from kvroute.indexer.wire import (
     encode_frames,
     encode_replay_end,
     encode_replay_reply,
+    is_device_clear,
     medium_kind,
+    touches_lower_tier,
 )
 
 enc = msgspec.msgpack.encode
@@ -249,6 +252,28 @@ def test_encoding_matches_vllm_layout() -> None:
     ]
     assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
     assert raw[1][2] == {"type": "AllBlocksCleared"}
+
+
+def test_an_older_vllm_map_without_the_later_fields_decodes_the_same() -> None:
+    """A map lacking ``lora_id``, ``medium`` and ``lora_name`` (vLLM before them) is refused by
+    the wire definition, whose fields vLLM 0.32 always sends, and decoded by the tolerant path
+    to the same event."""
+    old = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None}
+    old |= {"token_ids": [4, 5], "block_size": 2}
+    batch = decode_batch(enc([1.0, [old, {"type": "BlockRemoved", "block_hashes": [1]}]]))
+    assert batch.rejected == []
+    assert batch.events == [BlockStored([1], None, [4, 5], 2), BlockRemoved([1])]
+
+
+def test_which_events_clear_the_device_or_touch_a_lower_tier() -> None:
+    assert is_device_clear(AllBlocksCleared()) and is_device_clear(AllBlocksCleared(Medium.GPU))
+    assert not is_device_clear(AllBlocksCleared(Medium.CPU))
+    assert not is_device_clear(BlockRemoved([1]))
+    assert touches_lower_tier(AllBlocksCleared(Medium.STORAGE))
+    assert touches_lower_tier(BlockRemoved([1], Medium.CPU))
+    assert touches_lower_tier(BlockStored([1], None, [], 0, medium=Medium.GPU, confirmed=False))
+    assert not touches_lower_tier(BlockStored([1], None, [1], 1))
+    assert not touches_lower_tier(AllBlocksCleared())
 
 
 hashes = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=4)

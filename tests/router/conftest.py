@@ -1,4 +1,4 @@
-"""Fixtures: a tiny local tokenizer, fake vLLM replicas and a router, all on 127.0.0.1."""
+"""Fixtures: a tiny local tokenizer, simulated vLLM replicas and a router, all on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvroute.deploy.tiny_model import build_tiny_model
 from kvroute.router.tokenization import LocalTokenizer
-from router_fleet import Fleet, make_fleet
+from tests.router.fleet import Fleet, make_fleet
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvroute.router.placement_rate import PlacementRate
 
+from kvroute.router.placement_rate import PlacementRate
 from tests.router.manual_clock import ManualClock
 
 

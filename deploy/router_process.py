@@ -1,0 +1,216 @@
+"""The router as a child process: ``RouterProcess`` starts it, waits until it is ready, stops it.
+
+Two ways to tell the child what to route, one process handle:
+
+* flags: ``kvroute serve --replica ... --policy ...`` plus any extra ``kvroute serve`` flags
+  (``kvroute up`` and the end-to-end tests);
+* ``settings``: a dict of ``RouterSettings`` fields (``replicas``: dicts, ``cost``: a dict of
+  knobs), written to a JSON file that ``python -m kvroute.deploy.router_process FILE`` serves
+  (the benchmarks and tests that set fields no flag reaches).
+
+Either way it is ready when ``GET /health`` answers 200 with every replica healthy, so a
+caller never routes before the router sees the whole fleet. A separate process, not a thread:
+a benchmark's load generator must not share a GIL or event loop with the router it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvroute.deploy.processes import ChildProcess, RunsChild, free_port
+
+__all__ = ["ReplicaEndpoint", "RouterProcess", "settings_from_dict"]
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoint:
+    """How the router reaches one replica: its HTTP URL and KV-event endpoints."""
+
+    name: str
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    topic: str = ""
+    dp: str | None = None  # a data-parallel server: its rank count, or "auto" (ask the server)
+
+    def flag(self) -> str:
+        """The ``kvroute serve --replica`` value for this replica."""
+        parts = [self.url, f"name={self.name}"]
+        if self.events:
+            parts.append(f"events={self.events}")
+        if self.replay:
+            parts.append(f"replay={self.replay}")
+        if self.topic:
+            parts.append(f"topic={self.topic}")
+        if self.dp:
+            parts.append(f"dp={self.dp}")
+        return ",".join(parts)
+
+
+def settings_from_dict(data: dict[str, Any]) -> Any:
+    """RouterSettings from JSON-able data (``replicas``: dicts; ``cost``: a dict of knobs)."""
+    from kvroute.router.config import CostSettings, ReplicaConfig, RouterSettings
+
+    data = dict(data)
+    replicas = [ReplicaConfig(**r) for r in data.pop("replicas", [])]
+    cost = CostSettings(**data.pop("cost", {}))
+    return RouterSettings(replicas=replicas, cost=cost, **data)
+
+
+class RouterProcess(RunsChild):
+    """One router child process (a context manager: ``with`` starts, waits and stops it).
+
+    ``settings`` given: the router serves exactly those ``RouterSettings`` fields (its
+    ``host`` and ``port`` default to this handle's); ``policy``, ``replicas``, ``tokenizer``
+    and ``extra_args`` are then unused. ``port=0`` picks a free port at start.
+    """
+
+    def __init__(
+        self,
+        settings: dict[str, Any] | None = None,
+        *,
+        name: str = "router",
+        policy: str = "kvroute",
+        replicas: Sequence[ReplicaEndpoint] = (),
+        tokenizer: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        extra_args: Sequence[str] = (),
+        log_path: Path | None = None,
+        cpus: Collection[int] | None = None,
+        start_timeout_s: float = 90.0,
+    ) -> None:
+        self.settings = None if settings is None else dict(settings)
+        self.name = name
+        self.policy = policy if settings is None else str(settings.get("policy", "kvroute"))
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        self.host = host if settings is None else str(settings.get("host", host))
+        self.port = port if settings is None else int(settings.get("port", port))
+        self.extra_args = list(extra_args)
+        self.cpus = cpus
+        self.start_timeout_s = start_timeout_s
+        self.process = ChildProcess(name, log_path)
+        self._settings_file: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def expected_replicas(self) -> int:
+        """How many replicas the router must report healthy before it counts as ready."""
+        if self.settings is not None:
+            return len(self.settings.get("replicas", []))
+        return len(self.replicas)
+
+    def command(self) -> list[str]:
+        if self._settings_file is not None:
+            return [sys.executable, "-m", "kvroute.deploy.router_process", str(self._settings_file)]
+        cmd = [sys.executable, "-m", "kvroute.deploy.cli", "serve", "--host", self.host]
+        cmd += ["--port", str(self.port), "--policy", self.policy]
+        if self.tokenizer:
+            cmd += ["--tokenizer", self.tokenizer]
+        for rep in self.replicas:
+            cmd += ["--replica", rep.flag()]
+        return cmd + self.extra_args
+
+    def start(self, *, wait: bool = True) -> RouterProcess:
+        """Start the child; with ``wait``, until it is ready (``wait_ready``), stopping it
+        again when it is not."""
+        if not self.port:
+            self.port = free_port(self.host)
+        if self.settings is not None:
+            with tempfile.NamedTemporaryFile(
+                "w", prefix="kvroute-router-", suffix=".json", delete=False
+            ) as f:
+                json.dump({**self.settings, "host": self.host, "port": self.port}, f)
+            self._settings_file = Path(f.name)
+        self.process.start(self.command(), cpus=self.cpus)
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until ``GET /health`` answers 200 with every replica healthy."""
+        want = self.expected_replicas()
+
+        def all_healthy(body: bytes) -> bool:
+            return int(json.loads(body).get("healthy_replicas", 0)) >= want
+
+        self.process.wait_http(
+            self.url + "/health",
+            self.start_timeout_s if timeout_s is None else timeout_s,
+            accept=all_healthy,
+            every_s=0.1,
+        )
+
+    def wait_feeds_settled(self, timeout_s: float = 60.0) -> bool:
+        """Until no event feed is still joining or replaying (``/index/stats`` freshness): a
+        run timed while the router catches up on the fleet's history would time that, not its
+        routing. False when ``timeout_s`` passed first."""
+        import httpx
+
+        unsettled = ("connecting", "syncing")
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    stats = client.get(self.url + "/index/stats").json()
+                    states = [e.get("freshness") for e in stats.get("replicas", {}).values()]
+                    if not any(s in unsettled for s in states):
+                        return True
+                time.sleep(0.2)
+        return False
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the child's process group (safe to call twice)."""
+        self.process.stop(grace_s)
+        if self._settings_file is not None:
+            self._settings_file.unlink(missing_ok=True)
+            self._settings_file = None
+
+    def __enter__(self) -> RouterProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def _serve(settings_path: Path) -> None:
+    """The ``settings`` child: the router app under uvicorn, as ``kvroute serve`` runs it."""
+    import uvicorn
+
+    from kvroute.router.app import create_app
+    from kvroute.router.http_protocol import header_deadline_protocol
+
+    settings = settings_from_dict(json.loads(settings_path.read_text()))
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        http=header_deadline_protocol(settings.header_timeout_s),
+        timeout_keep_alive=60,
+        timeout_graceful_shutdown=2,
+    )
+    await uvicorn.Server(config).serve()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(Path(sys.argv[1])))

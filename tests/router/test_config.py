@@ -1,0 +1,90 @@
+"""Replica flags, replicas files and settings validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvroute.router.config import (
+    ConfigError,
+    ReplicaConfig,
+    RouterSettings,
+    load_replicas_file,
+    parse_replica_flag,
+)
+from kvroute.router.policies import POLICIES
+from kvroute.router.replicas import parse_vllm_metrics
+
+
+def test_replica_flag() -> None:
+    r = parse_replica_flag(
+        "http://127.0.0.1:8001/,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,topic=kv"
+    )
+    assert r == ReplicaConfig(
+        "http://127.0.0.1:8001", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "kv"
+    )
+    assert r.key == "127.0.0.1:8001"
+    assert parse_replica_flag("http://h:1,name=n1").key == "n1"
+    for bad in ("127.0.0.1:8001", "http://h:1,event=tcp://x", "ftp://h", "http://h:1,name"):
+        with pytest.raises(ConfigError):
+            parse_replica_flag(bad)
+
+
+def test_a_replica_may_publish_on_several_streams(tmp_path: Path) -> None:
+    """llm-d's FS backend has a socket of its own beside vLLM's (``aux``, any number)."""
+    r = parse_replica_flag("http://h:1,events=tcp://h:5557,aux=tcp://h:5559,aux=tcp://h:5560")
+    assert r.aux == ("tcp://h:5559", "tcp://h:5560") and r.events == "tcp://h:5557"
+    f = tmp_path / "r.yaml"
+    f.write_text("- url: http://a:1\n  aux: [tcp://a:5559]\n- url: http://b:1\n  aux: tcp://b:9\n")
+    assert [r.aux for r in load_replicas_file(f)] == [("tcp://a:5559",), ("tcp://b:9",)]
+    f.write_text("- url: http://a:1\n  aux: [5]\n")
+    with pytest.raises(ConfigError, match="aux"):
+        load_replicas_file(f)
+
+
+def test_replicas_file_forms(tmp_path: Path) -> None:
+    f = tmp_path / "r.yaml"
+    f.write_text("replicas:\n  - url: http://a:1\n    events: tcp://a:2\n  - http://b:1,name=b\n")
+    assert [r.key for r in load_replicas_file(f)] == ["a:1", "b"]
+    f.write_text("- http://a:1\n")
+    assert [r.url for r in load_replicas_file(f)] == ["http://a:1"]
+    f.write_text("")
+    assert load_replicas_file(f) == []
+    for bad in (
+        "replicas: 3",
+        "- {url: http://a:1, bogus: 1}",
+        "- 5",
+        "- {events: tcp://x}",
+        "- http://a:1\n- http://a:1\n",
+        "[unclosed",
+    ):
+        f.write_text(bad)
+        with pytest.raises(ConfigError):
+            load_replicas_file(f)
+    with pytest.raises(ConfigError):
+        load_replicas_file(tmp_path / "missing.yaml")
+
+
+def test_settings_validation() -> None:
+    with pytest.raises(ConfigError, match="choose from " + ", ".join(POLICIES)):
+        RouterSettings(policy="random")
+    for name in POLICIES:
+        assert RouterSettings(policy=name).policy == name
+    with pytest.raises(ConfigError):
+        RouterSettings(replicas=[ReplicaConfig("http://a:1"), ReplicaConfig("http://a:1")])
+    assert RouterSettings().policy == "kvroute"
+
+
+def test_parse_vllm_metrics() -> None:
+    text = (
+        "# HELP vllm:num_requests_running x\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        "vllm:num_requests_waiting 4\n"
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.75\n'
+        'vllm:prefix_cache_hits_total{engine="0"} 99\n'
+        "vllm:num_requests_waiting_garbage x\n"
+    )
+    assert parse_vllm_metrics(text) == {"running": 5.0, "waiting": 4.0, "kv_usage": 0.75}
