@@ -7,6 +7,7 @@ tests build a ``FleetConfig`` directly.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,14 @@ from typing import Any
 from kvroute.deploy.state_dir import default_state_dir
 from kvroute.router.policies import POLICIES as _POLICY_CLASSES
 
-__all__ = ["ENGINES", "POLICIES", "FleetConfig", "add_fleet_arguments", "config_from_args"]
+__all__ = [
+    "ENGINES",
+    "POLICIES",
+    "FleetConfig",
+    "add_fleet_arguments",
+    "add_key_arguments",
+    "config_from_args",
+]
 
 ENGINES = ("vllm", "sim")
 POLICIES = tuple(_POLICY_CLASSES)  # the router's policies, by name
@@ -47,6 +55,10 @@ class FleetConfig:
     fresh_disk: bool = False  # wipe the replicas' disk tiers before starting
     # Router
     router_args: list[str] = field(default_factory=list)
+    # API keys: what clients must send the router, and what the replicas are started with
+    # (vLLM's --api-key; the router sends it). Passed to children by environment, never argv.
+    api_key: str | None = field(default=None, repr=False)
+    replica_api_key: str | None = field(default=None, repr=False)
     ready_timeout_s: float = 420.0
 
     def validate(self) -> None:
@@ -56,6 +68,9 @@ class FleetConfig:
             raise ValueError(f"--engine must be one of {ENGINES}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {POLICIES}")
+        for flag, key in (("--api-key", self.api_key), ("--replica-api-key", self.replica_api_key)):
+            if key is not None and not key.strip():
+                raise ValueError(f"{flag} is empty: give a non-empty key, or none at all")
         if self.block_size <= 0 or self.chunk_tokens % self.block_size:
             raise ValueError("--chunk-tokens must be a positive multiple of --block-size")
         if self.num_gpu_blocks is not None and self.max_model_len is not None:
@@ -118,6 +133,20 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, *, replicas: int = 2) -
     )
 
 
+def add_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvroute up``'s API-key flags (the demo, which sends requests itself, has none)."""
+    parser.add_argument(
+        "--api-key",
+        help="clients must send the router 'Authorization: Bearer KEY' (default: "
+        "$KVROUTE_API_KEY); /health and /metrics stay open",
+    )
+    parser.add_argument(
+        "--replica-api-key",
+        help="start every replica with this --api-key; the router sends it to them "
+        "(default: $KVROUTE_REPLICA_API_KEY)",
+    )
+
+
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> FleetConfig:
     values: dict[str, Any] = {
         "replicas": args.replicas,
@@ -135,6 +164,11 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> FleetConfig:
         "fresh_disk": args.fresh_disk,
         "ready_timeout_s": args.ready_timeout,
     }
+    if hasattr(args, "api_key"):  # add_key_arguments
+        values["api_key"] = args.api_key or os.environ.get("KVROUTE_API_KEY")
+        values["replica_api_key"] = args.replica_api_key or os.environ.get(
+            "KVROUTE_REPLICA_API_KEY"
+        )
     if args.state_dir is not None:
         values["state_dir"] = args.state_dir
     values.update(overrides)

@@ -11,7 +11,12 @@ import sys
 import time
 from types import FrameType
 
-from kvroute.deploy.fleet_config import POLICIES, add_fleet_arguments, config_from_args
+from kvroute.deploy.fleet_config import (
+    POLICIES,
+    add_fleet_arguments,
+    add_key_arguments,
+    config_from_args,
+)
 from kvroute.deploy.local_fleet import FleetError, LocalFleet
 
 __all__ = ["add_arguments", "main", "print_fleet"]
@@ -19,6 +24,7 @@ __all__ = ["add_arguments", "main", "print_fleet"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser)
+    add_key_arguments(parser)
     parser.add_argument("--policy", choices=POLICIES, default="kvroute", help="routing policy")
     parser.add_argument("--port", type=int, default=8000, help="router port (0: a free one)")
     parser.add_argument(

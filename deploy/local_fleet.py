@@ -217,6 +217,8 @@ class LocalFleet:
         cfg = self.config
         name = f"replica-{index}"
         extra_env: dict[str, str] = {}
+        if cfg.replica_api_key:
+            extra_env["VLLM_API_KEY"] = cfg.replica_api_key  # vLLM's --api-key, off argv
         if gpu:
             extra_env["CUDA_VISIBLE_DEVICES"] = str(index)
         transfer = None
@@ -285,6 +287,7 @@ class LocalFleet:
             model=self.served_model_name,
             model_dir=str(self.state_dir / "sim-model"),
             block_size=cfg.block_size,
+            api_key=cfg.replica_api_key,
         )
         if cfg.num_gpu_blocks:
             sim_config.gpu_blocks = cfg.num_gpu_blocks
@@ -321,6 +324,8 @@ class LocalFleet:
             extra_args=extra_args or (),
             log_path=self.state_dir / "logs" / f"{name}.log",
             start_timeout_s=self.config.ready_timeout_s,
+            api_key=self.config.api_key,
+            replica_api_key=self.config.replica_api_key,
         )
         self.routers[name] = router
         try:
@@ -369,7 +374,8 @@ class LocalFleet:
 
     def reset_prefix_caches(self) -> None:
         """POST /reset_prefix_cache on every replica (vLLM dev mode): the device cache and
-        our connector's RAM tier are emptied; the disk tier is kept by design."""
+        our connector's RAM tier are emptied; the disk tier is kept by design. (vLLM's
+        --api-key does not guard it.)"""
         for ep in self.endpoints():
             _http_json(ep.url + "/reset_prefix_cache", body={}, timeout=60)
 

@@ -177,6 +177,7 @@ class ChildProcess:
         *,
         accept: Callable[[bytes], bool] | None = None,
         every_s: float = 0.2,
+        headers: dict[str, str] | None = None,
     ) -> bytes:
         """GET ``url`` until it answers 200 (and ``accept(body)`` holds, when given); the
         body. Raises ``ChildError`` when the child exits first, ``ChildTimeout`` after
@@ -186,7 +187,8 @@ class ChildProcess:
         while True:
             self.check_alive()
             try:
-                with urllib.request.urlopen(url, timeout=5) as resp:
+                request = urllib.request.Request(url, headers=headers or {})
+                with urllib.request.urlopen(request, timeout=5) as resp:
                     body = resp.read()
                 if accept is None or accept(body):
                     return body

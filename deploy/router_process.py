@@ -26,9 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvroute.deploy.processes import ChildProcess, RunsChild, free_port
+from kvroute.deploy.processes import ChildProcess, RunsChild, child_env, free_port
 
-__all__ = ["ReplicaEndpoint", "RouterProcess", "settings_from_dict"]
+__all__ = [
+    "API_KEY_ENV",
+    "REPLICA_API_KEY_ENV",
+    "ReplicaEndpoint",
+    "RouterProcess",
+    "settings_from_dict",
+]
+
+# What ``kvroute serve`` reads when no key flag is given (kvroute.router.cli).
+API_KEY_ENV = "KVROUTE_API_KEY"
+REPLICA_API_KEY_ENV = "KVROUTE_REPLICA_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,8 @@ class RouterProcess(RunsChild):
     ``settings`` given: the router serves exactly those ``RouterSettings`` fields (its
     ``host`` and ``port`` default to this handle's); ``policy``, ``replicas``, ``tokenizer``
     and ``extra_args`` are then unused. ``port=0`` picks a free port at start.
+    ``api_key``: clients' key (sent by this handle's own readiness checks too);
+    ``replica_api_key``: the key the replicas want.
     """
 
     def __init__(
@@ -88,6 +100,8 @@ class RouterProcess(RunsChild):
         log_path: Path | None = None,
         cpus: Collection[int] | None = None,
         start_timeout_s: float = 90.0,
+        api_key: str | None = None,
+        replica_api_key: str | None = None,
     ) -> None:
         self.settings = None if settings is None else dict(settings)
         self.name = name
@@ -101,6 +115,10 @@ class RouterProcess(RunsChild):
         self.start_timeout_s = start_timeout_s
         self.process = ChildProcess(name, log_path)
         self._settings_file: Path | None = None
+        # Never on the command line (ps, the child's log): the child reads them from its
+        # environment (flags mode) or its 0600 settings file (settings mode).
+        self.api_key = api_key
+        self.replica_api_key = replica_api_key
 
     @property
     def url(self) -> str:
@@ -129,12 +147,17 @@ class RouterProcess(RunsChild):
         if not self.port:
             self.port = free_port(self.host)
         if self.settings is not None:
+            keys: dict[str, Any] = {}
+            if self.api_key is not None:
+                keys["api_keys"] = [self.api_key]
+            if self.replica_api_key is not None:
+                keys["replica_api_key"] = self.replica_api_key
             with tempfile.NamedTemporaryFile(
                 "w", prefix="kvroute-router-", suffix=".json", delete=False
             ) as f:
-                json.dump({**self.settings, "host": self.host, "port": self.port}, f)
+                json.dump({**self.settings, "host": self.host, "port": self.port, **keys}, f)
             self._settings_file = Path(f.name)
-        self.process.start(self.command(), cpus=self.cpus)
+        self.process.start(self.command(), env=self._env(), cpus=self.cpus)
         if wait:
             try:
                 self.wait_ready()
@@ -142,6 +165,22 @@ class RouterProcess(RunsChild):
                 self.stop()
                 raise
         return self
+
+    def _env(self) -> dict[str, str]:
+        """The child's environment: exactly this handle's keys, none inherited."""
+        env = child_env()
+        for name, value in (
+            (API_KEY_ENV, self.api_key),
+            (REPLICA_API_KEY_ENV, self.replica_api_key),
+        ):
+            env.pop(name, None)
+            if value is not None:
+                env[name] = value
+        return env
+
+    def auth_headers(self) -> dict[str, str]:
+        """What a client of this router sends: its key, when it has one."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Until ``GET /health`` answers 200 with every replica healthy."""
@@ -155,6 +194,7 @@ class RouterProcess(RunsChild):
             self.start_timeout_s if timeout_s is None else timeout_s,
             accept=all_healthy,
             every_s=0.1,
+            headers=self.auth_headers(),
         )
 
     def wait_feeds_settled(self, timeout_s: float = 60.0) -> bool:
@@ -165,7 +205,7 @@ class RouterProcess(RunsChild):
 
         unsettled = ("connecting", "syncing")
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, headers=self.auth_headers()) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     stats = client.get(self.url + "/index/stats").json()

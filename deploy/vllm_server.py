@@ -215,7 +215,9 @@ class VllmReplica(RunsChild):
         """Until ``/v1/models`` answers 200 (vLLM's API server listens only once its engine is
         up); ``ChildError`` with the log tail when the server exits, ``ChildTimeout`` (a
         ``TimeoutError``) when ``timeout`` passes first."""
-        self.process.wait_http(self.url + "/v1/models", timeout, every_s=0.5)
+        key = self.spec.extra_env.get("VLLM_API_KEY")  # vLLM guards /v1/* with it
+        auth = {"Authorization": f"Bearer {key}"} if key else None
+        self.process.wait_http(self.url + "/v1/models", timeout, every_s=0.5, headers=auth)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the process group (API server, engine core, workers), SIGKILL what is left

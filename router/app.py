@@ -4,7 +4,8 @@ The proxied endpoints are raw ASGI routes (kvroute.router.endpoints); the rest a
 handlers. Every path the router does not serve itself, with any method, is passed through to
 a replica (a catch-all route, last), so kvroute is a drop-in gateway for a vLLM fleet: an
 unknown path gets the replica's own answer (and ``x-kvroute-replica``). The router's own
-errors are in OpenAI's schema.
+errors are in OpenAI's schema. With API keys set, every path but monitoring and the
+dashboard's page needs one (kvroute.router.auth).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvroute.router.auth import ApiKeyMiddleware
 from kvroute.router.config import RouterSettings
 from kvroute.router.dashboard import add_dashboard
 from kvroute.router.dashboard_data import DashboardData
@@ -65,6 +67,12 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if settings.api_keys:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            keys=settings.api_keys,
+            protect_metrics=settings.api_key_protects_metrics,
+        )
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:

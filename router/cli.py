@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
+from pathlib import Path
 
 from kvroute.router.config import (
     ConfigError,
@@ -21,7 +23,7 @@ from kvroute.router.config import (
 )
 from kvroute.router.policies import POLICIES
 
-__all__ = ["add_arguments", "main", "settings_from_args"]
+__all__ = ["add_arguments", "api_keys_from_args", "main", "settings_from_args"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +82,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--port", type=int, default=d.port)
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")
+    keys = parser.add_argument_group(
+        "API keys (or $KVROUTE_API_KEY, $KVROUTE_REPLICA_API_KEY; a flag wins over a file, a "
+        "file over the variable)"
+    )
+    keys.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="clients must send 'Authorization: Bearer KEY' (one of these keys); /health "
+        "and /metrics stay open. Prefer --api-key-file or the variable: argv is visible to ps",
+    )
+    keys.add_argument("--api-key-file", metavar="PATH", help="the router's key: the first line")
+    keys.add_argument(
+        "--api-key-protects-metrics",
+        action="store_true",
+        help="/health and /metrics need the key too",
+    )
+    keys.add_argument(
+        "--replica-api-key",
+        metavar="KEY",
+        help="the key the replicas were started with (vLLM --api-key), sent on every request "
+        "the router makes to them",
+    )
+    keys.add_argument(
+        "--replica-api-key-file", metavar="PATH", help="the replicas' key: the first line"
+    )
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", choices=tuple(POLICIES), default=d.policy)
     routing.add_argument(
@@ -193,6 +223,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument("--healthy-after", type=int, default=d.healthy_after)
 
 
+def _key_file(path: str, flag: str) -> str:
+    """The key in a file's first line (stripped); ConfigError, without the key, otherwise."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{flag}: {path} is not UTF-8 text") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"{flag}: the first line of {path} is empty")
+    return key
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """(the router's keys, the replicas' key) from the flags, the files or the environment."""
+    keys: list[str] = list(args.api_key)
+    if not keys and args.api_key_file:
+        keys = [_key_file(args.api_key_file, "--api-key-file")]
+    if not keys and "KVROUTE_API_KEY" in os.environ:
+        keys = [os.environ["KVROUTE_API_KEY"]]
+    replica_key: str | None = args.replica_api_key
+    if replica_key is None and args.replica_api_key_file:
+        replica_key = _key_file(args.replica_api_key_file, "--replica-api-key-file")
+    if replica_key is None:
+        replica_key = os.environ.get("KVROUTE_REPLICA_API_KEY")
+    return keys, replica_key
+
+
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     cost = CostSettings(
         prefill_s_per_token=args.prefill_s_per_token,
@@ -204,7 +263,11 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         waiting_s_per_request=args.waiting_s_per_request,
         unconfirmed_weight=args.unconfirmed_weight,
     )
+    api_keys, replica_api_key = api_keys_from_args(args)
     return RouterSettings(
+        api_keys=api_keys,
+        api_key_protects_metrics=args.api_key_protects_metrics,
+        replica_api_key=replica_api_key,
         replicas=[parse_replica_flag(r) for r in args.replica],
         replicas_file=args.replicas_file,
         watch_interval_s=args.watch_interval_s,

@@ -34,6 +34,7 @@ __all__ = [
     "ModelTokenizerConfig",
     "ReplicaConfig",
     "RouterSettings",
+    "check_api_key",
     "load_replicas_file",
     "parse_model_tokenizer_flag",
     "parse_replica",
@@ -271,6 +272,13 @@ class RouterSettings:
     tokenizer_render: bool = True
     # Process-wide GC tuning; for the server process only (kvroute serve sets it).
     gc_freeze: bool = False
+    # API keys (router/auth.py): what clients must send (any of them; none: the router is
+    # open), whether /health and /metrics need one too, and the key the replicas were
+    # started with (vLLM's --api-key), sent on every request the router makes to them.
+    # repr=False: settings are printed and logged, keys never.
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    api_key_protects_metrics: bool = False
+    replica_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -307,9 +315,24 @@ class RouterSettings:
             raise ConfigError("max_pending_per_replica must be >= 0 (0: no bound)")
         if self.max_in_flight < 1:
             raise ConfigError("max_in_flight must be >= 1")
+        for key in self.api_keys:
+            check_api_key(key, "api key")
+        if self.replica_api_key is not None:
+            check_api_key(self.replica_api_key, "replica api key")
+        if self.api_key_protects_metrics and not self.api_keys:
+            raise ConfigError("api_key_protects_metrics needs an api key (--api-key)")
 
     def replace(self, **changes: Any) -> RouterSettings:
         return dataclasses.replace(self, **changes)
+
+
+def check_api_key(key: object, what: str) -> None:
+    """Refuse a key that cannot work: empty, or not sendable as an HTTP header token. The
+    message never holds the key."""
+    if not isinstance(key, str) or not key.strip():
+        raise ConfigError(f"{what} is empty: give a non-empty key, or none at all")
+    if not all("!" <= c <= "~" for c in key):
+        raise ConfigError(f"{what} must be printable ASCII without spaces")
 
 
 def _parse_dp(value: object) -> int | str | None:

@@ -32,6 +32,18 @@ __all__ = ["HealthChecker"]
 log = logging.getLogger(__name__)
 
 
+class ReplicaRefusedKey(RuntimeError):
+    """The replica answered 401/403: it wants an API key the router does not send right."""
+
+
+def _check_status(resp: httpx.Response, path: str) -> None:
+    if resp.status_code in (401, 403):
+        raise ReplicaRefusedKey(
+            f"the replica refused the router's API key (HTTP {resp.status_code} on {path}): "
+            "check --replica-api-key"
+        )
+
+
 class HealthChecker:
     def __init__(
         self,
@@ -59,6 +71,7 @@ class HealthChecker:
         was_healthy = [m.healthy for m in members]
         try:
             resp = await self.client.get(f"{lead.url}/health", timeout=self.timeout)
+            _check_status(resp, "/health")
             if resp.status_code != 200:
                 raise RuntimeError(f"/health answered {resp.status_code}")
             now = time.monotonic()
@@ -66,6 +79,7 @@ class HealthChecker:
                 m.models_at is None or now - m.models_at > self.models_refresh_s for m in members
             ):
                 resp = await self.client.get(f"{lead.url}/v1/models", timeout=self.timeout)
+                _check_status(resp, "/v1/models")
                 resp.raise_for_status()
                 data = resp.json().get("data")
                 if not isinstance(data, list):
@@ -77,9 +91,13 @@ class HealthChecker:
             await self._scrape(members)
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
             for m, was in zip(members, was_healthy, strict=True):
-                self.registry.record_failure(m, f"health check: {exc!r}")
+                reason = f"health check: {exc}" if isinstance(exc, ReplicaRefusedKey) else None
+                first_refusal = reason is not None and m.last_error != reason
+                self.registry.record_failure(m, reason or f"health check: {exc!r}")
                 if was and not m.healthy:
                     log.warning("replica %s ejected: %s", m.name, m.last_error)
+                elif first_refusal:
+                    log.warning("replica %s is not usable: %s", m.name, m.last_error)
             return False
         for m, was in zip(members, was_healthy, strict=True):
             self.registry.record_success(m)

@@ -16,12 +16,14 @@ to the client nothing is retried; a broken stream ends with an SSE error event a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvroute.router.auth import ReplicaAuth
 from kvroute.router.errors import RouterError, sse_error
 from kvroute.router.replicas import Replica, ReplicaRegistry
 from kvroute.router.upstream import (
@@ -87,6 +89,8 @@ _DROP_DOWN = frozenset(
     }
 )
 _RETRY_STATUS = frozenset({502, 503, 504})
+log = logging.getLogger(__name__)
+_REFUSED = "the replica refused the router's API key (HTTP 401): check --replica-api-key"
 
 
 class ClientGone(Exception):
@@ -258,11 +262,13 @@ class Forwarder:
         *,
         max_attempts: int = 3,
         on_retry: Callable[[], None] | None = None,
+        auth: ReplicaAuth | None = None,
     ) -> None:
         self.client = client
         self.registry = registry
         self.max_attempts = max_attempts
         self.on_retry = on_retry
+        self.auth = auth or ReplicaAuth()
 
     async def open(
         self,
@@ -275,9 +281,13 @@ class Forwarder:
         method: bytes = b"POST",
     ) -> Upstream:
         """Send to the first replica that answers; its in-flight count stays raised until
-        ``close``. Raises RouterError 503 when every attempt failed before the first byte."""
+        ``close``. Raises RouterError 503 when every attempt failed before the first byte,
+        502 when every replica refused the router's credentials (a configuration error: the
+        client's key is not what they refused, so their 401 is not passed on)."""
         errors: list[str] = []
+        refusals = 0
         tries = ranked[: self.max_attempts]
+        headers = self.auth.apply(headers)
         for attempt, replica in enumerate(tries, 1):
             if attempt > 1 and self.on_retry is not None:
                 self.on_retry()
@@ -298,12 +308,22 @@ class Forwarder:
             except BaseException:
                 replica.end_request(epoch)
                 raise
+            if response.status == 401 and self.auth.speaks_for_router:
+                response.close()
+                replica.end_request(epoch)
+                self.registry.record_failure(replica, _REFUSED)
+                log.warning("replica %s: %s", replica.name, _REFUSED)
+                errors.append(f"{replica.name}: {_REFUSED}")
+                refusals += 1
+                continue
             if response.status in _RETRY_STATUS and attempt < len(tries):
                 response.close()
                 replica.end_request(epoch)
                 errors.append(f"{replica.name}: HTTP {response.status}")
                 continue
             return Upstream(replica, response, started, attempt, epoch)
+        if refusals and refusals == len(errors):
+            raise RouterError(502, "no replica accepted the router's request: " + "; ".join(errors))
         raise RouterError(
             503,
             "no replica could take the request: " + "; ".join(errors),

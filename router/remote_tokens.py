@@ -76,7 +76,14 @@ async def _post(client: httpx.AsyncClient, url: str, path: str, body: Any) -> ht
 
 
 def _raise_for(resp: httpx.Response, what: str) -> None:
-    """A client error there is the client's (same status), anything else a 502."""
+    """A client error there is the client's (same status), anything else a 502. A 401 or
+    403 is about the router's own key (the client's is never sent there): a 502 too."""
+    if resp.status_code in (401, 403):
+        raise RouterError(
+            502,
+            f"replica {what}: the replica refused the router's API key "
+            f"(HTTP {resp.status_code}): check --replica-api-key",
+        )
     if resp.status_code >= 400:
         status = resp.status_code if resp.status_code < 500 else 502
         raise RouterError(status, f"replica {what}: {_error_message(resp)}")

@@ -22,6 +22,7 @@ from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex
 from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.subscriber import EventSource, EventSubscriber
 from kvroute.router.accuracy import AccuracyTracker
+from kvroute.router.auth import ReplicaAuth
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.dp import DataParallelDiscovery, static_targets
 from kvroute.router.errors import RouterError
@@ -66,8 +67,11 @@ class RouterService:
         self.registry = ReplicaRegistry(
             unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after
         )
+        # What replicas are shown: the replica key on every request (router/auth.py).
+        self.replica_auth = ReplicaAuth.of(settings.api_keys, settings.replica_api_key)
         # Off the request path (remote tokenization, self-checks): httpx.
         self.client = httpx.AsyncClient(
+            headers=self.replica_auth.httpx_headers(),
             timeout=httpx.Timeout(
                 connect=settings.connect_timeout_s,
                 read=settings.read_timeout_s,
@@ -79,6 +83,7 @@ class RouterService:
         )
         # Health checks get their own small pool so they never queue behind proxied traffic.
         self.health_client = httpx.AsyncClient(
+            headers=self.replica_auth.httpx_headers(),
             timeout=settings.health_timeout_s,
             trust_env=False,
             limits=httpx.Limits(max_connections=32),
@@ -143,6 +148,7 @@ class RouterService:
             self.registry,
             max_attempts=s.max_attempts,
             on_retry=self.metrics.retries.inc,
+            auth=self.replica_auth,
         )
         for config in self.settings.replicas:
             self.add_replica(config)

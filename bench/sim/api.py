@@ -4,12 +4,13 @@ Endpoints and shapes follow vLLM 0.32: /v1/completions and /v1/chat/completions 
 ending in ``data: [DONE]``, ``stream_options.include_usage``, ``usage.prompt_tokens_details.
 cached_tokens``), /v1/models (the base model and its LoRA adapters), /v1/load_lora_adapter and
 /v1/unload_lora_adapter, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
-/version, and vLLM's error body ``{"error": {"message", "type", "param", "code"}}``; the
-Responses API, Anthropic messages, embeddings and pooling are in kvroute.bench.sim.more_api,
-the render endpoints in kvroute.bench.sim.render_api. The app is plain Starlette (what
-FastAPI runs on) with hand-written validation: a fleet runs many replicas on one event loop,
-so per-request overhead matters more than schemas. Every route records its POSTs in
-``replica.seen`` and applies the replica's ``ReplicaFaults`` (kvroute.bench.sim.faults).
+/version, vLLM's ``--api-key`` check (``SimReplicaConfig.api_key``), and vLLM's error body
+``{"error": {"message", "type", "param", "code"}}``; the Responses API, Anthropic messages,
+embeddings and pooling are in kvroute.bench.sim.more_api, the render endpoints in
+kvroute.bench.sim.render_api. The app is plain Starlette (what FastAPI runs on) with
+hand-written validation: a fleet runs many replicas on one event loop, so per-request overhead
+matters more than schemas. Every route records its POSTs in ``replica.seen`` and applies the
+replica's ``ReplicaFaults`` (kvroute.bench.sim.faults).
 
 Deviations, stated so nobody mistakes them for vLLM's: the generated text is a deterministic
 function of the prompt (see SimTokenizer.generate), every request generates exactly
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,7 +34,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvroute.bench.sim.faults import SeenRequest
@@ -51,7 +54,7 @@ from kvroute.bench.sim.render_api import RenderHandlers
 from kvroute.bench.sim.replica import Generation, InjectedError, SimReplica
 from kvroute.bench.sim.scheduler import ReplicaDied
 
-__all__ = ["create_app", "request_token_ids"]
+__all__ = ["VllmKeyCheck", "create_app", "request_token_ids"]
 
 _BAD_LORA = "InvalidUserInput"  # vLLM's error type for a bad LoRA (un)load request
 # Endpoints that run the engine: ``ReplicaFaults.fail_status`` and ``headers`` apply to them.
@@ -545,6 +548,34 @@ def _observed(replica: SimReplica, endpoint: Endpoint) -> Endpoint:
     return wrapped
 
 
+# vLLM's AuthenticationMiddleware guards these prefixes only (/health, /metrics, /tokenize,
+# /kv_event_sources stay open) and skips OPTIONS.
+_GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+class VllmKeyCheck:
+    """vLLM's ``--api-key`` check as vLLM 0.32 does it: the same paths, the same
+    ``{"error": "Unauthorized"}`` 401 (not OpenAI's error schema)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.digest = hashlib.sha256(api_key.encode()).digest()
+
+    def allows(self, scope: Any) -> bool:
+        if scope.get("method") == "OPTIONS" or not scope["path"].startswith(_GUARDED_PREFIXES):
+            return True
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        given = hashlib.sha256(token.encode()).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self.digest)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or self.allows(scope):
+            await self.app(scope, receive, send)
+            return
+        await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
 def create_app(replica: SimReplica) -> Starlette:
     h = Handlers(replica)
     routes = [
@@ -580,4 +611,6 @@ def create_app(replica: SimReplica) -> Starlette:
 
     app.add_exception_handler(404, not_found)
     app.add_exception_handler(405, not_allowed)
+    if replica.config.api_key:
+        app.add_middleware(VllmKeyCheck, api_key=replica.config.api_key)
     return app

@@ -35,9 +35,19 @@ import httpx
 
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.replica import SimReplicaConfig
-from kvroute.deploy.processes import ChildProcess, RunsChild, free_port
+from kvroute.deploy.processes import ChildProcess, RunsChild, child_env, free_port
 
-__all__ = ["FleetReplica", "SimFleet", "SimFleetConfig", "add_arguments", "main", "serve_fleet"]
+API_KEY_ENV = "KVROUTE_SIM_API_KEY"
+
+__all__ = [
+    "API_KEY_ENV",
+    "FleetReplica",
+    "SimFleet",
+    "SimFleetConfig",
+    "add_arguments",
+    "main",
+    "serve_fleet",
+]
 
 
 @dataclass(slots=True)
@@ -64,6 +74,9 @@ class SimFleetConfig:
     # Engines per replica: > 1 makes each replica a data-parallel server (kvroute.bench.sim.dp).
     data_parallel_size: int = 1
     latency: LatencyModel = field(default_factory=LatencyModel)
+    # Every replica's ``--api-key`` (vLLM's check, kvroute.bench.sim.api). Never in argv: the
+    # child fleet gets it through $KVROUTE_SIM_API_KEY.
+    api_key: str | None = field(default=None, repr=False)
 
     def replica_config(self, i: int) -> SimReplicaConfig:
         return SimReplicaConfig(
@@ -82,13 +95,16 @@ class SimFleetConfig:
             error_rate=self.error_rate,
             drop_event_rate=self.drop_event_rate,
             seed=self.seed,
+            api_key=self.api_key,
         )
 
     def to_argv(self) -> list[str]:
-        """Command-line flags that rebuild this config in ``main``."""
+        """Command-line flags that rebuild this config in ``main`` (all but ``api_key``)."""
         argv: list[str] = []
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "api_key":
+                continue
             if f.name == "latency":
                 for lf in fields(LatencyModel):
                     argv += [f"--{lf.name.replace('_', '-')}", repr(getattr(value, lf.name))]
@@ -380,11 +396,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write the router's replica list (YAML) here once ready",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"replicas answer vLLM's 401 without 'Authorization: Bearer KEY' on /v1/* "
+        f"(default: ${API_KEY_ENV})",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimFleetConfig:
     latency = LatencyModel(**{f.name: getattr(args, f.name) for f in fields(LatencyModel)})
     kwargs = {f.name: getattr(args, f.name) for f in fields(SimFleetConfig) if f.name != "latency"}
+    if kwargs["api_key"] is None:
+        kwargs["api_key"] = os.environ.get(API_KEY_ENV)
+    if kwargs["api_key"] is not None and not kwargs["api_key"].strip():
+        raise SystemExit("kvroute sim: the API key is empty")
     return SimFleetConfig(latency=latency, **kwargs)
 
 
@@ -434,7 +460,11 @@ class SimFleet(RunsChild):
             self.config = replace(self.config, control_port=free_port(self.config.host))
         self.control = f"http://{self.config.host}:{self.config.control_port}"
         cmd = [sys.executable, "-m", "kvroute.bench.sim.fleet", *self.config.to_argv()]
-        self.process.start(cmd)
+        env = child_env()
+        env.pop(API_KEY_ENV, None)
+        if self.config.api_key is not None:
+            env[API_KEY_ENV] = self.config.api_key
+        self.process.start(cmd, env=env)
         try:
             info = json.loads(self.process.wait_http(self.control + "/fleet", self.start_timeout_s))
         except BaseException:
@@ -457,7 +487,8 @@ class SimFleet(RunsChild):
     def router_settings(self, **overrides: Any) -> dict[str, Any]:
         """``RouterSettings`` fields for a router in front of this fleet: every replica with
         its event and replay sockets, and the fleet's own tokenizer used locally (the ids a
-        replica computes). ``overrides`` add or replace fields."""
+        replica computes), and the replicas' API key when they have one. ``overrides`` add or
+        replace fields."""
         return {
             "replicas": [
                 {
@@ -472,6 +503,7 @@ class SimFleet(RunsChild):
             "tokenizer": self.model_dir,
             "tokenizer_mode": "local",
             "default_block_size": self.config.block_size,
+            **({"replica_api_key": self.config.api_key} if self.config.api_key else {}),
             **overrides,
         }
 

@@ -71,6 +71,8 @@ class SimReplicaConfig:
     chat_template: str | None = None
     # ``--enable-scale-out``: serve the render endpoints; without it vLLM answers them 403.
     scale_out: bool = False
+    # ``--api-key``: the paths vLLM guards need ``Authorization: Bearer <key>`` (sim api).
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)

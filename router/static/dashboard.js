@@ -6,6 +6,10 @@ const POLL_MS = Math.max(500, Number(params.get("interval_ms")) || 2000);
 const TIERS = ["GPU", "CPU", "STORAGE"];
 const SVG = "http://www.w3.org/2000/svg";
 const state = { data: null, page: 0, sort: "load", filter: "", pageSize: 20, lastOk: 0 };
+// A router started with --api-key guards /dashboard/data: the key is asked for once and kept
+// for this tab only (sessionStorage), never in the URL.
+const KEY_STORE = "kvroute-api-key";
+let pollTimer = 0;
 
 const $ = (id) => document.getElementById(id);
 const fmt = (n) => (n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"));
@@ -220,9 +224,28 @@ function render() {
   document.body.dataset.takenAt = String(d.taken_at);
 }
 
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_STORE);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+function schedulePoll(delayMs) {
+  clearTimeout(pollTimer);
+  pollTimer = setTimeout(poll, delayMs);
+}
+
 async function poll() {
   try {
-    const resp = await fetch("dashboard/data", { cache: "no-store" });
+    const sent = sessionStorage.getItem(KEY_STORE);
+    const resp = await fetch("dashboard/data", { cache: "no-store", headers: authHeaders() });
+    if (resp.status === 401) {
+      // A key typed while this request was in flight is the next poll's to try.
+      if (sessionStorage.getItem(KEY_STORE) === sent) {
+        sessionStorage.removeItem(KEY_STORE);
+        $("key-form").hidden = false;
+      }
+      throw new Error("this router wants its API key");
+    }
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     state.data = await resp.json();
     state.lastOk = Date.now();
@@ -235,7 +258,7 @@ async function poll() {
     s.dataset.state = "error";
     s.textContent = `no data: ${err.message}` + (state.lastOk ? ` (last update ${new Date(state.lastOk).toLocaleTimeString()})` : "");
   } finally {
-    setTimeout(poll, POLL_MS);
+    schedulePoll(POLL_MS);
   }
 }
 
@@ -244,4 +267,13 @@ $("filter").addEventListener("input", (e) => { state.filter = e.target.value; st
 $("page-size").addEventListener("change", (e) => { state.pageSize = Number(e.target.value); state.page = 0; render(); });
 $("prev").addEventListener("click", () => { state.page = Math.max(0, state.page - 1); render(); });
 $("next").addEventListener("click", () => { state.page += 1; render(); });
+$("key-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const key = $("api-key").value.trim();
+  $("api-key").value = "";
+  if (!key) return;
+  sessionStorage.setItem(KEY_STORE, key);
+  $("key-form").hidden = true;
+  schedulePoll(0);
+});
 poll();

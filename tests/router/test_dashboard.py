@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.deploy.router_process import RouterProcess
+from kvroute.router.auth import ApiKeyMiddleware
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.dashboard import add_dashboard
 from kvroute.router.dashboard_data import DashboardData
@@ -280,3 +281,37 @@ def test_a_hundred_replicas_are_paged_sorted_and_filtered(
     driver.find_element(By.ID, "filter").send_keys("r09")
     assert sorted(names()) == [f"r09{i}" for i in range(10)]
     assert text_of(driver, "#requests-chart-note") == "top 10 of 100"
+
+
+def test_a_router_with_a_key_asks_for_it_once(driver: Any) -> None:
+    """Behind --api-key the page itself loads (it holds no data); its data answers 401 until
+    the user gives the key in the page's field, which the tab then keeps across reloads."""
+    from selenium.webdriver.common.by import By
+
+    key = "dashboard-key-93be"
+    configs = [ReplicaConfig(url=f"http://127.0.0.1:9/r{i}", name=f"r{i}") for i in range(3)]
+    service = RouterService(RouterSettings(replicas=configs, api_keys=[key]))
+    for config in configs:
+        service.add_replica(config)
+    app = FastAPI()
+    add_dashboard(app, DashboardData(service).snapshot)
+    app.add_middleware(ApiKeyMiddleware, keys=[key])
+    with ServerThread(app) as server:
+        assert httpx.get(f"{server.url}/dashboard/data").status_code == 401
+        driver.get(f"{server.url}/dashboard?interval_ms=500")
+        form = driver.find_element(By.ID, "key-form")
+        wait_for(driver, lambda d: form.is_displayed(), what="the key field")
+        assert "API key" in text_of(driver, "#status")
+        assert text_of(driver, "#replica-count") == "\u2013"  # the placeholder: no data
+        for attempt in ("not-the-key", key):
+            field = driver.find_element(By.ID, "api-key")
+            field.send_keys(attempt)
+            driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+            if attempt != key:
+                wait_for(driver, lambda d: form.is_displayed(), what="the field again")
+        wait_for(driver, lambda d: text_of(d, "#replica-count") == "3", what="the data")
+        assert not form.is_displayed()
+        assert key not in driver.current_url
+        driver.refresh()
+        wait_for(driver, lambda d: text_of(d, "#replica-count") == "3", what="data on reload")
+        assert not driver.find_element(By.ID, "key-form").is_displayed()
