@@ -91,8 +91,9 @@ def group_alive(pgid: int) -> bool:
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM ``proc``'s process group, wait up to ``grace_s`` for every member to exit,
-    SIGKILL what is left, and reap ``proc``. Members (vLLM's engine core, its workers) may
-    outlive the leader, so waiting for the leader alone is not enough."""
+    SIGKILL what is left, reap ``proc``, and wait (at most 5 s) until the group is gone.
+    Members (vLLM's engine core, its workers) may outlive the leader, so waiting for the
+    leader alone is not enough."""
     pgid = proc.pid
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
@@ -105,6 +106,11 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         os.killpg(pgid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+    # SIGKILL is delivered asynchronously: return once the group is really gone, so a caller
+    # that starts a replacement on the same ports or files never meets the old one.
+    deadline = time.monotonic() + 5.0
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 class ChildProcess:
