@@ -81,10 +81,11 @@ def test_kvroute_sim_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> No
         config_from_args(parser.parse_args([]))
 
 
+@pytest.mark.vllm
 def test_the_check_matches_vllms_own_middleware() -> None:
     """The simulator's check against vLLM's AuthenticationMiddleware over one inner app:
     the same status and body for every path and header (needs the vLLM extra)."""
-    vllm_auth = pytest.importorskip("vllm.entrypoints.serve.middleware.authenticate")
+    import vllm.entrypoints.serve.middleware.authenticate as vllm_auth
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
