@@ -14,25 +14,15 @@ import httpx
 import pytest
 import zmq
 
-from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
-from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.fleet import SimFleet
 from kvroute.indexer.wire import decode_batch, decode_frames
 from kvroute.router.replicas import parse_vllm_metrics_by_engine
+from tests.sim_configs import dp_fleet_config
 
 
 @pytest.fixture(scope="module")
 def dp_fleet() -> Iterator[SimFleet]:
-    config = SimFleetConfig(
-        replicas=1,
-        data_parallel_size=2,
-        block_size=16,
-        gpu_blocks=256,
-        max_num_seqs=8,
-        max_model_len=8192,
-        latency=LatencyModel(time_scale=0.05),
-        stream_interval_s=0.005,
-    )
-    with SimFleet(config) as fleet:
+    with SimFleet(dp_fleet_config()) as fleet:
         yield fleet
 
 

@@ -17,13 +17,13 @@ import httpx
 import openai
 import pytest
 
-from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
-from kvroute.bench.sim.latency import LatencyModel
+from kvroute.bench.sim.fleet import SimFleet
 from kvroute.router.app import create_app
 from kvroute.router.config import RouterSettings, parse_replica_flag
 from kvroute.router.http_protocol import header_deadline_protocol
 from kvroute.router.tokenization import LocalTokenizer
 from tests.router.servers import ServerThread, wait_until
+from tests.sim_configs import dp_fleet_config
 
 SERVER = "dpsrv"  # the router's name for the server
 SIM = "sim-0"  # the simulator's
@@ -32,17 +32,7 @@ RANKS = [f"{SERVER}#dp0", f"{SERVER}#dp1"]
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimFleet]:
-    config = SimFleetConfig(
-        replicas=1,
-        data_parallel_size=2,
-        block_size=16,
-        gpu_blocks=512,
-        max_num_seqs=8,
-        max_model_len=8192,
-        latency=LatencyModel(time_scale=0.05),
-        stream_interval_s=0.005,
-    )
-    with SimFleet(config) as fleet:
+    with SimFleet(dp_fleet_config()) as fleet:
         yield fleet
 
 
