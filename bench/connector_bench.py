@@ -12,7 +12,11 @@ do not depend on the machine:
   sequential write/read of the same bytes as plain files of one chunk each. Before reads,
   both sides' files are flushed and dropped from the page cache
   (``posix_fadvise(DONTNEED)``) so reads hit the device, not RAM. A single big file is
-  also timed, for context only (it measures the chunk-size choice, not the tier).
+  also timed, for context only (it measures the chunk-size choice, not the tier). The
+  tier uses ``--disk-write-threads`` / ``--disk-read-threads`` I/O threads (the
+  connector's defaults unless given).
+* Shared storage (``connector_shared``): N replica processes on one directory, aggregate
+  write and cross-replica read GB/s vs the same sequential baseline (``--skip-shared``).
 * TTFT: a prompt as long as the model takes, recomputed (cold) vs served from the RAM tier
   after the device prefix cache was reset, on a tiny Llama built locally.
 * CUDA (torch with CUDA only, no vLLM): our asynchronous store (device -> pinned RAM slot:
@@ -40,6 +44,8 @@ from typing import Any
 
 import torch
 
+from kvroute.bench.connector_shared import shared_contention
+from kvroute.connector.config import ConnectorConfig
 from kvroute.connector.copiers import Copier
 from kvroute.connector.disk_format import file_name
 from kvroute.connector.disk_tier import rank_directory, unlink_chunk
@@ -71,6 +77,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disk-dir", type=Path, default=None, help="directory for the disk tier (default: temp)"
     )
+    g.add_argument(
+        "--disk-read-threads",
+        type=int,
+        default=ConnectorConfig.disk_read_threads,
+        help="reader threads of the disk tier (the connector's disk_read_threads)",
+    )
+    g.add_argument(
+        "--disk-write-threads",
+        type=int,
+        default=ConnectorConfig.disk_write_threads,
+        help="writer threads of the disk tier (the connector's disk_write_threads)",
+    )
+    sh = parser.add_argument_group("shared storage domain")
+    sh.add_argument(
+        "--shared-replicas",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[1, 2, 4],
+        help="replica process counts writing and reading one directory (comma list)",
+    )
+    sh.add_argument("--shared-chunks", type=int, default=12, help="chunks per replica")
+    sh.add_argument("--skip-shared", action="store_true", help="no many-replica figures")
     v = parser.add_argument_group("vLLM TTFT")
     v.add_argument("--skip-vllm", action="store_true", help="only measure the tiers")
     v.add_argument("--model-max-len", type=int, default=8192)
@@ -123,6 +150,8 @@ class _Setup:
         self.hashes = [i.to_bytes(8, "big") * 4 for i in range(1, self.n * self.bpc + 1)]
         self._round = 0
         self._executors: dict[bool, WorkerExecutor] = {}
+        self.read_threads = args.disk_read_threads
+        self.write_threads = args.disk_write_threads
 
     def fresh(self, disk: bool) -> tuple[Planner, WorkerExecutor]:
         self._round += 1
@@ -154,6 +183,8 @@ class _Setup:
                 identity=IDENTITY,
                 disk_dir=self.disk_dir if disk else None,
                 disk_max_pending_bytes=2 * self.total_bytes,
+                disk_read_threads=self.read_threads,
+                disk_write_threads=self.write_threads,
             )
             self._executors[disk] = ex
         return planner, ex
@@ -571,6 +602,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result.update(_ram_tier(s, args.repeats))
                 result.update(_disk_tier(s, args.repeats, base))
                 result.update(_cuda_tiers(args))
+                result["disk_read_threads"] = args.disk_read_threads
+                result["disk_write_threads"] = args.disk_write_threads
+                if not args.skip_shared:
+                    result.update(shared_contention(args, base, result))
         finally:
             s.close()
             torch.set_num_threads(old_threads)

@@ -12,12 +12,17 @@
   over the request's keys (the router computes keys once per request); the figure with keying
   included is reported beside it.
 - memory: tracemalloc's count of what building the index allocated, per entry.
+- scale: ``--ingest-replicas`` spreads the ingest over that many replicas, each with its own
+  stream (the block events split evenly), applied in turn as a router's feeds deliver them;
+  with ``--replicas`` as large, lookup and memory are measured at that fleet size too
+  (docs/benchmarks.md, "Index at 1,000 replicas").
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import random
 import statistics
 import time
@@ -46,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--entries", type=int, default=1_200_000, help="index size for lookups")
     parser.add_argument("--ingest-blocks", type=int, default=400_000, help="blocks to ingest")
+    parser.add_argument(
+        "--ingest-replicas",
+        type=int,
+        default=1,
+        help="replicas the ingested blocks are spread over (each its own stream)",
+    )
     parser.add_argument("--lookups", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
 
@@ -58,11 +69,11 @@ _CHUNK = 16  # blocks per offloaded chunk (256 tokens of 16)
 
 
 def _build_frames(
-    n_blocks: int, block_size: int, rng: random.Random
+    n_blocks: int, block_size: int, rng: random.Random, keep: int = 4096
 ) -> tuple[list[list[bytes]], int]:
     """A replica's stream: prompts stored in steps of up to 32 blocks, then evicted block by
-    block; every fourth prompt also offloads its first chunks to the CPU tier, evicted from
-    there later.
+    block once it holds over ``keep`` (a quarter of them at a time); every fourth prompt also
+    offloads its first chunks to the CPU tier, evicted from there later.
 
     Returns the frames and the number of block events they hold.
     """
@@ -116,8 +127,8 @@ def _build_frames(
             if events:
                 frames.append(frames_of("kv@bench", seq, encode_batch(events, ts=time.time())))
                 seq += 1
-        if len(stored) > 4096:
-            victims, stored = stored[:1024], stored[1024:]
+        if len(stored) > keep:
+            victims, stored = stored[: keep // 4], stored[keep // 4 :]
             payload = encode_batch([BlockRemoved([h]) for h in victims], ts=time.time())
             frames.append(frames_of("kv@bench", seq, payload))
             seq += 1
@@ -125,25 +136,50 @@ def _build_frames(
     return frames, block_events
 
 
+def _streams(
+    args: argparse.Namespace, rng: random.Random
+) -> tuple[list[tuple[str, list[bytes]]], int]:
+    """Every replica's frames, interleaved one frame of each replica in turn (as the feeds
+    of a router deliver them), and the block events they hold."""
+    replicas = args.ingest_replicas
+    if replicas == 1:  # the single-stream figure, as it always was
+        frames, block_events = _build_frames(args.ingest_blocks, args.block_size, rng)
+        return [("bench", f) for f in frames], block_events
+    per = max(1, args.ingest_blocks // replicas)
+    keep = min(4096, max(64, per // 4))  # each stream evicts, however short
+    streams, block_events = [], 0
+    for r in range(replicas):
+        frames, n = _build_frames(per, args.block_size, rng, keep=keep)
+        streams.append([(f"replica-{r}", f) for f in frames])
+        block_events += n
+    tagged = [f for group in itertools.zip_longest(*streams) for f in group if f is not None]
+    return tagged, block_events
+
+
 def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    frames, block_events = _build_frames(args.ingest_blocks, args.block_size, rng)
+    frames, block_events = _streams(args, rng)
     gc.collect()
     raw_decode = msgspec.msgpack.Decoder().decode
     started = time.perf_counter()
-    for message in frames:
+    for _, message in frames:
         raw_decode(decode_frames(message).payload)
     ceiling = time.perf_counter() - started
     index = InMemoryPrefixIndex()
     gc.collect()
     started = time.perf_counter()
-    for message in frames:
+    for replica, message in frames:
         frame = decode_frames(message)
         batch = decode_batch(frame.payload)
-        result = index.apply("bench", batch.events)
+        result = index.apply(replica, batch.events)
         if result.rejected:
             raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
     elapsed = time.perf_counter() - started
     return {
+        "ingest_replicas": len(index.replicas()),
+        "ingest_index_entries": index.entries,
+        "ingest_estimated_bytes_per_entry": round(
+            index.estimated_bytes() / max(1, index.entries), 1
+        ),
         "decode_ceiling_blocks_per_s": round(block_events / ceiling),
         "ingest_vs_decode_ceiling": round(ceiling / elapsed, 3),
         "ingest_blocks_per_s": round(block_events / elapsed),
@@ -234,6 +270,8 @@ def _keying(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.ingest_replicas < 1 or args.replicas < 1:
+        raise ValueError("--replicas and --ingest-replicas must be >= 1")
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"block_size": args.block_size}
     result.update(_keying(args, rng))

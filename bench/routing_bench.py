@@ -237,6 +237,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for routing.json and the PNG plots",
     )
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--scenario",
+        choices=["shared_storage"],
+        default=None,
+        help="instead of workloads x policies: shared_storage (hot documents, a replica "
+        "added and one restarted mid-run; kvroute with a shared STORAGE domain vs private "
+        "disks vs approx_prefix vs round_robin; bench/storage_scenario.py)",
+    )
+    parser.add_argument(
+        "--scenario-arms",
+        type=lambda v: [a for a in v.split(",") if a],
+        default=None,
+        help="the scenario's arms to run (default: all), e.g. kvroute_shared,kvroute_private",
+    )
 
 
 def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> SimFleetConfig:
@@ -417,6 +431,25 @@ def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
     return out
 
 
+_FEED_COUNTERS = ("batches", "events_applied", "blocks_stored", "blocks_removed")
+
+
+def _feed_volume(router_url: str) -> dict[str, int]:
+    """What one router's event feeds took in so far, summed over the replicas (every router
+    reads the same feeds): the KV-event volume a workload puts on an indexer, per replica
+    and simulated second once divided (docs/benchmarks.md, "Index at 1,000 replicas")."""
+    try:
+        replicas = httpx.get(f"{router_url}/index/stats", timeout=5.0).json()["replicas"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return {}
+    out = dict.fromkeys(_FEED_COUNTERS, 0)
+    for entry in replicas.values():
+        feed = entry.get("feed") or {}
+        for key in _FEED_COUNTERS:
+            out[key] += int(feed.get(key) or 0)
+    return out
+
+
 def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The routing targets (docs/benchmarks.md, "Targets"), evaluated per target workload
     present in this run."""
@@ -491,6 +524,8 @@ def _plots(rows: list[dict[str, Any]], out: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns ``{"results": [...], "targets": [...], ...}``."""
+    if getattr(args, "scenario", None) == "shared_storage":
+        return _run_storage_scenario(args)
     preset = PRESETS[args.preset]
     workloads = args.workloads.split(",") if args.workloads else list(preset["workloads"])
     policies = [p for p in args.policies.split(",") if p]
@@ -534,6 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
                 urls = [r.url for r in routers]
                 seen: dict[str, float] = {}
+                seen_volume: dict[str, int] = {}
                 for w in workloads:
                     fleet.reset_caches()
                     # The clears are what a fresh router joins the feeds on; traffic waits
@@ -565,6 +601,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["loop_lag_ms"] = {"fleet": fleet.loop_lag(), "client": client_lag}
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
+                    volume = _feed_volume(urls[0])
+                    row["feed_volume"] = {k: v - seen_volume.get(k, 0) for k, v in volume.items()}
+                    seen_volume = volume
                     rows.append(row)
                     print(
                         f"routing bench: {w}/{policy}: hit {row['hit_rate']:.3f} "
@@ -598,6 +637,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "routers": args.routers,
         "preset": args.preset,
         "json": str(out / "routing.json"),
+        "plots": plots,
+        "total_wall_s": time.monotonic() - started,
+    }
+
+
+def _run_storage_scenario(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared-storage scenario (bench/storage_scenario.py): its own fleets and arms."""
+    from kvroute.bench.storage_scenario import SCENARIO_PRESETS, run_scenario, scenario_targets
+
+    started = time.monotonic()
+    rows = run_scenario(args)
+    public = [
+        {
+            k: None if isinstance(v, float) and math.isnan(v) else v
+            for k, v in r.items()
+            if k != "ttfts_s"
+        }
+        for r in rows
+    ]
+    out = Path(args.out_dir) / "shared_storage"  # its plots never replace the main run's
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing_shared_storage.json").write_text(json.dumps(public, indent=2))
+    plots = [] if args.no_plots or not rows else _plots(rows, out)
+    return {
+        "scenario": "shared_storage",
+        "results": public,
+        "targets": scenario_targets(rows),
+        "preset": args.preset,
+        "scenario_preset": SCENARIO_PRESETS[args.preset],
+        "workload_sizes": {"hot_docs": rows[0]["sizes"]} if rows else {},
+        "json": str(out / "routing_shared_storage.json"),
         "plots": plots,
         "total_wall_s": time.monotonic() - started,
     }

@@ -7,6 +7,7 @@ objects, possibly separate processes) derive the same numbers from the same dict
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 GIB = 1 << 30
 
 DISK_POLICIES = ("write_through", "demote")
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class ConnectorConfig:
     prefault_cpu_pool: bool = True
     # Concurrent chunk reads of the disk tier (queue depth for the device).
     disk_read_threads: int = 2
+    # Concurrent chunk file writes (one writer thread each).
+    disk_write_threads: int = 2
+    # Name of the storage domain when ``disk_dir`` is shared by several replicas: every
+    # replica then finds every chunk any of them wrote, live; an external evictor
+    # (``kvroute storage gc``) bounds the directory. None: a private directory.
+    storage_domain: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -65,6 +73,21 @@ class ConnectorConfig:
             raise ValueError("cpu_gib and disk_gib must be >= 0")
         if self.disk_policy not in DISK_POLICIES:
             raise ValueError(f"disk_policy must be one of {DISK_POLICIES}")
+        if self.disk_read_threads < 1 or self.disk_write_threads < 1:
+            raise ValueError("disk_read_threads and disk_write_threads must be >= 1")
+        if self.storage_domain is not None:
+            if not self.disk_dir:
+                raise ValueError("storage_domain needs disk_dir (the shared directory)")
+            if not _DOMAIN_NAME.fullmatch(str(self.storage_domain)):
+                raise ValueError(
+                    f"storage_domain {self.storage_domain!r}: use 1-128 characters of "
+                    "[A-Za-z0-9._-]"
+                )
+            if self.allow_nondeterministic_hash_seed:
+                raise ValueError(
+                    "storage_domain cannot be combined with allow_nondeterministic_hash_seed "
+                    "(chunk keys would differ in every replica)"
+                )
 
     def blocks_per_chunk(self, block_size: int) -> int:
         if self.chunk_tokens % block_size:

@@ -20,6 +20,7 @@ Files are written to a temporary name in the same directory and renamed when com
 so a crash leaves a temp file (removed by the next scan), never a half file under a
 real name. A reader trusts nothing: magic, version, header checksum, identity, key,
 size and payload checksum must all match, otherwise the file is a miss (and removed).
+The prefix and header reader are in ``chunk_header`` (no torch: the evictor uses them).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,15 +36,19 @@ from typing import BinaryIO
 import torch
 import xxhash
 
+from kvroute.connector.chunk_header import (
+    FORMAT_VERSION,
+    MAGIC,
+    PREFIX_SIZE,
+    SUFFIX,
+    TMP_MARK,
+    ChunkFileError,
+)
+from kvroute.connector.chunk_header import PREFIX as _PREFIX
+from kvroute.connector.chunk_header import read_header as _read_header
 from kvroute.connector.extra_keys import decode_extra_keys, encode_extra_keys
 from kvroute.connector.keys import ChunkInfo
 
-MAGIC = b"KVRCHUNK"
-FORMAT_VERSION = 2
-_PREFIX = struct.Struct("<8sIIQ")
-PREFIX_SIZE = _PREFIX.size
-SUFFIX = ".kvc"
-TMP_MARK = ".tmp-"
 # Room for what the worker adds to the planner's header (its rank in the identity,
 # dtype, shape, checksum): only used to reserve disk capacity before a write.
 _HEADER_SLACK = 1024
@@ -60,10 +64,6 @@ _DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-
-
-class ChunkFileError(Exception):
-    """The file is not a valid chunk for us: treat as a miss and remove it."""
 
 
 class DiskFullError(OSError):
@@ -165,29 +165,6 @@ def write_chunk_file(
             raise DiskFullError(errno.ENOSPC, f"disk full writing {final.name}") from exc
         raise
     return len(prefix) + len(hbytes) + len(view)
-
-
-def _read_header(f: BinaryIO, file_size: int) -> tuple[dict, int]:
-    raw = f.read(PREFIX_SIZE)
-    if len(raw) != PREFIX_SIZE:
-        raise ChunkFileError("truncated prefix")
-    magic, version, hlen, hsum = _PREFIX.unpack(raw)
-    if magic != MAGIC:
-        raise ChunkFileError("bad magic")
-    if version != FORMAT_VERSION:
-        raise ChunkFileError(f"unsupported format version {version}")
-    if hlen <= 0 or PREFIX_SIZE + hlen > file_size:
-        raise ChunkFileError("bad header length")
-    hbytes = f.read(hlen)
-    if len(hbytes) != hlen or xxhash.xxh3_64_intdigest(hbytes) != hsum:
-        raise ChunkFileError("header checksum mismatch")
-    try:
-        header = json.loads(hbytes)
-    except ValueError as exc:
-        raise ChunkFileError("header is not JSON") from exc
-    if PREFIX_SIZE + hlen + int(header.get("payload_bytes", -1)) != file_size:
-        raise ChunkFileError("file size does not match header (cut short?)")
-    return header, PREFIX_SIZE + hlen
 
 
 def read_chunk_header(path: Path, identity: str) -> dict:

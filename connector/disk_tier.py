@@ -5,10 +5,12 @@ separates models, settings and parallel layouts (see ``identity``); the rank dir
 separates the workers of one layout, whose files for the same chunk hold different
 slices of its KV. The start-up scan is in ``disk_scan``.
 
-* ``DiskWriter`` (worker side): a background thread writes files so the forward pass
-  never waits on disk. Pending bytes are bounded; over the bound a write is dropped and
-  reported (a dropped write is only a future miss). ENOSPC, and the optional
-  ``byte_cap`` used by tests, become a ``disk_full`` report.
+* ``DiskWriter`` (worker side): background threads write files so the forward pass
+  never waits on disk (several at once: one file write leaves the device idle while
+  the writer checksums, so a few in flight keep it busy). Pending bytes are bounded;
+  over the bound a write is dropped and reported (a dropped write is only a future
+  miss). ENOSPC, and the optional ``byte_cap`` used by tests, become a ``disk_full``
+  report.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class DiskWriter:
         max_pending_bytes: int = 256 << 20,
         byte_cap: int | None = None,
         on_done: Callable[[WriteResult], None] | None = None,
+        threads: int = 1,
     ) -> None:
         self.directory = Path(directory)
         self.fsync = fsync
@@ -100,8 +103,12 @@ class DiskWriter:
         )
         self._idle = threading.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="kvroute-disk-writer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvroute-disk-writer-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
 
     def submit(
         self,
@@ -137,20 +144,28 @@ class DiskWriter:
             key, header, payload, on_written = item
             n = payload.numel() * payload.element_size()
             res: WriteResult
+            reserve = 0
             try:
-                if (
-                    self.byte_cap is not None
-                    and self._written + max_file_size(header, n) > self.byte_cap
-                ):
-                    raise DiskFullError(28, "byte cap reached")
+                if self.byte_cap is not None:
+                    with self._lock:  # reserve under the lock: writers run in parallel
+                        need = max_file_size(header, n)
+                        if self._written + need > self.byte_cap:
+                            raise DiskFullError(28, "byte cap reached")
+                        self._written += need
+                        reserve = need
                 size = write_chunk_file(self.directory, key, header, payload, fsync=self.fsync)
-                self._written += size
+                with self._lock:
+                    self._written += size - reserve
+                reserve = 0
                 res = WriteResult(key, True, size=size)
             except DiskFullError:
                 res = WriteResult(key, False, "disk_full")
             except OSError as exc:
                 logger.warning("kvroute: disk write failed for %s: %s", key.hex(), exc)
                 res = WriteResult(key, False, "io")
+            if reserve:
+                with self._lock:
+                    self._written -= reserve
             if on_written is not None:
                 on_written()
             with self._lock:
@@ -172,5 +187,7 @@ class DiskWriter:
 
     def close(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
-        self._q.put(None)
-        self._thread.join(timeout)
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout)

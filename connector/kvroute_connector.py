@@ -37,6 +37,7 @@ from kvroute.connector.events import KVRouteReports, to_vllm_event
 from kvroute.connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
 from kvroute.connector.plan import StepPlan
 from kvroute.connector.planner import Planner
+from kvroute.connector.shared_store import SharedStore
 from kvroute.connector.transfer import PagedKV
 from kvroute.connector.vllm_extras import request_extras
 from kvroute.connector.worker import WorkerExecutor
@@ -201,6 +202,11 @@ class KVRouteConnector(KVConnectorBase_V1):
                 )
             self.disk_dir = str(tier_directory(base, digest))
         disk_dir = Path(self.disk_dir) if self.disk_dir else None
+        self._shared: SharedStore | None = None
+        if disk_dir is not None and self.cfg.storage_domain is not None:
+            self._shared = SharedStore(
+                disk_dir, self.identity, ranks, domain=self.cfg.storage_domain
+            )
         self._planner = Planner(
             block_size=self.block_size,
             blocks_per_chunk=self.bpc,
@@ -214,8 +220,21 @@ class KVRouteConnector(KVConnectorBase_V1):
             files_per_chunk=len(ranks),
             disk_full_retry_s=self.cfg.disk_full_retry_s,
             unlink=(lambda key: unlink_chunk_all_ranks(disk_dir, ranks, key)) if disk_dir else None,
+            shared=self._shared,
         )
-        if disk_dir is not None:
+        if self._shared is not None:
+            # No start-up scan: lookups check the files live, and announcing files
+            # this replica did not write is their writer's job (it did).
+            logger.info(
+                "kvroute: storage domain %s: shared directory %s (%d rank directories), "
+                "replica marker %s, %d other replica(s) visible",
+                self._shared.domain,
+                disk_dir,
+                len(ranks),
+                self._shared.replica_id,
+                self._shared.peers,
+            )
+        elif disk_dir is not None:
             found = scan_layout(disk_dir, self.identity, ranks)
             self._planner.add_disk_entries(found)
             logger.info(
@@ -334,7 +353,9 @@ class KVRouteConnector(KVConnectorBase_V1):
         """``reset_prefix_cache(reset_connector=True)`` (``?reset_external=true``, and
         ``pause_generation(clear_cache=True)`` around weight updates): both tiers are
         emptied, every announced chunk gets a ``BlockRemoved`` and disk files are
-        removed; nothing cached before the reset is served after it. Always succeeds:
+        removed; nothing cached before the reset is served after it. With a shared
+        storage domain the domain's files stay (other replicas use them) and get no
+        event; this replica only stops serving the ones present now. Always succeeds:
         copies still in flight are accounted for when they report."""
         if self._planner is not None:
             self._planner.reset()
@@ -368,6 +389,7 @@ class KVRouteConnector(KVConnectorBase_V1):
                 pin_memory=self.cfg.pin_memory and torch.cuda.is_available(),
                 prefault=self.cfg.prefault_cpu_pool,
                 disk_read_threads=self.cfg.disk_read_threads,
+                disk_write_threads=self.cfg.disk_write_threads,
             )
         return self._executor
 
@@ -414,6 +436,9 @@ class KVRouteConnector(KVConnectorBase_V1):
         return KVRouteReports(reports) if reports else None
 
     def shutdown(self) -> None:
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            shared.close()
         if self._executor is not None:
             self._executor.close()
             self._executor = None

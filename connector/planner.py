@@ -31,6 +31,7 @@ from kvroute.connector.plan import (
     StepPlan,
     StoreOp,
 )
+from kvroute.connector.shared_store import SharedStore
 from kvroute.indexer.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class Hit:
     info: ChunkInfo
     tier: Tier
     block_offset: int  # first block of the chunk to load (local hit may cover some)
+    # Shared storage: the entry to pin (a chunk another replica wrote is not indexed).
+    entry: TierEntry | None = None
 
 
 @dataclass
@@ -83,6 +86,10 @@ class PlannerStats:
     store_skipped_in_flight: int = 0
     evictions_cpu: int = 0
     evictions_disk: int = 0
+    # Shared storage: hits on files other replicas wrote; own files found gone.
+    shared_foreign_hits: int = 0
+    shared_files_gone: int = 0
+    shared_writes_skipped_present: int = 0
 
 
 class Planner:
@@ -109,6 +116,7 @@ class Planner:
         disk_full_retry_s: float = 30.0,
         unlink: Callable[[bytes], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedStore | None = None,
     ) -> None:
         self.block_size = block_size
         self.bpc = blocks_per_chunk
@@ -125,6 +133,9 @@ class Planner:
         self.disk_full_retry_s = disk_full_retry_s
         self._disk_blocked_until = 0.0
         self._unlink = unlink or (lambda key: None)
+        # A shared storage domain: the directory, not ``self.disk``, says what exists;
+        # ``self.disk`` only indexes the chunks THIS replica wrote (and announced).
+        self.shared = shared
         self._clock = clock
         self._plan = StepPlan()
         self._events: list[TierEvent] = []
@@ -168,6 +179,8 @@ class Planner:
         hits: list[Hit] = []
         end = num_computed
         c = num_computed // self.chunk_tokens
+        if self.shared is not None:
+            self.shared.heartbeat()
         while True:
             c_end = (c + 1) * self.chunk_tokens
             if c_end > num_tokens - 1 or (c + 1) * self.bpc > len(block_hashes):
@@ -176,7 +189,7 @@ class Planner:
             tier = Tier.CPU
             e = self.cpu.ready(key)
             if e is None and self._disk_readable():
-                tier, e = Tier.STORAGE, self.disk.ready(key)
+                tier, e = Tier.STORAGE, self._disk_entry(key)
             if e is None:
                 break
             # Guard against hash collisions and foreign entries: the chunk's own tokens
@@ -184,7 +197,7 @@ class Planner:
             if list(e.info.token_ids) != list(token_ids[c * self.chunk_tokens : c_end]):
                 break
             offset = max(0, num_computed // self.block_size - c * self.bpc)
-            hits.append(Hit(info=e.info, tier=tier, block_offset=offset))
+            hits.append(Hit(info=e.info, tier=tier, block_offset=offset, entry=e))
             end = c_end
             c += 1
         result = LookupResult(num_computed=num_computed, hits=hits, num_tokens=end - num_computed)
@@ -209,7 +222,28 @@ class Planner:
         return out
 
     def _disk_readable(self) -> bool:
-        return self.disk_enabled and len(self.disk) > 0
+        return self.disk_enabled and (self.shared is not None or len(self.disk) > 0)
+
+    def _disk_entry(self, key: bytes) -> TierEntry | None:
+        """The READY disk entry of ``key``. With a shared domain the files decide: an
+        own entry whose file is gone (the domain's evictor removed it and announced
+        it) is forgotten silently; a chunk another replica wrote gets an entry that is
+        pinned for the load but never indexed or announced here."""
+        e = self.disk.get(key)
+        if self.shared is None:
+            return e if e is not None and e.state is EntryState.READY else None
+        if e is not None and e.state is not EntryState.READY:
+            return None  # our own write is in flight
+        found = self.shared.probe(key)
+        if found is None:
+            if e is not None and e.pins == 0:
+                self.disk.remove(key)
+                self.stats.shared_files_gone += 1
+            return None
+        if e is not None:
+            return e
+        info, size = found
+        return TierEntry(info=info, size=size, state=EntryState.READY)
 
     # ------------------------------------------------------------------ alloc
     def on_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> bool:
@@ -243,9 +277,13 @@ class Planner:
         for h, targets in loads:
             idx = self.cpu if h.tier == Tier.CPU else self.disk
             e = idx.get(h.info.key)
+            if e is None and h.entry is not None and h.tier == Tier.STORAGE:
+                e = h.entry  # another replica's file in a shared domain
+                self.stats.shared_foreign_hits += 1
             assert e is not None and e.state is EntryState.READY
             e.pins += 1  # a pinned source is never evicted (slot reused / file removed)
-            idx.touch(h.info.key)
+            if h.info.key in idx:
+                idx.touch(h.info.key)
             pins.append((h.tier, e))
             # Every worker reports each load once; unpin after the last report.
             k = (req_id, h.info.key)
@@ -379,6 +417,11 @@ class Planner:
             return None
         if (Tier.STORAGE, info.key) in self._orphans:
             return None  # an older write of this key is still reporting
+        if self.shared is not None and self.shared.probe(info.key) is not None:
+            # Another replica wrote it already (and announced it): writing it again
+            # would be harmless (atomic rename) but wasted.
+            self.stats.shared_writes_skipped_present += 1
+            return None
         try:
             header = self._header(info)
         except TypeError as exc:  # extra keys that a file header cannot hold
@@ -389,18 +432,20 @@ class Planner:
         if victims is None:
             return None
         for key in victims:
-            self._drop_disk(key, unlink=True)
+            # Shared: the domain's evictor owns the files; only our index forgets.
+            self._drop_disk(key, unlink=self.shared is None, announce=self.shared is None)
             self.stats.evictions_disk += 1
         self.disk.add(TierEntry(info=info, size=size, confirmations_left=self.num_workers))
         self.stats.disk_writes += 1
         return header
 
-    def _drop_disk(self, key: bytes, *, unlink: bool) -> None:
+    def _drop_disk(self, key: bytes, *, unlink: bool, announce: bool = True) -> None:
         e = self.disk.remove(key)
         if e is None:
             return
         if e.state is EntryState.READY:
-            self._events.append(TierEvent("removed", Tier.STORAGE, e.info))
+            if announce:
+                self._events.append(TierEvent("removed", Tier.STORAGE, e.info))
         else:
             self._orphan(Tier.STORAGE, key, e.confirmations_left)
         if unlink:
@@ -418,9 +463,33 @@ class Planner:
             elif r.kind == LOADED:
                 self._on_loaded(r)
             elif r.kind == REMOVED and r.tier == Tier.STORAGE:
+                if self.shared is not None:
+                    self._shared_file_removed(r)
+                    continue
                 # A bad file on one rank: the chunk can no longer be served from any,
                 # so every rank's file goes and the entry is not offered again.
                 self._drop_disk(r.key, unlink=True)
+
+    def _shared_file_removed(self, r: Report) -> None:
+        """A load in a shared domain found its file missing or bad. Missing: removed
+        by the evictor (which announces it) or another replica: forget it silently.
+        Bad: the worker removed it, so the chunk is gone from the domain: remove every
+        rank's file and announce it, whoever wrote it."""
+        assert self.shared is not None
+        e = self.disk.get(r.key)
+        info = e.info if e is not None else self.shared.cached_info(r.key)
+        self.shared.forget(r.key)
+        if r.error == "missing":
+            if e is not None and e.state is EntryState.READY:
+                self.disk.remove(r.key)
+                self.stats.shared_files_gone += 1
+            return
+        if e is not None:
+            self._drop_disk(r.key, unlink=True)
+            return
+        self._unlink(r.key)
+        if info is not None:
+            self._events.append(TierEvent("removed", Tier.STORAGE, info))
 
     def _write_reported(self, key: bytes) -> None:
         """One worker finished (or gave up) a disk write of ``key``: release the slot a
@@ -469,7 +538,10 @@ class Planner:
                     )
                 self.disk.remove(r.key)
                 self._orphan(Tier.STORAGE, r.key, e.confirmations_left - 1)
-                self._unlink(r.key)
+                if self.shared is None:
+                    # Shared: another replica may have written the same chunk's files
+                    # meanwhile; our rank files that landed are only a miss.
+                    self._unlink(r.key)
             else:
                 self.cpu.remove(r.key)
                 self._orphan(Tier.CPU, r.key, e.confirmations_left - 1)
@@ -529,8 +601,30 @@ class Planner:
         """Forget every disk entry and remove its files on every rank. Announced ones
         get ``BlockRemoved(STORAGE)``; a pending write's file is removed when it lands.
         A load already reading a file either finishes or fails and is recomputed."""
+        if self.shared is not None:
+            self._reset_shared()
+            return
         for e in self.disk.entries():
             self._drop_disk(e.info.key, unlink=True)
+
+    def _reset_shared(self) -> None:
+        """Shared domain: nothing present now is served by this replica again (by
+        inode), but no file is removed and nothing is announced: other replicas of the
+        domain may still use those files, and the domain's index stays true. Own
+        writes still in flight are removed when they land (their KV predates the
+        reset); a chunk recomputed after the reset is written again (a new file)."""
+        assert self.shared is not None
+        for e in self.disk.entries():
+            self.disk.remove(e.info.key)
+            if e.state is not EntryState.READY:
+                self._orphan(Tier.STORAGE, e.info.key, e.confirmations_left)
+        n = self.shared.forget_present()
+        logger.info(
+            "kvroute: storage domain %s: reset: %d files present are no longer served by "
+            "this replica (left for the others)",
+            self.shared.domain,
+            n,
+        )
 
     def reset(self) -> None:
         """``reset_prefix_cache(reset_connector=True)``: nothing cached before may be

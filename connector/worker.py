@@ -23,6 +23,7 @@ loads add their target blocks to ``take_load_errors`` so vLLM recomputes them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +41,16 @@ from kvroute.connector.transfer import PagedKV
 from kvroute.indexer.tiers import Tier
 
 logger = logging.getLogger(__name__)
+
+
+def _bump_recency(path: Path) -> None:
+    """A loaded file was used: set its mtime to now, so an evictor trimming the
+    directory by least recent mtime (``kvroute storage gc``) sees the use. A file
+    removed since it was opened is fine (the read already had its data)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 class WorkerExecutor:
@@ -62,6 +73,7 @@ class WorkerExecutor:
         pin_memory: bool = False,
         prefault: bool = True,
         disk_read_threads: int = 2,
+        disk_write_threads: int = 1,
         copier: Copier | None = None,
     ) -> None:
         self.paged = paged
@@ -85,6 +97,7 @@ class WorkerExecutor:
                 fsync=disk_fsync,
                 max_pending_bytes=disk_max_pending_bytes,
                 byte_cap=disk_byte_cap,
+                threads=disk_write_threads,
             )
             if self.rank_dir is not None
             else None
@@ -228,16 +241,21 @@ class WorkerExecutor:
             self._bad_file(op, path, exc)
             return
         self.copier.load_host_chunk(cf.payload, op.block_offset, op.block_ids, after)
+        _bump_recency(path)
         self._report(Report(LOADED, op.key, Tier.STORAGE, req_id=op.req_id))
 
     def _bad_file(self, op: LoadOp, path: Path, exc: Exception) -> None:
-        """A missing, cut-short, corrupted or foreign file: a miss, removed, recomputed."""
+        """A missing, cut-short, corrupted or foreign file: a miss, recomputed. A bad
+        file is removed; a missing one was removed by someone else (an evictor of a
+        shared directory), which the scheduler must tell apart (``error``)."""
         assert self.rank_dir is not None
+        missing = isinstance(exc, FileNotFoundError)
         logger.warning("kvroute: bad or missing chunk file %s: %s", path.name, exc)
-        if not isinstance(exc, FileNotFoundError):
+        if not missing:
             unlink_chunk(self.rank_dir, op.key)
-        self._report(Report(REMOVED, op.key, Tier.STORAGE, ok=False, error="corrupt"))
-        self._fail_load(op, "corrupt")
+        error = "missing" if missing else "corrupt"
+        self._report(Report(REMOVED, op.key, Tier.STORAGE, ok=False, error=error))
+        self._fail_load(op, error)
 
     def _thread_buffer(self) -> torch.Tensor:
         buf = getattr(self._tls, "read_buf", None)
@@ -276,6 +294,7 @@ class WorkerExecutor:
             # recomputes them before anyone reads them.
             self._bad_file(op, path, exc)
             return
+        _bump_recency(path)
         self._report(Report(LOADED, op.key, Tier.STORAGE, req_id=op.req_id))
 
     def _fail_load(self, op: LoadOp, error: str) -> None:

@@ -38,6 +38,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "build the tiny local Llama model used on CPU machines",
     ),
 }
+# ``kvroute storage <job>``: jobs on a storage domain (a directory replicas share)
+STORAGE: dict[str, tuple[str, str]] = {
+    "gc": (
+        "kvroute.connector.storage_gc_cli",
+        "keep a storage domain under its byte budget, publishing removals as KV events",
+    ),
+}
 BENCHES: dict[str, tuple[str, str]] = {
     "indexer": (
         "kvroute.bench.indexer_bench",
@@ -93,7 +100,7 @@ def _chosen(argv: Sequence[str]) -> tuple[str | None, str | None]:
     options), before any parsing: they decide which one module gets imported."""
     words = [arg for arg in argv if not arg.startswith("-")]
     command = words[0] if words else None
-    bench = words[1] if command == "bench" and len(words) > 1 else None
+    bench = words[1] if command in ("bench", "storage") and len(words) > 1 else None
     return command, bench
 
 
@@ -107,6 +114,12 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             _wire(command_parser, module_name)
+    storage = sub.add_parser("storage", help="jobs on a shared storage domain")
+    storage_sub = storage.add_subparsers(dest="job", required=True)
+    for name, (module_name, help_text) in STORAGE.items():
+        job_parser = storage_sub.add_parser(name, help=help_text, description=help_text)
+        if command == "storage" and name == bench_name:
+            _wire(job_parser, module_name)
     bench = sub.add_parser("bench", help="benchmarks with JSON output")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module_name, help_text) in BENCHES.items():

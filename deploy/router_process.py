@@ -67,13 +67,20 @@ class ReplicaEndpoint:
 
 
 def settings_from_dict(data: dict[str, Any]) -> Any:
-    """RouterSettings from JSON-able data (``replicas``: dicts; ``cost``: a dict of knobs)."""
-    from kvroute.router.config import CostSettings, ReplicaConfig, RouterSettings
+    """RouterSettings from JSON-able data (``replicas``, ``storage_domains``: dicts; ``cost``:
+    a dict of knobs)."""
+    from kvroute.router.config import (
+        CostSettings,
+        ReplicaConfig,
+        RouterSettings,
+        StorageDomainConfig,
+    )
 
     data = dict(data)
     replicas = [ReplicaConfig(**r) for r in data.pop("replicas", [])]
     cost = CostSettings(**data.pop("cost", {}))
-    return RouterSettings(replicas=replicas, cost=cost, **data)
+    domains = [StorageDomainConfig(**d) for d in data.pop("storage_domains", [])]
+    return RouterSettings(replicas=replicas, cost=cost, storage_domains=domains, **data)
 
 
 class RouterProcess(RunsChild):

@@ -54,6 +54,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from kvroute.indexer.keys import (
     RequestKeys,
@@ -65,20 +66,37 @@ from kvroute.indexer.keys import (
 )
 from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
+if TYPE_CHECKING:
+    from kvroute.indexer.snapshot import ReplicaState
+
 __all__ = [
+    "DOMAIN_PREFIX",
     "ApplyResult",
+    "DomainSummary",
     "InMemoryPrefixIndex",
     "IndexFigures",
     "PrefixIndex",
     "PrefixMatch",
     "ReplicaIndexSummary",
+    "domain_key",
 ]
+
+# The index key of a storage domain: a pseudo-replica whose STORAGE holdings are the domain's
+# (its evictor's stream is applied under this name).
+DOMAIN_PREFIX = "domain:"
+
+
+def domain_key(domain: str) -> str:
+    """The pseudo-replica a storage domain's holdings and its evictor's events live under."""
+    return DOMAIN_PREFIX + domain
+
 
 _TIERS = (Medium.GPU, Medium.CPU, Medium.STORAGE)
 _W = 6  # bits per replica slot
 _SLOT = (1 << _W) - 1
 _CONFIRMED = 0b000111
 _GPU = int(Medium.GPU)
+_STORAGE = int(Medium.STORAGE)
 # Walk limits: a chunk is never longer than this many blocks, and learning how long chunks
 # are never walks further back than this.
 _MAX_CHUNK_BLOCKS = 1024
@@ -171,6 +189,17 @@ class ReplicaIndexSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class DomainSummary:
+    """A storage domain as the index sees it: blocks held, and the replicas attached."""
+
+    domain: str
+    block_size: int | None
+    blocks: int
+    attached: list[str]
+    chunk_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class IndexFigures:
     """Index-wide figures for ``/index/stats`` and the metrics: size, limits, evictions."""
 
@@ -238,6 +267,26 @@ class PrefixIndex(ABC):
     @abstractmethod
     def stats(self) -> IndexFigures:
         """Index-wide figures: size in memory, limits, what the limits dropped."""
+
+    def export_replica(self, replica: str) -> ReplicaState | None:
+        """Everything known of the replica, for a peer router's warm start
+        (indexer/snapshot.py); None when unknown, or when the backend cannot export."""
+        return None
+
+    def import_replica(self, replica: str, state: ReplicaState) -> int:
+        """Replace what is known of the replica with ``state``, whole or not at all (raises
+        ``SnapshotError``); returns the entries installed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import a snapshot")
+
+    def attach(self, replica: str, domain: str | None) -> None:
+        """Attach the replica to a storage domain (None: detach). A backend without domains
+        refuses: a shared prefix would silently count nowhere."""
+        if domain is not None:
+            raise NotImplementedError(f"{type(self).__name__} has no storage domains")
+
+    def domains(self) -> list[DomainSummary]:
+        """Every storage domain known (holding blocks, or with replicas attached)."""
+        return []
 
 
 @dataclass(slots=True)
@@ -345,6 +394,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._entries = 0
+        # replica -> the pseudo-replica of the storage domain it is attached to
+        self._attached: dict[str, str] = {}
         self._lock = threading.RLock()
 
     # --- replicas -----------------------------------------------------------------------------
@@ -368,8 +419,24 @@ class InMemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return list(self._replicas)
 
+    def export_replica(self, replica: str) -> ReplicaState | None:
+        from kvroute.indexer.snapshot import export_state  # it builds on this module
+
+        with self._lock:
+            return export_state(self, replica)
+
+    def import_replica(self, replica: str, state: ReplicaState) -> int:
+        from kvroute.indexer.snapshot import import_state
+
+        with self._lock:
+            return import_state(self, replica, state)
+
     def block_size(self, replica: str) -> int | None:
         state = self._replicas.get(replica)
+        if state is not None and state.block_size is None:
+            # A replica that stored nothing yet is as warm as its storage domain.
+            domain = self._replicas.get(self._attached.get(replica, ""))
+            return None if domain is None else domain.block_size
         return None if state is None else state.block_size
 
     def partial_unit(self, replica: str) -> int | None:
@@ -399,9 +466,11 @@ class InMemoryPrefixIndex(PrefixIndex):
             state = self._replicas.get(replica)
             if state is None:
                 return
-            if source in state.confirmed_sources:
+            # A domain's holdings came from its replicas' streams: its evictor losing history
+            # means removals may have been missed, whatever the evictor itself published.
+            if source in state.confirmed_sources or replica.startswith(DOMAIN_PREFIX):
                 self._clear_confirmed(state)
-                if restarted:
+                if restarted and not replica.startswith(DOMAIN_PREFIX):
                     # A new process may run another configuration: learn it again.
                     state.block_size = None
                     state.size_confirmed = False
@@ -413,12 +482,83 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     def remove_replica(self, replica: str) -> None:
         with self._lock:
+            self._attached.pop(replica, None)
             state = self._replicas.get(replica)
             if state is None:
                 return
             self.clear_replica(replica)
             del self._replicas[replica]
             self._free_slots.append(state.slot)
+
+    # --- storage domains ----------------------------------------------------------------------
+
+    def attach(self, replica: str, domain: str | None) -> None:
+        """Attach ``replica`` to storage domain ``domain`` (None: detach): its STORAGE stores
+        are held by the domain from now on, and its lookups see all the domain holds."""
+        if replica.startswith(DOMAIN_PREFIX):
+            raise ValueError(f"{replica!r}: a storage domain cannot be attached to another")
+        with self._lock:
+            if domain is None:
+                self._attached.pop(replica, None)
+                return
+            self._attached[replica] = domain_key(domain)
+            self._state(replica)
+            self._state(domain_key(domain))
+
+    def domains(self) -> list[DomainSummary]:
+        with self._lock:
+            attached: dict[str, list[str]] = {}
+            for replica, key in self._attached.items():
+                attached.setdefault(key, []).append(replica)
+            return [
+                DomainSummary(
+                    domain=s.name[len(DOMAIN_PREFIX) :],
+                    block_size=s.block_size,
+                    blocks=s.tier_counts[_STORAGE],
+                    attached=sorted(attached.get(s.name, ())),
+                    chunk_blocks=s.chunk_blocks.get(_STORAGE),
+                )
+                for s in self._replicas.values()
+                if s.name.startswith(DOMAIN_PREFIX)
+            ]
+
+    def _share(
+        self, state: _ReplicaState, domain: _ReplicaState, event: BlockStored, result: ApplyResult
+    ) -> None:
+        """An attached replica stored ``event``'s STORAGE blocks (already applied to it):
+        move them to its domain. A file in the domain is one file however often it was
+        written, so the domain holds a block once (no reference counts) until removed."""
+        if domain.block_size is None:
+            domain.block_size = state.block_size
+        elif state.block_size is not None and state.block_size != domain.block_size:
+            raise ValueError(
+                f"STORAGE block_size {state.block_size} differs from its storage domain's "
+                f"{domain.block_size}"
+            )
+        n = state.chunk_blocks.get(_STORAGE)
+        if n is not None and n > domain.chunk_blocks.get(_STORAGE, 0):
+            domain.chunk_blocks[_STORAGE] = n
+        if _STORAGE in state.whole_loads:
+            domain.whole_loads.add(_STORAGE)
+        masks = self._masks
+        bit = 1 << (_W * state.slot + _STORAGE)
+        scratch = ApplyResult()
+        for h in event.block_hashes:
+            rec = state.chunks.pop((_STORAGE, h), None)
+            members: tuple[int, ...] = (h,) if rec is None else rec[0]
+            if rec is not None:
+                domain.chunks[(_STORAGE, h)] = [members, 1]
+            for m in members:
+                key = state.engine_to_key.get(m)
+                if key is None:
+                    continue
+                self._hold(domain, m, key, _STORAGE, scratch, count_dup=False)
+                mask = masks.get(key, 0)
+                if mask & bit:
+                    self._set_mask(key, mask & ~bit)
+                    state.tier_counts[_STORAGE] -= 1
+                    state.refs.pop((key, _STORAGE), None)
+                    self._forget_if_unheld(state, m, key, mask & ~bit)
 
     def _clear_confirmed(self, state: _ReplicaState) -> None:
         shift = _W * state.slot
@@ -477,6 +617,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         result = ApplyResult()
         with self._lock:
             state = self._state(replica)
+            shared = self._attached.get(replica)
+            domain = None if shared is None else self._state(shared)
             if state.held:
                 self._expire_state(state, self._clock())
             events = list(events)
@@ -490,6 +632,8 @@ class InMemoryPrefixIndex(PrefixIndex):
                         if event.confirmed:
                             state.confirmed_sources.add(source)
                             self._store(state, event, result)
+                            if domain is not None and event.medium is Medium.STORAGE:
+                                self._share(state, domain, event, result)
                         else:
                             self._store_unconfirmed(state, event, source, result)
                     elif isinstance(event, BlockRemoved):
@@ -498,7 +642,12 @@ class InMemoryPrefixIndex(PrefixIndex):
                             continue
                         if event.confirmed:
                             state.confirmed_sources.add(source)
-                            self._remove(state, event, result)
+                            # An attached replica's STORAGE removal (a bad file it deleted)
+                            # leaves the domain.
+                            target = state
+                            if domain is not None and event.medium is Medium.STORAGE:
+                                target = domain
+                            self._remove(target, event, result)
                         else:
                             self._remove_unconfirmed(state, event, source, result)
                     elif isinstance(event, AllBlocksCleared):
@@ -639,6 +788,12 @@ class InMemoryPrefixIndex(PrefixIndex):
         parent = state.engine_to_key.get(parent_hash)
         if parent is None and state.ghost is not None:
             parent = state.ghost.get(parent_hash)
+        if parent is None and state.name in self._attached:
+            # A chunk whose previous chunk only its storage domain holds (a replica announcing
+            # the shared files it found at start-up, or storing after a domain hit).
+            domain = self._replicas.get(self._attached[state.name])
+            if domain is not None:
+                parent = domain.engine_to_key.get(parent_hash)
         if parent is None:
             raise ValueError("BlockStored whose parent block is unknown (missed events?)")
         return parent
@@ -708,7 +863,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         bit = 1 << (_W * state.slot + cls)
         mask = self._masks.get(key, 0)
         if mask & bit:
-            if count_dup:
+            # A storage domain holds a file once, however often it was announced.
+            if count_dup and not state.name.startswith(DOMAIN_PREFIX):
                 state.refs[(key, cls)] = state.refs.get((key, cls), 0) + 1
             return
         self._set_mask(key, mask | bit)
@@ -923,7 +1079,12 @@ class InMemoryPrefixIndex(PrefixIndex):
                     if rec is None or len(rec.keys) != 1:
                         continue
                     members = self._walk_chunk(state, h, cls, n)
-                    keys = tuple(state.engine_to_key[m] for m in reversed(members))
+                    # ``h`` itself may have left the hash map since (its device copy was
+                    # evicted); its key is the one its record holds. The walk checked the rest.
+                    keys = (
+                        *(state.engine_to_key[m] for m in reversed(members[1:])),
+                        rec.keys[0],
+                    )
                     if len(keys) > 1:
                         self._unhold(state, rec)
                         self._hold_unconfirmed(
@@ -1242,20 +1403,21 @@ class InMemoryPrefixIndex(PrefixIndex):
         )
         with self._lock:
             wanted = (
-                list(self._replicas.values())
+                [s for s in self._replicas.values() if not s.name.startswith(DOMAIN_PREFIX)]
                 if replicas is None
                 else [self._replicas[r] for r in replicas if r in self._replicas]
             )
             by_size: dict[int, list[_ReplicaState]] = {}
             out: dict[str, PrefixMatch] = {}
             for state in wanted:
-                if state.block_size is None:
+                block_size = self.block_size(state.name)
+                if block_size is None:
                     out[state.name] = PrefixMatch(state.name, 0, 0, {})
                 else:
-                    by_size.setdefault(state.block_size, []).append(state)
+                    by_size.setdefault(block_size, []).append(state)
             for block_size, states in by_size.items():
                 keys = request.keys(block_size)
-                out.update(self._walk(keys, states, block_size))
+                out.update(self._walk(keys, states, block_size, self._lifted(states)))
                 self._probe_partials(request, states, block_size, out)
                 self._cap_hybrid(request, keys, states, block_size, out)
             return out
@@ -1282,8 +1444,41 @@ class InMemoryPrefixIndex(PrefixIndex):
                     match.partial_unit = unit
                     break
 
+    def _lifted(self, states: list[_ReplicaState]) -> Callable[[int, int], int]:
+        """``_masks.get``, with each storage domain's STORAGE bit copied to the STORAGE bit of
+        the replicas among ``states`` attached to it: a lookup sees the domain's holdings as
+        the replica's own STORAGE tier."""
+        get = self._masks.get
+        lifts: dict[int, int] = {}
+        for state in states:
+            domain = self._replicas.get(self._attached.get(state.name, ""))
+            if domain is not None:
+                dbit = 1 << (_W * domain.slot + _STORAGE)
+                lifts[dbit] = lifts.get(dbit, 0) | 1 << (_W * state.slot + _STORAGE)
+        if not lifts:
+            return get
+        pairs = tuple(lifts.items())
+        memo: dict[int, int] = {}  # a fleet has few distinct masks (they are interned)
+
+        def lifted(key: int, default: int = 0) -> int:
+            mask = get(key, default)
+            out = memo.get(mask)
+            if out is None:
+                out = mask
+                for dbit, bits in pairs:
+                    if mask & dbit:
+                        out |= bits
+                memo[mask] = out
+            return out
+
+        return lifted
+
     def _walk(
-        self, keys: Sequence[int], states: list[_ReplicaState], block_size: int
+        self,
+        keys: Sequence[int],
+        states: list[_ReplicaState],
+        block_size: int,
+        get: Callable[[int, int], int] | None = None,
     ) -> dict[str, PrefixMatch]:
         """One pass over the request's keys, tracking what each replica can serve, the way
         vLLM serves it: its device prefix first, then, from the first block the device
@@ -1302,7 +1497,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             device |= 1 << (_W * s.slot)
         lower = 0  # slots past their device prefix, served by a lower tier
         alive_bits = device * _SLOT
-        get = self._masks.get
+        get = get or self._masks.get
         prev = -1
         run = 0
         for i, key in enumerate(keys):
@@ -1337,7 +1532,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             c = counts[s.slot]
             blocks = ended.get(s.slot, len(keys))
             if blocks > c[0]:
-                blocks = self._trim(s, keys, blocks, c)
+                blocks = self._trim(s, keys, blocks, c, get)
             by_tier = {tier: c[tier] for tier in _TIERS if c[tier]}
             unconfirmed = {tier: c[tier + 3] for tier in _TIERS if c[tier + 3]}
             out[s.name] = PrefixMatch(s.name, block_size, blocks, by_tier, unconfirmed)
@@ -1356,21 +1551,30 @@ class InMemoryPrefixIndex(PrefixIndex):
             if bits:
                 c[(bits & -bits).bit_length() - 1] += run
 
-    def _trim(self, state: _ReplicaState, keys: Sequence[int], blocks: int, c: list[int]) -> int:
+    def _trim(
+        self,
+        state: _ReplicaState,
+        keys: Sequence[int],
+        blocks: int,
+        c: list[int],
+        get: Callable[[int, int], int],
+    ) -> int:
         """End a lower-tier run on a whole chunk of the tier its last block is in. vLLM's
         offloading connector also skips a load shorter than one chunk (a device prefix that
         ends inside the only held chunk), so for its tiers such a run counts nothing."""
         shift = _W * state.slot
-        get = self._masks.get
 
         def fastest_lower(i: int) -> int:
             bits = (get(keys[i], 0) >> shift) & (_SLOT & ~1)
             return (bits & -bits).bit_length() - 1
 
         cls = fastest_lower(blocks - 1)
-        n = state.chunk_blocks.get(cls, 1)
+        # A storage domain's chunks are what its replicas wrote: their length is learned there.
+        domain = self._replicas.get(self._attached.get(state.name, "")) if cls == _STORAGE else None
+        learned = state if domain is None else domain
+        n = learned.chunk_blocks.get(cls, 1)
         end = max(c[0], blocks // n * n)
-        if cls in state.whole_loads and end - c[0] < n:
+        if cls in learned.whole_loads and end - c[0] < n:
             end = c[0]  # vLLM's offloading connector loads at least a chunk, or nothing
         for i in range(end, blocks):
             c[fastest_lower(i)] -= 1
@@ -1384,18 +1588,21 @@ class InMemoryPrefixIndex(PrefixIndex):
         request = tokens if isinstance(tokens, RequestKeys) else RequestKeys(tokens)
         with self._lock:
             state = self._replicas.get(replica)
-            if state is None or state.block_size is None:
+            block_size = self.block_size(replica)
+            if state is None or block_size is None:
                 return []
             shift = _W * state.slot
+            get = self._lifted([state])
             out = []
-            for key in request.keys(state.block_size):
-                bits = (self._masks.get(key, 0) >> shift) & _SLOT
+            for key in request.keys(block_size):
+                bits = (get(key, 0) >> shift) & _SLOT
                 out.append(frozenset(_CLASS_NAMES[c] for c in range(_W) if bits >> c & 1))
             return out
 
     # --- stats --------------------------------------------------------------------------------
 
     def summary(self) -> list[ReplicaIndexSummary]:
+        """Every replica's (storage domains are in ``domains()``)."""
         with self._lock:
             return [
                 ReplicaIndexSummary(
@@ -1408,6 +1615,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                     chunk_blocks={_CLASS_NAMES[c]: n for c, n in s.chunk_blocks.items()},
                 )
                 for s in self._replicas.values()
+                if not s.name.startswith(DOMAIN_PREFIX)
             ]
 
     def stats(self) -> IndexFigures:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.indexer.index import PrefixIndex
+from kvroute.indexer.index import DOMAIN_PREFIX, PrefixIndex, domain_key
 from kvroute.indexer.subscriber import EventSubscriber
 from kvroute.indexer.tiers import Tier
 
@@ -55,6 +55,8 @@ class IndexStats:
     expired_unconfirmed_blocks: int = 0
     unknown_media: dict[str, int] = field(default_factory=dict)
     unresolved_blocks: int = 0
+    # storage domain -> blocks held, replicas attached, its evictor feed
+    storage_domains: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -99,6 +101,7 @@ class IndexStats:
                 }
                 for r in self.replicas
             },
+            "storage_domains": self.storage_domains,
         }
 
 
@@ -132,7 +135,7 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         for tier, n in summary.unconfirmed_by_tier.items():
             unconfirmed[tier] = unconfirmed.get(tier, 0) + n
     for name, feed in feeds.items():
-        if name not in seen:
+        if name not in seen and not name.startswith(DOMAIN_PREFIX):
             replicas.append(ReplicaStats(name, None, 0, dict.fromkeys(by_tier, 0), feed.snapshot()))
     every_feed = list(feeds.values()) + [f for s in streams.values() for f in s.values()]
     unknown_media: dict[str, int] = {}
@@ -142,6 +145,26 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
     entries = sum(r.entries for r in replicas)
     figures = index.stats()
     estimated = figures.estimated_bytes
+    domains: dict[str, dict[str, Any]] = {}
+    for d in index.domains():
+        feed = feeds.get(domain_key(d.domain))
+        domains[d.domain] = {
+            "block_size": d.block_size,
+            "blocks": d.blocks,
+            "chunk_blocks": d.chunk_blocks,
+            "attached": d.attached,
+            # None: no evictor feed configured (nothing removes what the index cannot see)
+            "feed": None if feed is None else feed.snapshot(),
+        }
+    for name, feed in feeds.items():
+        if name.startswith(DOMAIN_PREFIX) and name[len(DOMAIN_PREFIX) :] not in domains:
+            domains[name[len(DOMAIN_PREFIX) :]] = {
+                "block_size": None,
+                "blocks": 0,
+                "chunk_blocks": None,
+                "attached": [],
+                "feed": feed.snapshot(),
+            }
     freshness: dict[str, int] = {}
     for feed in feeds.values():
         freshness[feed.freshness.value] = freshness.get(feed.freshness.value, 0) + 1
@@ -169,4 +192,5 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         expired_unconfirmed_blocks=figures.expired_unconfirmed_blocks,
         unknown_media=unknown_media,
         unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
+        storage_domains=domains,
     )

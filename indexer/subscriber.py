@@ -15,7 +15,9 @@ Sequence handling (vLLM numbers batches from 0 in every process, +1 per batch):
 Joining: on first connecting, the feed asks the replay socket for everything from 0 at once
 (``bootstrap``) rather than waiting for the replica's next batch, so a router started while the
 fleet is idle knows its caches before the first request. A first live message with seq > 0 (the
-join replay was not answered) is a gap from 0.
+join replay was not answered) is a gap from 0. A feed seeded from a peer router's snapshot
+(warm start, ``seed``) joins instead by asking the replay for the snapshot's last batch: the
+same payload proves the same process, and only the batches after it are applied.
 
 When the replay no longer holds the start of a hole, the batches it still holds up to the live
 one are applied to the cleared replica (their blocks are true; chains that began in the lost
@@ -51,6 +53,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvroute.indexer.budget import ByteBudget
 from kvroute.indexer.index import PrefixIndex
+from kvroute.indexer.snapshot import ReplicaState, SnapshotError
 from kvroute.indexer.wire import (
     EventBatch,
     Frame,
@@ -70,6 +73,8 @@ __all__ = [
     "FeedStats",
     "Freshness",
     "ReplicaFeed",
+    "ReplicaSnapshot",
+    "WarmOutcome",
     "moot_prefix",
 ]
 
@@ -222,6 +227,26 @@ class FeedStats:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot:
+    """A replica's index state and where its feed stood when it was taken."""
+
+    source: EventSource
+    last_seq: int
+    digest: int
+    state: ReplicaState
+
+
+@dataclass(slots=True)
+class WarmOutcome:
+    """What came of seeding a feed from a peer's snapshot (``/index/stats``' ``start``)."""
+
+    outcome: str  # "pending", "verified", or why the snapshot was dropped
+    snapshot_seq: int
+    gap_batches: int = 0
+    settled_at: float | None = None  # time.monotonic() when the outcome was known
+
+
 class ReplicaFeed:
     """The state machine of one replica's stream; ``handle`` is pure given the replay hook.
 
@@ -245,6 +270,94 @@ class ReplicaFeed:
         self._replayed: tuple[int, int] | None = None  # seqs [lo, hi) obtained by replay
         self._last_digest: int | None = None  # of the last applied payload (restart check)
         self.lock = threading.Lock()
+        # Warm start: the position a peer's snapshot was taken at, until the replay confirms
+        # it (``_verify_seed``); then what came of it.
+        self._seeded = False
+        self.warm: WarmOutcome | None = None
+
+    # --- warm start -----------------------------------------------------------------------------
+
+    def seed(self, last_seq: int, digest: int) -> None:
+        """Start from a peer's snapshot (already imported into the index): batch ``last_seq``
+        (whose payload digest is ``digest``) was the last applied. Call before the feed's
+        thread starts; the first thing the feed does is ``_verify_seed``."""
+        with self.lock:
+            self.expected = last_seq + 1
+            self._last_digest = digest
+            self.stats.last_seq = last_seq
+            self._seeded = True
+            self.warm = WarmOutcome("pending", last_seq)
+            self.stats.reason = f"seeded from a peer's snapshot at seq {last_seq}; not yet checked"
+
+    def _verify_seed(self) -> None:
+        self._check_seed()
+        assert self.warm is not None
+        self.warm.settled_at = time.monotonic()
+
+    def _check_seed(self) -> None:
+        """Check the snapshot against the replica, then replay only what it lacks.
+
+        The replay from the snapshot's last batch tells: if it starts with that batch,
+        unchanged, the publisher is the process the snapshot saw (apply the batches after it:
+        the gap); if not, the replica restarted since, or the snapshot lied (clear, replay its
+        history from 0). A replay that does not answer proves nothing: clear, and join the
+        normal way.
+        """
+        self._seeded = False
+        assert self.expected is not None and self.warm is not None
+        last = self.expected - 1
+        self._set(Freshness.SYNCING, f"warm start: checking the snapshot's batch {last}")
+        frames = self._ask_replay(last)
+        if frames is None:
+            self.stats.replay_failures += 1
+            self.warm.outcome = "replay unavailable: snapshot dropped"
+            self._forget(restarted=True)
+            self.expected = None
+            self._last_digest = None
+            self.stats.last_seq = None
+            self._set(
+                Freshness.CONNECTING,
+                "warm start: the replay did not answer, snapshot dropped; waiting for the "
+                "first event batch",
+            )
+            return
+        self.stats.replays += 1
+        frames = sorted(frames, key=lambda f: f.seq)
+        if frames and frames[0].seq == last and _digest(frames[0].payload) == self._last_digest:
+            gap = [f for f in frames[1:] if f.seq >= self.expected]
+            run = _run_to({f.seq: f for f in gap}, self.expected, gap[-1].seq) if gap else []
+            if run and run[0].seq != self.expected:
+                run = []  # a hole in the replay: the next live batch asks for it again
+            if run:
+                self._apply_history(run, moot_prefix(run))
+            self.warm.outcome = "verified"
+            self.warm.gap_batches = len(run)
+            self._replayed = (last, self.expected)
+            self._set(
+                Freshness.LIVE,
+                f"warm start from a peer's snapshot at seq {last}: replayed {len(run)} batches",
+            )
+            return
+        self.warm.outcome = "replica restarted since the snapshot: full replay"
+        self._on_restart()
+        history = self._ask_replay(0)
+        if history is None:
+            self._set(Freshness.REBUILDING, "replica restarted; its new history is not replayable")
+            return
+        self.stats.replays += 1
+        self._take_whole_history(history, "replica restarted since the peer's snapshot")
+
+    def position(self) -> tuple[int, int] | None:
+        """(last applied seq, its payload's digest) when the stream is live: where a
+        snapshot of what it applied stands. Call with ``lock`` held."""
+        if (
+            self.stats.freshness is not Freshness.LIVE
+            or self._seeded
+            or self.expected is None
+            or self._last_digest is None
+        ):
+            return None
+        return self.expected - 1, self._last_digest
 
     # --- state transitions --------------------------------------------------------------------
 
@@ -262,6 +375,11 @@ class ReplicaFeed:
     def _forget(self, *, restarted: bool) -> None:
         self.index.clear_source(self.source.replica, self.source.stream, restarted=restarted)
         self.stats.clears += 1
+        if self._seeded:  # cleared before it was checked: nothing of the snapshot is left
+            self._seeded = False
+            assert self.warm is not None
+            self.warm.outcome = "cleared before it was checked"
+            self.warm.settled_at = time.monotonic()
 
     def on_disconnected(self) -> None:
         """The publisher's connection went down."""
@@ -351,6 +469,9 @@ class ReplicaFeed:
         the fleet is idle (a restart at night, one more router in an HA set) knowing no
         replica's cache, every feed ``connecting``, until each replica next stores or evicts.
         """
+        if self._seeded:
+            self._verify_seed()
+            return
         if (
             self.replay is None
             or self.expected is not None
@@ -458,6 +579,8 @@ class ReplicaFeed:
         if self.source.topic and not frame.topic.startswith(self.source.topic):
             self.stats.foreign_topic += 1
             return
+        if self._seeded:
+            self._verify_seed()  # the first live batch came before the connection's event
         if self._throttled:
             self._on_slowed_down(frame.seq)
         seq = frame.seq
@@ -728,8 +851,10 @@ class EventSubscriber:
         self._threads: dict[tuple[str, str], _FeedThread] = {}
         self._lock = threading.Lock()
 
-    def add_source(self, source: EventSource) -> None:
-        """Start (or re-point) the feed of one of a replica's streams."""
+    def add_source(self, source: EventSource, seed: tuple[int, int] | None = None) -> None:
+        """Start (or re-point) the feed of one of a replica's streams; ``seed``: (seq,
+        digest) of the last batch a peer's snapshot applied, already imported into the
+        index (``ReplicaFeed.seed``). A feed already running ignores it."""
         key = (source.replica, source.stream)
         with self._lock:
             old = self._threads.get(key)
@@ -748,8 +873,55 @@ class EventSubscriber:
                 max_message_bytes=self.max_message_bytes,
                 stale_clear_after_s=self.stale_clear_after_s,
             )
+            if seed is not None and old is None:
+                thread.feed.seed(*seed)
             self._threads[key] = thread
             thread.start()
+
+    def seed_replica(self, replica: str, source: EventSource, snapshot: ReplicaSnapshot) -> bool:
+        """Start the replica's only stream, ``source``, from a peer's snapshot: import its
+        index state whole, then start the feed at the snapshot's position (it first checks
+        that position against the replay). False, and nothing done, when the replica already
+        has a feed or its state is refused (the caller starts it the normal way)."""
+        with self._lock:
+            if any(k[0] == replica for k in self._threads):
+                return False
+        try:
+            self.index.import_replica(replica, snapshot.state)
+        except (SnapshotError, NotImplementedError) as exc:
+            log.warning("replica %s: peer snapshot refused (%s): replaying instead", replica, exc)
+            return False
+        self.add_source(source, seed=(snapshot.last_seq, snapshot.digest))
+        return True
+
+    def export_replica(self, replica: str) -> ReplicaSnapshot | None:
+        """A snapshot of the replica for a peer: its index state with the position of the
+        feed that built it, taken under the feed's lock so the two agree. None unless the
+        replica has exactly one stream, with a replay socket (the peer checks the snapshot
+        with it), and that stream is live."""
+        with self._lock:
+            threads = [t for k, t in self._threads.items() if k[0] == replica]
+        if len(threads) != 1 or threads[0].feed.source.stream or not threads[0].feed.replay:
+            return None
+        feed = threads[0].feed
+        with feed.lock:
+            position = feed.position()
+            if position is None:
+                return None
+            try:
+                state = self.index.export_replica(replica)
+            except SnapshotError as exc:
+                log.error("replica %s cannot be exported: %s", replica, exc)
+                return None
+        if state is None:
+            return None
+        return ReplicaSnapshot(feed.source, position[0], position[1], state)
+
+    def warm_outcomes(self) -> dict[str, WarmOutcome]:
+        """What came of every feed seeded from a peer's snapshot, by replica."""
+        with self._lock:
+            feeds = [(k[0], t.feed) for k, t in self._threads.items()]
+        return {name: feed.warm for name, feed in feeds if feed.warm is not None}
 
     def set_sources(self, replica: str, sources: list[EventSource]) -> None:
         """The replica's streams are exactly ``sources``: start new ones, stop the others."""

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvroute.router.auth import ApiKeyMiddleware
@@ -26,9 +26,11 @@ from kvroute.router.config import RouterSettings
 from kvroute.router.dashboard import add_dashboard
 from kvroute.router.dashboard_data import DashboardData
 from kvroute.router.endpoints import ProxyEndpoint, debug_kind
-from kvroute.router.errors import RouterError, error_response
+from kvroute.router.errors import RouterError, error_body, error_response
 from kvroute.router.openapi import PROXIED, add_proxied_paths
+from kvroute.router.peer_snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.proxy import read_body
+from kvroute.router.readiness import Readiness
 from kvroute.router.requests import decode_json, parse_body
 from kvroute.router.response_ids import ResponseHomes
 from kvroute.router.service import RouterService
@@ -42,9 +44,11 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     replicas-file watcher start with the app's lifespan and stop with it.
     ``tokenizer`` overrides the one ``settings`` describes (tests inject a shared instance)."""
     service = RouterService(settings, tokenizer=tokenizer)
+    readiness = Readiness(service, settings.ready_grace_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        readiness.start()
         await service.start()
         try:
             yield
@@ -53,6 +57,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
 
     app = FastAPI(title="kvroute router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
+    app.state.readiness = readiness
     # Which replica stores each Responses object (kvroute.router.response_ids), for every endpoint.
     homes = app.state.response_homes = ResponseHomes()
     for path, operations in PROXIED.items():
@@ -100,6 +105,21 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
             body, status_code=503, headers={"retry-after": str(settings.retry_after_s)}
         )
 
+    @app.get(
+        "/ready",
+        responses={503: {"description": "not ready: no healthy replica, or feeds not live"}},
+    )
+    async def ready() -> Response:
+        """Readiness (router/readiness.py): a healthy replica, and every healthy replica's
+        event feed live or the grace since start over. 503 lists the feeds not live."""
+        ok, body = readiness.check()
+        if ok:
+            return JSONResponse(body)
+        body = {**error_body(503, f"not ready: {body['reason']}"), **body}
+        return JSONResponse(
+            body, status_code=503, headers={"retry-after": str(settings.retry_after_s)}
+        )
+
     @app.get("/v1/models")
     async def models() -> Response:
         healthy = service.registry.healthy()
@@ -121,6 +141,24 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     @app.get("/index/stats")
     async def index_stats() -> Response:
         return JSONResponse(service.stats())
+
+    @app.get("/index/snapshot")
+    async def index_snapshot() -> Response:
+        """The index of every live replica, for a peer router's warm start
+        (router/peer_snapshot.py); 503 while this router is itself catching up."""
+        refusal = service.snapshot_refusal()
+        if refusal is not None:
+            raise RouterError(
+                503,
+                f"index snapshot not available: {refusal}",
+                headers={"retry-after": str(settings.retry_after_s)},
+            )
+        body = encode_stream(
+            [r.name for r in service.registry],
+            service.subscriber.export_replica,
+            settings.peer_snapshot_max_mib * 2**20,
+        )
+        return StreamingResponse(body, media_type=MEDIA_TYPE)
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:

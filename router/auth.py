@@ -4,11 +4,11 @@ Clients: with ``RouterSettings.api_keys`` set, a request must carry ``Authorizat
 <key>`` with one of them, checked the way vLLM checks its own ``--api-key`` (SHA-256 of each
 side, every key compared in constant time, OPTIONS exempt for CORS preflights). Unlike vLLM,
 which guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, the router guards every
-path except a few that hold no data: ``/health`` and ``/metrics`` (what load balancers and
-Prometheus poll; guarded too with ``api_key_protects_metrics``), the dashboard's page and
-assets (the page asks for the key, its data is guarded), and ``/openapi.json`` (open on
-vLLM too). A refusal is a 401 in OpenAI's error schema, which the ``openai`` client raises as
-``AuthenticationError``.
+path except a few that hold no data: ``/health``, ``/ready`` and ``/metrics`` (what load
+balancers, readiness probes and Prometheus poll; guarded too with
+``api_key_protects_metrics``), the dashboard's page and assets (the page asks for the key,
+its data is guarded), and ``/openapi.json`` (open on vLLM too). A refusal is a 401 in
+OpenAI's error schema, which the ``openai`` client raises as ``AuthenticationError``.
 
 Replicas: ``ReplicaAuth`` decides the ``Authorization`` header the router sends upstream. The
 replicas' key (``replica_api_key``) goes on every request the router makes; a client's own
@@ -33,12 +33,12 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# Paths that hold no data a key protects. /health and /metrics are added unless
+# Paths that hold no data a key protects. /health, /ready and /metrics are added unless
 # ``protect_metrics``.
 OPEN_PATHS = frozenset(
     {"/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/openapi.json"}
 )
-_MONITORING_PATHS = frozenset({"/health", "/metrics"})
+_MONITORING_PATHS = frozenset({"/health", "/ready", "/metrics"})
 REFUSED_MESSAGE = (
     "missing or invalid API key: send the router's key as 'Authorization: Bearer <key>'"
 )

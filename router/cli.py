@@ -17,10 +17,13 @@ from pathlib import Path
 from kvroute.router.config import (
     ConfigError,
     CostSettings,
+    K8sDiscoverySettings,
     RouterSettings,
     parse_model_tokenizer_flag,
     parse_replica_flag,
+    parse_storage_domain_flag,
 )
+from kvroute.router.k8s_pods import parse_selector
 from kvroute.router.policies import POLICIES
 
 __all__ = ["add_arguments", "api_keys_from_args", "main", "settings_from_args"]
@@ -34,9 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP,dp=N|auto]",
+        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP,dp=N|auto,storage_domain=D]",
         help="a vLLM replica and where it publishes KV events (repeatable); dp=N: a "
-        "data-parallel server, each rank routed to as <name>#dp<r> (auto: ask the server)",
+        "data-parallel server, each rank routed to as <name>#dp<r> (auto: ask the server); "
+        "storage_domain=D: it shares storage domain D (its chunks are hits for all of D)",
+    )
+    fleet.add_argument(
+        "--storage-domain",
+        action="append",
+        default=[],
+        metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+        help="a storage domain's evictor feed (kvroute storage gc), repeatable: its "
+        "removals of shared chunks reach the index",
     )
     fleet.add_argument(
         "--replicas-file",
@@ -44,11 +56,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="YAML file of replicas, watched: edits add and remove replicas without a restart",
     )
     fleet.add_argument("--watch-interval-s", type=float, default=d.watch_interval_s)
+    add_discovery_arguments(parser)
     fleet.add_argument(
         "--replay-timeout-s",
         type=float,
         default=d.replay_timeout_s,
         help="how long to wait for a replica's replay socket after a gap",
+    )
+    fleet.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running router (http://host:port) whose index snapshot seeds this one at "
+        "start (repeatable, tried in order): only each replica's events since the snapshot "
+        "are replayed (warm start); with none answering, the replicas' full replay",
+    )
+    fleet.add_argument(
+        "--peer-timeout-s",
+        type=float,
+        default=d.peer_timeout_s,
+        help="how long to wait for one peer's whole snapshot before trying the next",
     )
     fleet.add_argument(
         "--stale-clear-after-s",
@@ -221,6 +249,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument("--health-timeout-s", type=float, default=d.health_timeout_s)
     health.add_argument("--unhealthy-after", type=int, default=d.unhealthy_after)
     health.add_argument("--healthy-after", type=int, default=d.healthy_after)
+    health.add_argument(
+        "--ready-grace-s",
+        type=float,
+        default=d.ready_grace_s,
+        help="GET /ready waits for every healthy replica's event feed to be live at most "
+        "this long after start; then a healthy replica is enough",
+    )
+
+
+def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--discover k8s`` and its flags (router/k8s_discovery.py, docs/router.md)."""
+    k8s = parser.add_argument_group("discovery (replicas from Kubernetes pods)")
+    k8s.add_argument(
+        "--discover",
+        choices=("k8s",),
+        default=None,
+        help="k8s: the replicas are the Ready pods matching --selector or --inference-pool",
+    )
+    k8s.add_argument("--selector", metavar="KEY=VALUE[,...]", help="the vLLM pods' labels")
+    k8s.add_argument(
+        "--inference-pool",
+        metavar="NAME",
+        help="read the selector and target port(s) from this InferencePool (Gateway API "
+        "Inference Extension, v1 or v1alpha2)",
+    )
+    k8s.add_argument("--namespace", help="default: the kubeconfig's, or this pod's own")
+    k8s.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
+    k8s.add_argument(
+        "--relist-interval-s",
+        type=float,
+        default=60.0,
+        help="re-list the pods this often even when the watch looks healthy (stale watches)",
+    )
+    k8s.add_argument(
+        "--peer-selector",
+        metavar="KEY=VALUE[,...]",
+        help="labels of this router's peer router pods (warm start from their index)",
+    )
+
+
+def discovery_from_args(args: argparse.Namespace) -> K8sDiscoverySettings | None:
+    """The discovery settings the flags ask for; ConfigError when they do not add up."""
+    given = [f for f in ("selector", "inference_pool", "peer_selector") if getattr(args, f)]
+    if args.discover is None:
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} needs --discover k8s")
+        return None
+    if args.replicas_file:
+        raise ConfigError("--discover k8s and --replicas-file both give the replica list: pick one")
+    return K8sDiscoverySettings(
+        selector=parse_selector(args.selector) if args.selector else {},
+        inference_pool=args.inference_pool,
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
+        relist_interval_s=args.relist_interval_s,
+        peer_selector=parse_selector(args.peer_selector) if args.peer_selector else {},
+    )
 
 
 def _key_file(path: str, flag: str) -> str:
@@ -270,8 +356,12 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         replica_api_key=replica_api_key,
         replicas=[parse_replica_flag(r) for r in args.replica],
         replicas_file=args.replicas_file,
+        k8s_discovery=discovery_from_args(args),
+        storage_domains=[parse_storage_domain_flag(v) for v in args.storage_domain],
         watch_interval_s=args.watch_interval_s,
         replay_timeout_s=args.replay_timeout_s,
+        peers=list(args.peer),
+        peer_timeout_s=args.peer_timeout_s,
         stale_clear_after_s=args.stale_clear_after_s,
         event_max_mib_per_s=args.event_max_mib_per_s,
         index_max_entries=args.index_max_entries,
@@ -307,6 +397,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         health_timeout_s=args.health_timeout_s,
         unhealthy_after=args.unhealthy_after,
         healthy_after=args.healthy_after,
+        ready_grace_s=args.ready_grace_s,
         hint_ttl_s=args.hint_ttl_s,
         session_header=args.session_header,
         cost=cost,
@@ -327,9 +418,20 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
-    if not settings.replicas and not settings.replicas_file:
-        print("kvroute serve: give --replica (repeatable) or --replicas-file", file=sys.stderr)
+    if not settings.replicas and not settings.replicas_file and not settings.k8s_discovery:
+        print(
+            "kvroute serve: give --replica (repeatable), --replicas-file or --discover k8s",
+            file=sys.stderr,
+        )
         return 2
+    if settings.k8s_discovery is not None:
+        from kvroute.router.k8s_discovery import load_kube_config
+
+        try:  # a missing config is the operator's to fix: say so before starting
+            load_kube_config(settings.k8s_discovery.kubeconfig)
+        except ConfigError as exc:
+            print(f"kvroute serve: {exc}", file=sys.stderr)
+            return 2
     has = importlib.util.find_spec
     uvicorn.run(
         create_app(settings),

@@ -10,8 +10,13 @@ A server started with vLLM's data parallelism runs N engines behind one URL: ``d
 ``dp=auto``: ask its ``/kv_event_sources``) makes each engine a routing target of its own
 (router/dp.py).
 
-Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]``.
-File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp}, ...]``
+A replica that mounts a shared storage directory names it: ``storage_domain=D``; every chunk
+stored there is a hit for all of D's replicas (docs/indexer.md, storage domains).
+
+Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]
+[,storage_domain=D]``.
+File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp,
+storage_domain}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
 (kvroute.router.watcher).
 """
@@ -31,14 +36,17 @@ from kvroute.router.policies import POLICIES
 __all__ = [
     "ConfigError",
     "CostSettings",
+    "K8sDiscoverySettings",
     "ModelTokenizerConfig",
     "ReplicaConfig",
     "RouterSettings",
+    "StorageDomainConfig",
     "check_api_key",
     "load_replicas_file",
     "parse_model_tokenizer_flag",
     "parse_replica",
     "parse_replica_flag",
+    "parse_storage_domain_flag",
 ]
 
 
@@ -60,8 +68,16 @@ class ReplicaConfig:
     dp: int | str | None = None
     dp_rank: int | None = None
     server: str | None = None
+    # The shared storage (a directory all its replicas mount) this replica loads and stores
+    # KV chunks in: every STORAGE block written into the domain is a hit for all of them.
+    storage_domain: str | None = None
+    # Which process is behind the URL, when a discovery source knows (a Kubernetes pod's
+    # UID): a new value is a new replica, so its index entries are cleared, never inherited.
+    incarnation: str | None = None
 
     def __post_init__(self) -> None:
+        if self.storage_domain is not None:
+            check_storage_domain_name(self.storage_domain)
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"replica url must be http(s)://host:port, got {self.url!r}")
@@ -124,10 +140,12 @@ class CostSettings:
     # work, so prefixes evicted everywhere return home and the caches split the working set
     # instead of each holding a random part of it (0: always the cheapest).
     home_slack: float = 0.5
-    # A new prefix goes to the replica that took the fewest new homes lately (decayed with
-    # this half-life, about a session's length; router/placement_rate.py) among those
-    # within the same bound.
+    # A new prefix goes to the first replica of its rendezvous order, among those within the
+    # same bound, whose blocks stored lately (from the event feeds, decayed with this
+    # half-life, about a session's length) are at most (1 + placement_slack) x their mean:
+    # what every router sees alike, so several routers agree (router/placement.py).
     placement_half_life_s: float = 30.0
+    placement_slack: float = 0.0
     # How much of a match held only in tiers whose publisher never announces removals
     # (LMCache, llm-d's FS backend) we believe: those entries are aged out by a timer, not by
     # the publisher, and may be gone before they expire.
@@ -161,6 +179,7 @@ class CostSettings:
             "delay_to_others_weight",
             "tie_epsilon_s",
             "home_slack",
+            "placement_slack",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cost.{name} must be >= 0")
@@ -174,6 +193,44 @@ class CostSettings:
             raise ConfigError("cost.queue_learn_half_life_s must be > 0")
         if self.queue_s_per_request_max < self.queue_s_per_request:
             raise ConfigError("cost.queue_s_per_request_max must be >= queue_s_per_request")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageDomainConfig:
+    """A storage domain's own event feed: its evictor (``kvroute storage gc``) publishes
+    BlockRemoved(STORAGE) there, in vLLM's wire format with replay
+    (``--storage-domain NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T]``)."""
+
+    name: str
+    events: str
+    replay: str | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        check_storage_domain_name(self.name)
+        if not self.events:
+            raise ConfigError(f"storage domain {self.name!r} needs an events endpoint")
+
+
+@dataclass(frozen=True, slots=True)
+class K8sDiscoverySettings:
+    """``--discover k8s``: replicas are the Ready pods matching ``selector`` (or the
+    InferencePool ``inference_pool``'s selector) in ``namespace`` (router/k8s_discovery.py);
+    ``peer_selector``: this router's peers (other router pods) for warm start."""
+
+    selector: dict[str, str] = field(default_factory=dict)
+    inference_pool: str | None = None
+    namespace: str | None = None  # None: the kubeconfig's (in a pod: the pod's own)
+    kubeconfig: str | None = None  # None: in-cluster service account, else $KUBECONFIG
+    relist_interval_s: float = 60.0
+    watch_timeout_s: int = 300
+    peer_selector: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if bool(self.selector) == bool(self.inference_pool):
+            raise ConfigError("--discover k8s needs exactly one of --selector, --inference-pool")
+        if self.relist_interval_s <= 0 or self.watch_timeout_s < 1:
+            raise ConfigError("relist_interval_s must be > 0, watch_timeout_s >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +252,10 @@ class ModelTokenizerConfig:
 class RouterSettings:
     replicas: list[ReplicaConfig] = field(default_factory=list)
     replicas_file: str | None = None
+    # Replicas from Kubernetes pods (router/k8s_discovery.py), applied like the file's
+    k8s_discovery: K8sDiscoverySettings | None = None
+    # Feeds of the storage domains' evictors (replicas attach by ReplicaConfig.storage_domain)
+    storage_domains: list[StorageDomainConfig] = field(default_factory=list)
     policy: str = "kvroute"
     tokenizer: str | None = None
     tokenizer_mode: Literal["local", "remote"] = "local"
@@ -229,10 +290,18 @@ class RouterSettings:
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2
     healthy_after: int = 1
+    # GET /ready (router/readiness.py) waits for live event feeds at most this long after
+    # start; then a healthy replica is enough.
+    ready_grace_s: float = 60.0
     models_refresh_s: float = 30.0
     watch_interval_s: float = 1.0
     # Index feed
     replay_timeout_s: float = 5.0
+    # Warm start (router/warm_start.py): peer routers (http(s)://host:port) whose index
+    # snapshot seeds this one before its feeds start; tried in order, replay when none answers.
+    peers: list[str] = field(default_factory=list)
+    peer_timeout_s: float = 5.0
+    peer_snapshot_max_mib: int = 1024  # a bigger snapshot is refused (and not served)
     stale_clear_after_s: float = 30.0
     # Per event stream: a publisher past this many MiB/s of events is cleared and dropped
     # until it slows down (indexer/budget.py); 0 turns the budget off.
@@ -294,6 +363,9 @@ class RouterSettings:
         names = [r.key for r in self.replicas]
         if len(names) != len(set(names)):
             raise ConfigError(f"replica names must be unique: {names}")
+        domains = [d.name for d in self.storage_domains]
+        if len(domains) != len(set(domains)):
+            raise ConfigError(f"storage domain names must be unique: {domains}")
         if self.unconfirmed_ttl_s <= 0 or self.unconfirmed_max_blocks < 0:
             raise ConfigError("unconfirmed_ttl_s must be > 0, unconfirmed_max_blocks >= 0")
         if (
@@ -315,6 +387,12 @@ class RouterSettings:
             raise ConfigError("max_pending_per_replica must be >= 0 (0: no bound)")
         if self.max_in_flight < 1:
             raise ConfigError("max_in_flight must be >= 1")
+        for peer in self.peers:
+            parts = urlsplit(peer)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"peer must be http(s)://host:port, got {peer!r}")
+        if self.peer_timeout_s <= 0 or self.peer_snapshot_max_mib < 1:
+            raise ConfigError("peer_timeout_s must be > 0, peer_snapshot_max_mib >= 1")
         for key in self.api_keys:
             check_api_key(key, "api key")
         if self.replica_api_key is not None:
@@ -333,6 +411,39 @@ def check_api_key(key: object, what: str) -> None:
         raise ConfigError(f"{what} is empty: give a non-empty key, or none at all")
     if not all("!" <= c <= "~" for c in key):
         raise ConfigError(f"{what} must be printable ASCII without spaces")
+
+
+def check_storage_domain_name(name: object) -> None:
+    """A domain name is a label (it keys the index and shows in stats): letters, digits,
+    ``-_.``; no ``:`` or ``#`` (kept for the index's pseudo-replica keys)."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 128
+        or not all(c.isalnum() or c in "-_." for c in name)
+    ):
+        raise ConfigError(
+            f"storage domain name must be 1-128 letters, digits, '-', '_' or '.', got {name!r}"
+        )
+
+
+def parse_storage_domain_flag(value: str) -> StorageDomainConfig:
+    """``NAME=tcp://h:5600[,replay=tcp://h:5601][,topic=T]`` -> StorageDomainConfig."""
+    head, *options = [part.strip() for part in value.split(",")]
+    name, sep, events = head.partition("=")
+    if not sep or not name or not events:
+        raise ConfigError(
+            f"--storage-domain wants NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]: {value!r}"
+        )
+    fields: dict[str, str] = {}
+    for option in options:
+        if not option:
+            continue
+        key, sep, val = option.partition("=")
+        if not sep or key not in ("replay", "topic"):
+            raise ConfigError(f"bad --storage-domain option {option!r}: use replay=, topic=")
+        fields[key] = val
+    return StorageDomainConfig(name=name, events=events, **fields)
 
 
 def _parse_dp(value: object) -> int | str | None:
@@ -355,10 +466,18 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
         if not option:
             continue
         name, sep, val = option.partition("=")
-        if not sep or name not in ("events", "replay", "topic", "name", "aux", "dp"):
+        if not sep or name not in (
+            "events",
+            "replay",
+            "topic",
+            "name",
+            "aux",
+            "dp",
+            "storage_domain",
+        ):
             raise ConfigError(
                 f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux=, dp="
+                "name=, aux=, dp=, storage_domain="
             )
         if name == "aux":
             aux.append(val)
@@ -391,12 +510,21 @@ def parse_replica(item: object) -> ReplicaConfig:
         return parse_replica_flag(item)
     if not isinstance(item, dict):
         raise ConfigError(f"replica entry must be a URL or a mapping, got {item!r}")
-    unknown = set(item) - {"url", "events", "replay", "topic", "name", "aux", "dp"}
+    unknown = set(item) - {
+        "url",
+        "events",
+        "replay",
+        "topic",
+        "name",
+        "aux",
+        "dp",
+        "storage_domain",
+    }
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
     if not isinstance(item.get("url"), str):
         raise ConfigError(f"replica entry needs a url: {item!r}")
-    for key in ("events", "replay", "topic", "name"):
+    for key in ("events", "replay", "topic", "name", "storage_domain"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
     aux = item.get("aux") or []
@@ -412,6 +540,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         name=item.get("name"),
         aux=tuple(aux),
         dp=_parse_dp(item.get("dp")),
+        storage_domain=item.get("storage_domain"),
     )
 
 

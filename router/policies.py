@@ -27,9 +27,10 @@ a prefix is evicted everywhere, it is sent back home instead of to whichever rep
 loaded at that moment, so each replica's cache keeps its share of the working set rather than
 a random sample of all of it. A home too busy for the bound, and a hot prefix that must
 spill, go to the first near-equal in the rendezvous order of ``RouteContext.affinity``, the
-same second choice each time. A new prefix (no home, no cache) goes to the near-equal with
-the fewest new homes lately (router/placement_rate.py): placement is sticky, so what balances
-the fleet is how many prefixes each replica is home to, not its queue at this instant.
+same second choice each time. A new prefix (no home, no cache) is placed by bounded-load
+rendezvous over the near-equals, balanced by the blocks each replica stored lately
+(router/placement.py): a function of the prefix and of what every router sees alike, so
+several routers put it on the same replica.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from kvroute.indexer.tiers import Tier
+from kvroute.router.placement import pick_new, rendezvous
 
 if TYPE_CHECKING:  # router/config.py validates policy names against POLICIES (no cycle)
     from kvroute.router.config import CostSettings, RouterSettings
@@ -105,13 +105,17 @@ class ReplicaView:
     block_size: int | None = None
     freshness: str | None = None
     freshness_reason: str | None = None
+    # The shared storage it is attached to: its STORAGE tokens are the domain's, believed by
+    # the freshness of the domain's evictor feed (None: no feed, nothing evicts unseen).
+    storage_domain: str | None = None
+    storage_domain_freshness: str | None = None
     match_tokens: int = 0  # from the index, capped by vLLM's last-token rule
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
     hint_tokens: int = 0
     approx_tokens: int = 0
     predicted_cached_tokens: int = 0
     queue_s_per_request: float | None = None  # learned; None: the configured constant
-    home_rate: float = 0.0  # new homes this router placed on it lately, per second
+    stored_rate: float = 0.0  # blocks it stored lately, per second, from its event feed
     est_ttft_s: float | None = None
     delay_to_others_s: float | None = None  # what its uncached prefill costs the queue it joins
     cost_s: float | None = None  # what kvroute ranks by: est_ttft_s + delay_to_others_s
@@ -133,7 +137,7 @@ class ReplicaView:
         out = {k: getattr(self, k) for k in self.__slots__}
         for key in (
             "queue_s_per_request",
-            "home_rate",
+            "stored_rate",
             "est_ttft_s",
             "delay_to_others_s",
             "cost_s",
@@ -174,12 +178,6 @@ class Ranking:
 _GPU = Tier.GPU.label()
 _CPU, _CPU_UNCONFIRMED = Tier.CPU.label(), Tier.CPU.label(confirmed=False)
 _STORAGE, _STORAGE_UNCONFIRMED = Tier.STORAGE.label(), Tier.STORAGE.label(confirmed=False)
-
-
-def rendezvous(affinity: bytes, name: str) -> int:
-    """Highest-random-weight hashing: the same request prefix prefers the same replica, and
-    removing a replica moves only the prefixes that preferred it."""
-    return xxhash.xxh3_64_intdigest(affinity + name.encode())
 
 
 class Policy(ABC):
@@ -244,7 +242,18 @@ class KvroutePolicy(Policy):
         # Tiers whose publisher never announces removals are believed in part.
         unconfirmed = weight * c.unconfirmed_weight
         cpu = tiers.get(_CPU, 0) * weight + tiers.get(_CPU_UNCONFIRMED, 0) * unconfirmed
-        storage = tiers.get(_STORAGE, 0) * weight + tiers.get(_STORAGE_UNCONFIRMED, 0) * unconfirmed
+        shared = view.storage_domain_freshness
+        storage_weight = (
+            weight
+            if view.storage_domain is None
+            else 1.0
+            if shared is None
+            else c.freshness_weight.get(shared, 0.0)
+        )
+        storage = (
+            tiers.get(_STORAGE, 0) * storage_weight
+            + tiers.get(_STORAGE_UNCONFIRMED, 0) * unconfirmed
+        )
         # Hinted blocks beyond the index match: the replica is computing them right now.
         gpu += max(0, view.hint_tokens - view.match_tokens)
         uncached = max(0.0, prompt_tokens - gpu - cpu - storage)
@@ -293,15 +302,8 @@ class KvroutePolicy(Policy):
         home = next((v for v in near if v.name == ctx.home), None)
         if home is not None:
             chosen = home
-        elif ctx.home is None:  # a new prefix: where the fewest new homes went lately
-            chosen = min(
-                near,
-                key=lambda v: (
-                    v.home_rate,
-                    estimates[v.name].cost_s,
-                    -rendezvous(ctx.affinity, v.name),
-                ),
-            )
+        elif ctx.home is None:  # a new prefix: the same replica from every router
+            chosen = pick_new(near, ctx.affinity, self.cost.placement_slack)
         else:  # home too busy, or a hot prefix spilling: a stable second choice
             chosen = min(near, key=lambda v: -rendezvous(ctx.affinity, v.name))
         ranked = [chosen] + [v for v in by_cost if v is not chosen]

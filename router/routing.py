@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvroute.indexer.index import PrefixIndex, PrefixMatch
+from kvroute.indexer.index import PrefixIndex, PrefixMatch, domain_key
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.subscriber import EventSubscriber
 from kvroute.indexer.tiers import Tier
@@ -21,7 +21,7 @@ from kvroute.router.config import RouterSettings
 from kvroute.router.decision_log import DecisionLog
 from kvroute.router.hints import BurstHints
 from kvroute.router.lru import LRU
-from kvroute.router.placement_rate import PlacementRate
+from kvroute.router.placement import StoredRate
 from kvroute.router.policies import Policy, ReplicaView, RouteContext
 from kvroute.router.queue_model import LearnedQueueDelay
 from kvroute.router.replicas import Replica
@@ -135,9 +135,11 @@ class Router:
         self.history = RoutingHistory(settings.approx_max_keys)
         self.recent = DecisionLog()  # the last decisions sent, for GET /dashboard/data
         # Where each prefix (its home_affinity) was first placed: where it goes back to once
-        # evicted everywhere (KvroutePolicy). Router-local, like the hints.
+        # evicted everywhere (KvroutePolicy). Router-local, like the hints; a prefix this
+        # router never saw is placed by a rule every router computes alike (placement.py).
         self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
-        self.home_rate = PlacementRate(settings.cost.placement_half_life_s)
+        # Blocks each replica stored lately, from the event feeds every router reads.
+        self.stored_rate = StoredRate(settings.cost.placement_half_life_s)
         c = settings.cost
         self.queue_delay = (
             LearnedQueueDelay(
@@ -173,11 +175,30 @@ class Router:
             for prompt in req.batch
         ]
 
+    def _update_stored_rate(self) -> None:
+        """Sample every feed's cumulative stored-block count (all streams of a replica)."""
+        if self.subscriber is None:
+            return
+        counts: dict[str, int] = {}
+        for (replica, _), stats in self.subscriber.all_feed_stats().items():
+            counts[replica] = counts.get(replica, 0) + stats.blocks_stored
+        self.stored_rate.update(counts)
+
     def _freshness(self, replica: Replica) -> tuple[str | None, str | None]:
         if replica.config.events is None or self.subscriber is None:
             return None, "no event feed configured"
         state, reason = self.subscriber.freshness(replica.name)
         return str(state), reason
+
+    def _domain_freshness(self, replica: Replica) -> str | None:
+        """The freshness of the evictor feed of the replica's storage domain (None: not
+        attached, or the domain has no feed configured)."""
+        domain = replica.config.storage_domain
+        if domain is None or self.subscriber is None:
+            return None
+        if all(d.name != domain for d in self.settings.storage_domains):
+            return None
+        return str(self.subscriber.freshness(domain_key(domain))[0])
 
     async def decide(
         self, req: ParsedRequest, candidates: list[Replica], session_id: str | None = None
@@ -186,6 +207,8 @@ class Router:
         tokens = prompts[0] if prompts else None
         lora = req.model if any(r.is_lora(req.model) for r in candidates) else None
         views: dict[str, ReplicaView] = {}
+        if self.policy.uses_homes:
+            self._update_stored_rate()
         for r in candidates:
             fresh, why = self._freshness(r)
             views[r.name] = ReplicaView(
@@ -198,10 +221,12 @@ class Router:
                 queue_s_per_request=None
                 if self.queue_delay is None
                 else self.queue_delay.per_request_s(r.name),
-                home_rate=self.home_rate.rate(r.name) if self.policy.uses_homes else 0.0,
+                stored_rate=self.stored_rate.rate(r.name) if self.policy.uses_homes else 0.0,
                 block_size=self.index.block_size(r.name),
                 freshness=fresh,
                 freshness_reason=why,
+                storage_domain=r.config.storage_domain,
+                storage_domain_freshness=self._domain_freshness(r),
             )
         total = None if prompts is None else sum(len(p) for p in prompts)
         decision = Decision(self.policy.name, "", [], [], total)
@@ -316,7 +341,6 @@ class Router:
         self.recent.record(decision, replica.name)
         if self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
-            self.home_rate.record(replica.name)
         bs = view.block_size or self.settings.default_block_size
         keys = decision.keys.get(bs)
         if keys:
@@ -341,7 +365,7 @@ class Router:
     def forget(self, replica: str) -> None:
         self.hints.forget(replica)
         self.history.forget(replica)
-        self.home_rate.forget(replica)
+        self.stored_rate.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)
 

@@ -18,15 +18,16 @@ from typing import Any
 
 import httpx
 
-from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex
+from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex, domain_key
 from kvroute.indexer.stats import collect_stats
-from kvroute.indexer.subscriber import EventSource, EventSubscriber
+from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaSnapshot
 from kvroute.router.accuracy import AccuracyTracker
 from kvroute.router.auth import ReplicaAuth
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.dp import DataParallelDiscovery, static_targets
 from kvroute.router.errors import RouterError
 from kvroute.router.health import HealthChecker
+from kvroute.router.k8s_discovery import KubernetesDiscovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.model_tokenizers import FleetTokenizer
 from kvroute.router.policies import make_policy
@@ -37,6 +38,7 @@ from kvroute.router.routing import Router
 from kvroute.router.token_check import LiveCheck
 from kvroute.router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
 from kvroute.router.upstream import UpstreamClient
+from kvroute.router.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
 from kvroute.router.watcher import ReplicasFileWatcher
 
 __all__ = ["RouterService"]
@@ -107,12 +109,22 @@ class RouterService:
         self.watcher = (
             ReplicasFileWatcher(
                 settings.replicas_file,
-                self.sync_file_replicas,
+                self.sync_replicas,
                 interval_s=settings.watch_interval_s,
             )
             if settings.replicas_file
             else None
         )
+        # --discover k8s (router/k8s_discovery.py): the same kind of source as the file.
+        self.discovery: KubernetesDiscovery | None = None
+        self._discovered_peers: list[str] = []
+        if settings.k8s_discovery is not None:
+            self.discovery = KubernetesDiscovery(
+                settings.k8s_discovery,
+                self.sync_replicas,
+                router_port=settings.port,
+                on_peers=self._set_discovered_peers,
+            )
         self._flag_names = {r.key for r in settings.replicas}
         # A configured replica's routing targets: itself, or its data-parallel ranks.
         self._targets: dict[str, list[str]] = {}
@@ -123,7 +135,8 @@ class RouterService:
             refresh_s=settings.models_refresh_s,
             timeout_s=settings.health_timeout_s,
         )
-        self._file_replicas: dict[str, ReplicaConfig] = {}
+        # Replicas from the replicas file or discovery (sync_replicas), as last applied.
+        self._sourced_replicas: dict[str, ReplicaConfig] = {}
         # Starting and stopping feed threads joins threads: never on the event loop. One
         # worker keeps the operations in order (a changed replica is removed, then re-added).
         self._feed_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-feeds")
@@ -132,6 +145,11 @@ class RouterService:
         self._background: set[asyncio.Task[Any]] = set()
         self._models_refreshed_at = 0.0
         self.started_at = time.time()
+        # Warm start (router/warm_start.py): the peer routers to seed the index from, asked
+        # once at start before any feed starts; may be async. Discovery may replace it.
+        self.peer_urls: PeerUrls = self._default_peer_urls
+        self.warm = WarmStart()
+        self.feeds_started = False  # /index/snapshot answers 503 until then
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -150,18 +168,39 @@ class RouterService:
             on_retry=self.metrics.retries.inc,
             auth=self.replica_auth,
         )
+        if self.discovery is not None:
+            await self.discovery.refresh_peers()  # before warm start, which asks them
+        await self.warm.fetch(
+            await peer_list(self.peer_urls),
+            api_key=s.api_keys[0] if s.api_keys else None,
+            timeout_s=s.peer_timeout_s,
+            max_bytes=s.peer_snapshot_max_mib * 2**20,
+        )
+        for domain in self.settings.storage_domains:
+            # A domain's evictor stream, keyed like a replica's (docs/indexer.md)
+            source = EventSource(
+                domain_key(domain.name), domain.events, domain.replay, domain.topic
+            )
+            self._feed_ops.submit(self.subscriber.add_source, source)
         for config in self.settings.replicas:
             self.add_replica(config)
         if self.watcher is not None:
             self.watcher.load_now()
+        if self.discovery is not None:
+            await self.discovery.load_now()
         self.tokenizer = await asyncio.to_thread(self._make_tokenizer)
         self.router.tokenizer = self.tokenizer
         await self.dp_discovery.run_once()
         await self.health.check_all()
         self.health.start()
+        self.feeds_started = True
+        if self.warm.seeds:  # replicas configured later may use them a while; then freed
+            asyncio.get_running_loop().call_later(SEED_TTL_S + 1, self.warm.drop_stale_seeds)
         self.dp_discovery.start()
         if self.watcher is not None:
             self.watcher.start()
+        if self.discovery is not None:
+            self.discovery.start()
         if self._has_local_tokenizer() and self.settings.tokenizer_check_on_start:
             self._check_task = asyncio.create_task(self._startup_check())
         if self.settings.gc_freeze:
@@ -181,6 +220,8 @@ class RouterService:
         await self.health.stop()
         if self.watcher is not None:
             await self.watcher.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await asyncio.to_thread(self._feed_ops.shutdown, wait=True)
         await asyncio.to_thread(self.subscriber.close)
         await self.client.aclose()
@@ -311,14 +352,42 @@ class RouterService:
 
     def _add_target(self, config: ReplicaConfig) -> Replica:
         replica = self.registry.add(config)
+        # In feed order: after the removal of the replica's previous entry, if any
+        self._feed_ops.submit(self.index.attach, config.key, config.storage_domain)
         sources = []
         if config.events:
             sources.append(EventSource(config.key, config.events, config.replay, config.topic))
         # Other engines' own sockets (llm-d's FS backend): every topic, no replay.
         sources += [EventSource(config.key, ep, None, "", stream=ep) for ep in config.aux]
-        if sources:
+        seed = self.warm.take(sources) if config.replay else None
+        if seed is not None:
+            self._feed_ops.submit(self._seed_feed, config.key, sources, seed)
+        elif sources:
             self._feed_ops.submit(self.subscriber.set_sources, config.key, sources)
         return replica
+
+    def _seed_feed(self, name: str, sources: list[EventSource], seed: ReplicaSnapshot) -> None:
+        """Start a replica's feed from the peer's snapshot, else the normal way (feed worker)."""
+        if self.subscriber.seed_replica(name, sources[0], seed):
+            self.warm.imported(seed)
+        else:
+            self.subscriber.set_sources(name, sources)
+
+    def _default_peer_urls(self) -> list[str]:
+        """``--peer`` URLs, then those discovery found (``discovered_peers``)."""
+        return [*self.settings.peers, *self.discovered_peers()]
+
+    def snapshot_refusal(self) -> str | None:
+        """Why this router's index is not worth copying now (None: it is): a peer must not
+        seed itself from a router that is itself still catching up."""
+        if not self.feeds_started:
+            return "the router is starting"
+        feeds = self.subscriber.feed_stats()
+        if any(f.freshness is Freshness.SYNCING for f in feeds.values()):
+            return "the router is replaying its replicas' events"
+        if not any(f.freshness is Freshness.LIVE for f in feeds.values()):
+            return "no replica's event feed is live"
+        return None
 
     def _apply_dp_targets(self, server: ReplicaConfig, targets: list[ReplicaConfig]) -> None:
         """A ``dp=auto`` server advertised (other) ranks: replace the targets that changed,
@@ -359,20 +428,22 @@ class RouterService:
         self.accuracy.forget(name)
         self.metrics.forget(name)
 
-    def sync_file_replicas(self, replicas: list[ReplicaConfig]) -> None:
-        """Make the file's replicas the registered ones (flag replicas are never touched)."""
+    def sync_replicas(self, replicas: list[ReplicaConfig]) -> None:
+        """Make a source's full list (the replicas file's, or discovery's) the registered
+        replicas: a changed entry (URL, ports, or incarnation: a new pod behind the name) is
+        removed, its index entries with it, and added again. Flag replicas are never touched."""
         wanted = {r.key: r for r in replicas if r.key not in self._flag_names}
-        for name, old in list(self._file_replicas.items()):
+        for name, old in list(self._sourced_replicas.items()):
             if wanted.get(name) != old:
                 self.remove_replica(name)
-                del self._file_replicas[name]
-                log.info("replica %s removed (replicas file)", name)
+                del self._sourced_replicas[name]
+                log.info("replica %s removed (%s)", name, self._source_name)
         added = []
         for name, config in wanted.items():
-            if name not in self._file_replicas:
-                self._file_replicas[name] = config
+            if name not in self._sourced_replicas:
+                self._sourced_replicas[name] = config
                 added.append(self.add_replica(config))
-                log.info("replica %s added (replicas file)", name)
+                log.info("replica %s added (%s)", name, self._source_name)
         if added:
             # Check new replicas now rather than after a full interval.
             with contextlib.suppress(RuntimeError):
@@ -381,6 +452,17 @@ class RouterService:
                     task = loop.create_task(self.health.check(replica))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
+
+    @property
+    def _source_name(self) -> str:
+        return "discovery" if self.discovery is not None else "replicas file"
+
+    def _set_discovered_peers(self, peers: list[str]) -> None:
+        self._discovered_peers = list(peers)
+
+    def discovered_peers(self) -> list[str]:
+        """Peer routers found by ``--peer-selector`` (http://IP:PORT), for warm start."""
+        return list(self._discovered_peers)
 
     def candidates(self, model: str) -> list[Replica]:
         """Healthy replicas serving ``model``; 503 or 404 in OpenAI's schema when none."""
@@ -476,6 +558,7 @@ class RouterService:
             else:
                 entry["freshness"], entry["freshness_reason"] = None, "no event feed configured"
             acc = self.accuracy.replica(r.name)
+            entry["storage_domain"] = r.config.storage_domain
             entry["health"] = r.snapshot()
             entry["load"] = {
                 "in_flight": r.in_flight,
@@ -502,9 +585,12 @@ class RouterService:
             "policy": self.settings.policy,
             "fleet": fleet,
             "replicas": replicas,
+            "storage_domains": index["storage_domains"],
             "burst_hints": len(self.router.hints),
             "routing_history": len(self.router.history),
             "tokenizer": None if self.tokenizer is None else self.tokenizer.stats(),
             "tokenizer_check": self.tokenizer_check,
             "replicas_file": None if self.watcher is None else self.watcher.status(),
+            "start": self.warm.to_dict(self.subscriber.warm_outcomes()),
+            "discovery": None if self.discovery is None else self.discovery.status(),
         }

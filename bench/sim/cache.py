@@ -18,6 +18,12 @@ The rules follow vLLM's block manager where vLLM has one, and are stated here wh
   demotion and promotion; BlockRemoved per block and tier. A store into the new tier is always
   emitted before the removal from the old one, so no reader ever sees the block vanish.
   Reuse of a cached block is not announced (vLLM's default).
+- With a shared storage domain (bench/sim/storage.py) the STORAGE tier is the domain, not
+  the replica's own: a lookup continues into the domain where the local tiers end, a domain
+  hit is a load (the file stays for the other replicas: no BlockRemoved), and a block leaving
+  the last local tier is written there (BlockStored(STORAGE) only when the domain did not
+  hold it, as the connector announces only files it wrote) and dropped locally. The domain's
+  evictions are its own evictor's events, never this cache's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.bench.sim.hashing import digest_to_int
+from kvroute.bench.sim.storage import SharedStorageDomain, StoredBlock
 from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = ["Allocation", "CachedBlock", "TieredPrefixCache"]
@@ -85,15 +92,23 @@ class TieredPrefixCache:
     """
 
     def __init__(
-        self, block_size: int, gpu_blocks: int, cpu_blocks: int = 0, storage_blocks: int = 0
+        self,
+        block_size: int,
+        gpu_blocks: int,
+        cpu_blocks: int = 0,
+        storage_blocks: int = 0,
+        shared: SharedStorageDomain | None = None,
     ) -> None:
         if block_size <= 0 or gpu_blocks <= 0 or cpu_blocks < 0 or storage_blocks < 0:
             raise ValueError("block_size and gpu_blocks must be positive, other tiers >= 0")
+        if shared is not None and storage_blocks:
+            raise ValueError("a replica's STORAGE tier is either its own or a shared domain")
         self.block_size = block_size
+        self.shared = shared
         self.capacity = {
             Medium.GPU: gpu_blocks,
             Medium.CPU: cpu_blocks,
-            Medium.STORAGE: storage_blocks,
+            Medium.STORAGE: shared.capacity if shared is not None else storage_blocks,
         }
         self._blocks: dict[bytes, CachedBlock] = {}
         # GPU: only evictable (ref == 0) blocks; CPU and STORAGE: every block of the tier.
@@ -179,14 +194,21 @@ class TieredPrefixCache:
         Hits are pinned (device) or promoted (lower tiers); the rest are private blocks that
         ``commit`` turns into cached blocks as their tokens are computed.
         """
-        hits = self.match(digests[: self.max_hit_blocks(prompt_len)])
-        total_blocks = max(total_blocks, len(hits))
+        limit = self.max_hit_blocks(prompt_len)
+        hits = self.match(digests[:limit])
+        # The local chain ends where the domain's may go on (a local block's parent is local).
+        loads = self.shared.run(digests[len(hits) : limit]) if self.shared is not None else []
+        total_blocks = max(total_blocks, len(hits) + len(loads))
         on_gpu = sum(1 for b in hits if b.tier is Medium.GPU)
         evictable_hits = sum(1 for b in hits if b.tier is Medium.GPU and b.ref == 0)
         need = total_blocks - on_gpu
         if need > self.free_gpu_blocks() - evictable_hits:
             return None
         tiers: list[Medium] = [b.tier for b in hits if b.tier is not None]
+        tiers += [Medium.STORAGE] * len(loads)
+        if loads:
+            assert self.shared is not None
+            self.shared.read(loads)  # before making room: our own writes must not evict them
         promoted: list[CachedBlock] = []
         for b in hits:
             if b.tier is Medium.GPU:
@@ -206,13 +228,38 @@ class TieredPrefixCache:
             b.ref += 1
             self._gpu_cached += 1
             run.append(b)
-        self._emit_store(run, Medium.GPU)
-        for b, old in zip(promoted, (t for t in tiers if t is not Medium.GPU), strict=True):
+        loaded = self._load_shared(hits[-1] if hits else None, loads)
+        self._emit_store(run + loaded, Medium.GPU)
+        lower = (t for t in tiers[: len(hits)] if t is not Medium.GPU)
+        for b, old in zip(promoted, lower, strict=True):
             self._events.append(BlockRemoved(block_hashes=[b.hash], medium=old))
-        self._private += total_blocks - len(hits)
-        return Allocation(
-            blocks=list(hits), private=total_blocks - len(hits), hit_tiers=list(tiers)
-        )
+        held = hits + loaded
+        self._private += total_blocks - len(held)
+        return Allocation(blocks=held, private=total_blocks - len(held), hit_tiers=tiers)
+
+    def _load_shared(
+        self, parent: CachedBlock | None, loads: Sequence[StoredBlock]
+    ) -> list[CachedBlock]:
+        """Domain hits become pinned device blocks (a load; the domain keeps its copy)."""
+        out: list[CachedBlock] = []
+        for s in loads:
+            block = CachedBlock(
+                digest=s.digest,
+                hash=s.hash,
+                parent=parent,
+                tokens=s.tokens,
+                extra=s.extra,
+                tier=Medium.GPU,
+                ref=1,
+                lora_name=s.lora_name,
+            )
+            self._blocks[s.digest] = block
+            if parent is not None:
+                parent.kids.add(block)
+            self._gpu_cached += 1
+            out.append(block)
+            parent = block
+        return out
 
     def commit(
         self,
@@ -345,6 +392,9 @@ class TieredPrefixCache:
         if dst is None:
             self._drop(block)
             return
+        if dst is Medium.STORAGE and self.shared is not None:
+            self._write_shared(block)
+            return
         lru = self._lru[dst]
         while len(lru) >= self.capacity[dst]:
             _, victim = lru.popitem(last=False)
@@ -357,6 +407,23 @@ class TieredPrefixCache:
         lru[block.digest] = block
         self._store_event([block], dst)
         self._events.append(BlockRemoved(block_hashes=[block.hash], medium=src))
+
+    def _write_shared(self, block: CachedBlock) -> None:
+        """Write an evicted block to the domain, then drop it (and its local descendants,
+        unreachable locally now) from this replica's tiers."""
+        parent = block.parent
+        stored = StoredBlock(
+            digest=block.digest,
+            hash=block.hash,
+            parent_hash=None if parent is None else parent.hash,
+            tokens=block.tokens,
+            extra=block.extra,
+            lora_name=block.lora_name,
+        )
+        assert self.shared is not None
+        if self.shared.put(stored):
+            self._store_event([block], Medium.STORAGE)
+        self._drop(block)
 
     def _drop(self, block: CachedBlock) -> None:
         """Remove a block that no request uses, and its cached descendants (see module doc)."""

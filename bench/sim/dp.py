@@ -40,6 +40,7 @@ from kvroute.bench.sim.api import create_app
 from kvroute.bench.sim.faults import ReplicaFaults, RequestLog
 from kvroute.bench.sim.http_server import SocketHTTPServer
 from kvroute.bench.sim.replica import Generation, SimReplica, SimReplicaConfig
+from kvroute.bench.sim.storage import SharedStorageDomain
 from kvroute.bench.sim.tokenizer import SimTokenizer
 
 __all__ = ["RANK_HEADER", "SERVED_RANK_HEADER", "SimDPServer", "engines_of", "make_server"]
@@ -51,12 +52,16 @@ _rank: contextvars.ContextVar[int | None] = contextvars.ContextVar("sim_dp_rank"
 
 
 def make_server(
-    config: SimReplicaConfig, tokenizer: SimTokenizer, data_parallel_size: int = 1
+    config: SimReplicaConfig,
+    tokenizer: SimTokenizer,
+    data_parallel_size: int = 1,
+    shared_storage: SharedStorageDomain | None = None,
 ) -> SimReplica | SimDPServer:
-    """A plain replica, or a data-parallel server of ``data_parallel_size`` engines."""
+    """A plain replica, or a data-parallel server of ``data_parallel_size`` engines (every
+    engine mounting ``shared_storage`` when given)."""
     if data_parallel_size > 1:
-        return SimDPServer(config, tokenizer, data_parallel_size)
-    return SimReplica(config, tokenizer, create_app)
+        return SimDPServer(config, tokenizer, data_parallel_size, shared_storage)
+    return SimReplica(config, tokenizer, create_app, shared_storage)
 
 
 def engines_of(server: SimReplica | SimDPServer) -> list[SimReplica]:
@@ -125,7 +130,13 @@ class _Metrics:
 class SimDPServer:
     """One simulated vLLM server with ``size`` engine ranks; runs on the fleet's loop."""
 
-    def __init__(self, config: SimReplicaConfig, tokenizer: SimTokenizer, size: int) -> None:
+    def __init__(
+        self,
+        config: SimReplicaConfig,
+        tokenizer: SimTokenizer,
+        size: int,
+        shared_storage: SharedStorageDomain | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError("data_parallel_size must be >= 1")
         self.config = config
@@ -133,7 +144,9 @@ class SimDPServer:
         self.size = size
         self.engines = [
             SimReplica(
-                dataclasses.replace(config, name=f"{config.name}#dp{r}", dp_rank=r), tokenizer
+                dataclasses.replace(config, name=f"{config.name}#dp{r}", dp_rank=r),
+                tokenizer,
+                shared_storage=shared_storage,
             )
             for r in range(size)
         ]
@@ -233,6 +246,7 @@ class SimDPServer:
             "gpu_blocks": self.config.gpu_blocks,
             "cpu_blocks": self.config.cpu_blocks,
             "storage_blocks": self.config.storage_blocks,
+            "storage_domain": self.engines[0].describe()["storage_domain"],
         }
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -14,6 +14,11 @@ control server listens only once every replica does. ``kvroute up --engine sim``
 ``data_parallel_size`` > 1 makes each replica a data-parallel server (bench/sim/dp.py): one HTTP
 port, that many engines, each with its own event sockets. The control server knows each
 engine as ``<replica>#dp<r>`` too (restart one rank, read one rank's cache).
+
+``shared_storage_blocks`` > 0 attaches every replica to one shared STORAGE domain
+(bench/sim/storage.py) instead of private disks; the fleet runs the domain's evictor stream
+(PUB + replay) and names it in ``ready`` and ``GET /fleet`` as ``storage``. ``POST /replicas``
+adds a replica while the fleet runs (scale-up), rewriting ``--replicas-file`` when given.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ API_KEY_ENV = "KVROUTE_SIM_API_KEY"
 __all__ = [
     "API_KEY_ENV",
     "FleetReplica",
+    "FleetStorage",
     "SimFleet",
     "SimFleetConfig",
     "add_arguments",
@@ -61,6 +67,10 @@ class SimFleetConfig:
     gpu_blocks: int = 8192
     cpu_blocks: int = 0
     storage_blocks: int = 0
+    # > 0: every replica's STORAGE tier is one shared domain of this many blocks (then
+    # storage_blocks must be 0), named storage_domain in the router's replica list.
+    shared_storage_blocks: int = 0
+    storage_domain: str = "shared"
     max_num_seqs: int = 64
     max_model_len: int = 32768
     default_max_tokens: int = 16
@@ -126,6 +136,30 @@ class FleetReplica:
     replay: str
     topic: str
     dp: int = 1  # engines behind the URL (rank r publishes on the event/replay ports + r)
+    storage_domain: str | None = None  # the shared STORAGE domain it mounts, if any
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStorage:
+    """The fleet's shared STORAGE domain: its evictor's event stream and its capacity."""
+
+    name: str
+    events: str
+    replay: str
+    topic: str
+    capacity_blocks: int
+
+
+def _fleet_replica(r: dict[str, Any]) -> FleetReplica:
+    return FleetReplica(
+        r["name"],
+        r["url"],
+        r["events"],
+        r["replay"],
+        r["topic"],
+        r.get("data_parallel_size", 1),
+        r.get("storage_domain"),
+    )
 
 
 # --- the fleet process -----------------------------------------------------------------------
@@ -145,20 +179,37 @@ async def serve_fleet(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    from kvroute.bench.publisher import EventPublisher
     from kvroute.bench.sim.dp import SimDPServer, engines_of, make_server
     from kvroute.bench.sim.http_server import SocketHTTPServer
     from kvroute.bench.sim.looplag import LoopLagMonitor
     from kvroute.bench.sim.replica import SimReplica
+    from kvroute.bench.sim.storage import SharedStorageDomain
     from kvroute.bench.sim.tokenizer import SimTokenizer, ensure_model_dir
 
     model_dir = ensure_model_dir(
         Path(config.model_dir) if config.model_dir else None, max_model_len=config.max_model_len
     )
     tokenizer = SimTokenizer(model_dir)
-    replicas = [
-        make_server(config.replica_config(i), tokenizer, config.data_parallel_size)
-        for i in range(config.replicas)
-    ]
+    domain: SharedStorageDomain | None = None
+    if config.shared_storage_blocks > 0:
+        if config.storage_blocks:
+            raise ValueError("storage_blocks and shared_storage_blocks exclude each other")
+        domain = SharedStorageDomain(config.storage_domain, config.shared_storage_blocks)
+        domain.publisher = EventPublisher(
+            f"tcp://{config.host}:0",
+            replay_endpoint=f"tcp://{config.host}:0",
+            topic=f"kv-storage@{config.storage_domain}",
+            bind=True,
+        )
+        # The evictor's first batch (seq 0) announces the domain: a router rebuilds the
+        # domain from a stream that starts over, so later removals must not be seq 0.
+        domain.publisher.publish(domain.announcement(config.block_size))
+
+    def new_server(i: int) -> SimReplica | SimDPServer:
+        return make_server(config.replica_config(i), tokenizer, config.data_parallel_size, domain)
+
+    replicas = [new_server(i) for i in range(config.replicas)]
     by_name: dict[str, SimReplica | SimDPServer] = {r.config.name: r for r in replicas}
     by_name |= {e.config.name: e for r in replicas for e in engines_of(r) if e is not r}
     lag = LoopLagMonitor()
@@ -180,9 +231,66 @@ async def serve_fleet(
             code,
         )
 
+    def storage_info() -> dict[str, Any] | None:
+        if domain is None or domain.publisher is None:
+            return None
+        return {
+            "name": domain.name,
+            "events": domain.publisher.endpoint,
+            "replay": domain.publisher.replay_endpoint,
+            "topic": domain.publisher.topic,
+            "capacity_blocks": domain.capacity,
+        }
+
+    def write_replicas_file() -> None:
+        if replicas_file is None:
+            return
+        import yaml
+
+        entries = [
+            {k: r.describe()[k] for k in ("name", "url", "events", "replay", "topic")}
+            | ({"dp": r.size} if isinstance(r, SimDPServer) else {})
+            | ({"storage_domain": domain.name} if domain is not None else {})
+            for r in replicas
+        ]
+        # Written whole, then renamed: a launcher polling the file never reads half of it.
+        tmp = replicas_file.with_name(replicas_file.name + ".tmp")
+        tmp.write_text(yaml.safe_dump({"replicas": entries}, sort_keys=False))
+        os.replace(tmp, replicas_file)
+
     async def describe(request: Request) -> Response:
         return JSONResponse(
-            {"replicas": [r.describe() for r in replicas], "model_dir": str(model_dir)}
+            {
+                "replicas": [r.describe() for r in replicas],
+                "model_dir": str(model_dir),
+                "storage": storage_info(),
+            }
+        )
+
+    async def add_replica(request: Request) -> Response:
+        """Scale-up: one more replica, started like the first ones (next free name)."""
+        r = new_server(len(replicas))
+        await r.start(config.host)
+        replicas.append(r)
+        by_name[r.config.name] = r
+        by_name.update({e.config.name: e for e in engines_of(r) if e is not r})
+        write_replicas_file()
+        return JSONResponse(r.describe())
+
+    async def storage(request: Request) -> Response:
+        """The shared domain's counters and engine hashes (for tests and benchmarks)."""
+        if domain is None:
+            return err("this fleet has no shared storage domain", 404)
+        return JSONResponse(
+            (storage_info() or {})
+            | {
+                "blocks": len(domain),
+                "writes": domain.writes,
+                "reads": domain.reads,
+                "evictions": domain.evictions,
+                "batches_published": domain.publisher.seq if domain.publisher else 0,
+                "hashes": sorted(domain.hashes()),
+            }
         )
 
     async def kill(request: Request) -> Response:
@@ -285,6 +393,8 @@ async def serve_fleet(
             Route("/lag", loop_lag, methods=["GET"]),
             Route("/reset", reset, methods=["POST"]),
             Route("/shutdown", shutdown, methods=["POST"]),
+            Route("/replicas", add_replica, methods=["POST"]),
+            Route("/storage", storage, methods=["GET"]),
             Route("/replicas/{name}/kill", kill, methods=["POST"]),
             Route("/replicas/{name}/restart", restart, methods=["POST"]),
             Route("/replicas/{name}/faults", faults, methods=["POST"]),
@@ -303,19 +413,9 @@ async def serve_fleet(
         "model": config.model,
         "model_dir": str(model_dir),
         "replicas": [r.describe() for r in replicas],
+        "storage": storage_info(),
     }
-    if replicas_file is not None:
-        import yaml
-
-        entries = [
-            {k: r.describe()[k] for k in ("name", "url", "events", "replay", "topic")}
-            | ({"dp": r.size} if isinstance(r, SimDPServer) else {})
-            for r in replicas
-        ]
-        # Written whole, then renamed: a launcher polling the file never reads half of it.
-        tmp = replicas_file.with_name(replicas_file.name + ".tmp")
-        tmp.write_text(yaml.safe_dump({"replicas": entries}, sort_keys=False))
-        os.replace(tmp, replicas_file)
+    write_replicas_file()
     if ready is not None:
         ready(info)
     try:
@@ -325,6 +425,8 @@ async def serve_fleet(
         for r in replicas:
             await r.stop()
         await control.shutdown(force=False)
+        if domain is not None and domain.publisher is not None:
+            domain.publisher.close()
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -348,7 +450,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--storage-blocks",
         type=int,
         default=d.storage_blocks,
-        help="STORAGE-tier blocks per replica",
+        help="STORAGE-tier blocks per replica (its private disk)",
+    )
+    parser.add_argument(
+        "--shared-storage-blocks",
+        type=int,
+        default=d.shared_storage_blocks,
+        help="> 0: one STORAGE tier of this many blocks shared by every replica (a shared "
+        "file system), with its evictor's event stream; excludes --storage-blocks",
+    )
+    parser.add_argument(
+        "--storage-domain",
+        default=d.storage_domain,
+        help="the shared STORAGE domain's name (the replicas file's storage_domain)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -448,6 +562,7 @@ class SimFleet(RunsChild):
         self.config = config or SimFleetConfig()
         self.start_timeout_s = start_timeout_s
         self.replicas: list[FleetReplica] = []
+        self.storage: FleetStorage | None = None
         self.control = ""
         self.model_dir = ""
         self.process = ChildProcess(self.name, log_path)
@@ -471,17 +586,9 @@ class SimFleet(RunsChild):
             self.stop()
             raise
         self.model_dir = info["model_dir"]
-        self.replicas = [
-            FleetReplica(
-                r["name"],
-                r["url"],
-                r["events"],
-                r["replay"],
-                r["topic"],
-                r.get("data_parallel_size", 1),
-            )
-            for r in info["replicas"]
-        ]
+        self.replicas = [_fleet_replica(r) for r in info["replicas"]]
+        if info.get("storage"):
+            self.storage = FleetStorage(**info["storage"])
         return self
 
     def router_settings(self, **overrides: Any) -> dict[str, Any]:
@@ -490,22 +597,44 @@ class SimFleet(RunsChild):
         replica computes), and the replicas' API key when they have one. ``overrides`` add or
         replace fields."""
         return {
-            "replicas": [
-                {
-                    "url": r.url,
-                    "events": r.events,
-                    "replay": r.replay,
-                    "topic": r.topic,
-                    "name": r.name,
-                }
-                for r in self.replicas
-            ],
+            "replicas": [self.replica_entry(r) for r in self.replicas],
+            **({"storage_domains": [self.storage_domain_entry()]} if self.storage else {}),
             "tokenizer": self.model_dir,
             "tokenizer_mode": "local",
             "default_block_size": self.config.block_size,
             **({"replica_api_key": self.config.api_key} if self.config.api_key else {}),
             **overrides,
         }
+
+    @staticmethod
+    def replica_entry(r: FleetReplica) -> dict[str, Any]:
+        """One replica as the router's replica list (or replicas file) names it."""
+        entry: dict[str, Any] = {
+            "url": r.url,
+            "events": r.events,
+            "replay": r.replay,
+            "topic": r.topic,
+            "name": r.name,
+        }
+        if r.storage_domain is not None:
+            entry["storage_domain"] = r.storage_domain
+        return entry
+
+    def storage_domain_entry(self) -> dict[str, Any]:
+        """The shared domain's evictor feed as ``RouterSettings.storage_domains`` names it."""
+        assert self.storage is not None
+        s = self.storage
+        return {"name": s.name, "events": s.events, "replay": s.replay, "topic": s.topic}
+
+    def add_replica(self) -> FleetReplica:
+        """Scale-up: start one more replica (on the shared domain when there is one)."""
+        replica = _fleet_replica(self._post("/replicas"))
+        self.replicas.append(replica)
+        return replica
+
+    def storage_contents(self) -> dict[str, Any]:
+        """The shared domain's counters and engine hashes (404 without a domain)."""
+        return self._get("/storage")
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         resp = self._client.post(self.control + path, json=body or {})

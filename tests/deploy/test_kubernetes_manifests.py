@@ -1,0 +1,479 @@
+"""The Kubernetes manifests in deploy/kubernetes: every overlay renders with the real
+``kubectl kustomize``, every object validates against Kubernetes' own schemas (strict), and
+the pieces are wired to each other and to the code that reads them.
+
+No cluster here: what a cluster would check at apply time (schemas) is checked with
+kubernetes-validate, and what only our code gives meaning to (annotations, flags, JSON
+configs) is fed to that code itself: the router's CLI parser, its pod discovery
+(kvroute.router.k8s_pods), the connector's config, and vLLM's own ``serve`` parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvroute.connector.config import ConnectorConfig
+from kvroute.deploy.cli import build_parser
+from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
+from kvroute.router.cli import add_arguments, discovery_from_args, settings_from_args
+from kvroute.router.k8s_pods import pod_replicas
+from tests.paths import REPO_ROOT
+
+KUBE = REPO_ROOT / "deploy" / "kubernetes"
+OVERLAYS = ["cpu", "gpu", "shared-storage"]
+# The oldest Kubernetes still commonly run and a recent one: a field too new for the first
+# or removed by the second fails.
+K8S_VERSIONS = ["1.30.0", "1.35.0"]
+# Kinds of CRDs kubernetes-validate has no schema for: their required fields, checked here.
+CRD_REQUIRED = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): ["spec.selector", "spec.endpoints"],
+    ("monitoring.coreos.com/v1", "PodMonitor"): ["spec.selector", "spec.podMetricsEndpoints"],
+}
+EVENT_PORTS = {5557, 5558}
+STORAGE_EVENT_PORTS = {5600, 5601}
+
+
+@functools.cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(KUBE / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name, [(o["kind"], o["metadata"]["name"]) for o in objects])
+    return found[0]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    (c,) = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return c
+
+
+def container_port(c: dict[str, Any], port: int | str) -> int:
+    """A probe's or Service's target port (a number or a port name) as a number."""
+    if isinstance(port, int):
+        assert port in [p["containerPort"] for p in c["ports"]], port
+        return port
+    (number,) = [p["containerPort"] for p in c["ports"] if p.get("name") == port]
+    return int(number)
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command and args."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+
+def router(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    return one(objects, "Deployment", "kvroute-router")
+
+
+def vllm(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    return one(objects, "StatefulSet", "vllm")
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value of ``name VALUE`` or ``name=VALUE`` in an argument list."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {args}")
+
+
+def serve_args(objects: tuple[dict[str, Any], ...]) -> argparse.Namespace:
+    """The router container's arguments through the real ``kvroute serve`` parser
+    (argparse exits on an unknown flag: SystemExit fails the test)."""
+    args = container(router(objects), "router")["args"]
+    assert args[0] == "serve"
+    env = {"POD_NAMESPACE": "kvroute", "MODEL": "Qwen/Qwen2.5-0.5B-Instruct"}
+    parser = argparse.ArgumentParser(prog="kvroute serve", exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args([expand(a, env) for a in args[1:]])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_kubernetes_schemas(overlay: str) -> None:
+    objects = render(overlay)
+    seen_crds = set()
+    for obj in objects:
+        key = (obj["apiVersion"], obj["kind"])
+        if key in CRD_REQUIRED:
+            seen_crds.add(key)
+            for path in CRD_REQUIRED[key]:
+                node: Any = obj
+                for part in path.split("."):
+                    assert isinstance(node, dict) and part in node, (obj["kind"], path)
+                    node = node[part]
+                assert node, (obj["kind"], path)
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    if overlay == "gpu":  # the Prometheus Operator component is in the GPU overlay
+        assert seen_crds == set(CRD_REQUIRED)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_deployment_service_pdb_and_rbac_are_wired(overlay: str) -> None:
+    objects = render(overlay)
+    deploy = router(objects)
+    spec = deploy["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0  # ready before removed
+    labels = spec["template"]["metadata"]["labels"]
+    assert selects(spec["selector"]["matchLabels"], labels)
+    c = container(deploy, "router")
+    port = container_port(c, "http")
+    args = serve_args(objects)
+    assert port == args.port and args.host == "0.0.0.0"
+
+    probe = c["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/ready" and container_port(c, probe["port"]) == port
+    assert "httpGet" not in c["livenessProbe"]  # a fleet outage must not restart routers
+
+    service = one(objects, "Service", "kvroute")
+    assert selects(service["spec"]["selector"], labels)
+    (svc_port,) = service["spec"]["ports"]
+    assert container_port(c, svc_port["targetPort"]) == port
+
+    pdb = one(objects, "PodDisruptionBudget", "kvroute-router")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    assert 1 <= pdb["spec"]["minAvailable"] < spec["replicas"]
+
+    account = spec["template"]["spec"]["serviceAccountName"]
+    one(objects, "ServiceAccount", account)
+    namespace = deploy["metadata"]["namespace"]
+    bindings = [
+        b
+        for b in objects
+        if b["kind"] == "RoleBinding"
+        and {"kind": "ServiceAccount", "name": account, "namespace": namespace} in b["subjects"]
+    ]
+    assert bindings
+    granted: set[tuple[str, str, str]] = set()
+    for binding in bindings:
+        assert binding["roleRef"]["kind"] == "Role"
+        role = one(objects, "Role", binding["roleRef"]["name"])
+        for rule in role["rules"]:
+            granted |= {
+                (g, r, v)
+                for g in rule["apiGroups"]
+                for r in rule["resources"]
+                for v in rule["verbs"]
+            }
+    for verb in ("get", "list", "watch"):
+        assert ("", "pods", verb) in granted
+        assert ("inference.networking.k8s.io", "inferencepools", verb) in granted
+        assert ("inference.networking.x-k8s.io", "inferencepools", verb) in granted
+    assert {v for _, _, v in granted} == {"get", "list", "watch"}  # read-only
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_flags_are_accepted_by_the_real_cli(overlay: str) -> None:
+    objects = render(overlay)
+    args = serve_args(objects)
+    settings = settings_from_args(args)  # every value accepted, not only every flag name
+    argv = container(router(objects), "router")["args"]
+    top = build_parser(argv).parse_args(
+        [expand(a, {"POD_NAMESPACE": "ns", "MODEL": "m"}) for a in argv]
+    )
+    assert top.command == "serve" and top.selector == args.selector
+    discovery = discovery_from_args(args)
+    assert discovery is not None
+    assert discovery.namespace == "kvroute"
+    vllm_labels = vllm(objects)["spec"]["template"]["metadata"]["labels"]
+    router_labels = router(objects)["spec"]["template"]["metadata"]["labels"]
+    assert selects(discovery.selector, vllm_labels)
+    assert selects(discovery.peer_selector, router_labels)
+    assert not selects(discovery.selector, router_labels)
+    assert settings.policy == "kvroute" and settings.ready_grace_s > 0
+    env = {e["name"]: e for e in container(router(objects), "router")["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_vllm_pods_publish_where_their_annotations_say(overlay: str) -> None:
+    """The router's own discovery, fed a Ready pod made from the template, connects to the
+    ports vLLM binds; the connector accepts its config."""
+    objects = render(overlay)
+    sts = vllm(objects)
+    template = sts["spec"]["template"]
+    c = container(sts, "vllm")
+    args = c["args"]
+    events = json.loads(flag(args, "--kv-events-config"))
+    transfer = json.loads(flag(args, "--kv-transfer-config"))
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    bound = {k: int(events[k].removeprefix("tcp://*:")) for k in ("endpoint", "replay_endpoint")}
+    assert set(bound.values()) == EVENT_PORTS
+    assert {p["containerPort"] for p in c["ports"]} >= EVENT_PORTS
+    http = int(flag(args, "--port"))
+    assert container_port(c, "http") == http
+    assert template["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
+
+    pod = {
+        "metadata": {**template["metadata"], "name": "vllm-0", "uid": "u-0"},
+        "spec": template["spec"],
+        "status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    (replica,) = pod_replicas(pod)
+    assert replica.url == f"http://10.0.0.7:{http}"
+    assert replica.events == f"tcp://10.0.0.7:{bound['endpoint']}"
+    assert replica.replay == f"tcp://10.0.0.7:{bound['replay_endpoint']}"
+    assert replica.topic == events.get("topic", "")
+
+    if transfer["kv_connector"] == CONNECTOR_CLASS:
+        assert transfer["kv_connector_module_path"] == CONNECTOR_MODULE
+        assert transfer["kv_load_failure_policy"] == "recompute"
+        config = ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"])
+        assert replica.storage_domain == config.storage_domain
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert config.disk_dir in mounts
+    else:
+        assert overlay == "gpu" and transfer["kv_connector"] == "OffloadingConnector"
+        assert transfer["kv_connector_extra_config"]["self_describing_kv_events"] is True
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["PYTHONHASHSEED"] == "0"
+
+
+@pytest.mark.vllm
+def test_vllm_args_parse_in_vllm_serve() -> None:
+    """Every overlay's vLLM arguments through vLLM's own ``serve`` parser and EngineArgs."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    root = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(root.add_subparsers(dest="subcommand"))
+    for overlay in OVERLAYS:
+        c = container(vllm(render(overlay)), "vllm")
+        assert c["command"][-1] == "serve"  # `vllm serve` or kvroute's launcher `--serve serve`
+        argv = [expand(a, {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct"}) for a in c["args"]]
+        parsed = root.parse_args(["serve", *argv])
+        engine = AsyncEngineArgs.from_cli_args(parsed)
+        assert engine.enable_prefix_caching, overlay  # events need the prefix cache
+        assert engine.kv_events_config.endpoint == "tcp://*:5557", overlay
+        assert engine.kv_transfer_config.kv_role == "kv_both", overlay
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_routers_reach_the_event_sockets(overlay: str) -> None:
+    objects = render(overlay)
+    router_labels = router(objects)["spec"]["template"]["metadata"]["labels"]
+    guarded = [(vllm(objects), EVENT_PORTS)]
+    if overlay == "shared-storage":
+        guarded.append((one(objects, "Deployment", "kvroute-storage-gc"), STORAGE_EVENT_PORTS))
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    for workload, ports in guarded:
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in policies if selects(p["spec"]["podSelector"]["matchLabels"], labels)]
+        assert mine and all("Ingress" in p["spec"]["policyTypes"] for p in mine)
+        for port in ports:
+            sources = []
+            for policy in mine:
+                for rule in policy["spec"].get("ingress", []):
+                    rule_ports = rule.get("ports")
+                    if rule_ports is None or port in [p.get("port") for p in rule_ports]:
+                        sources.append(rule.get("from"))
+            assert sources, port  # reachable at all (by the routers)
+            for peers in sources:
+                assert peers, f"port {port} open to every source"
+                for peer in peers:
+                    assert set(peer) == {"podSelector"}, peer  # same namespace, pods only
+                    assert selects(peer["podSelector"]["matchLabels"], router_labels)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_scrapes_every_metrics_page(overlay: str) -> None:
+    objects = render(overlay)
+    for workload, name in ((router(objects), "router"), (vllm(objects), "vllm")):
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/path"] == "/metrics"
+        c = container(workload, name)
+        assert container_port(c, int(annotations["prometheus.io/port"])) == container_port(
+            c, "http"
+        )
+    monitors = [o for o in objects if o["kind"] in ("ServiceMonitor", "PodMonitor")]
+    if overlay != "gpu":
+        assert not monitors  # the Operator's CRDs are not assumed there
+        return
+    service = one(objects, "Service", "kvroute")
+    monitor = one(objects, "ServiceMonitor", "kvroute-router")
+    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [
+        service["spec"]["ports"][0]["name"]
+    ]
+    pods = one(objects, "PodMonitor", "vllm")
+    assert selects(
+        pods["spec"]["selector"]["matchLabels"],
+        vllm(objects)["spec"]["template"]["metadata"]["labels"],
+    )
+    (endpoint,) = pods["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    container_port(container(vllm(objects), "vllm"), endpoint["port"])
+
+
+def test_prometheus_scrape_config_reads_the_annotations_the_pods_carry() -> None:
+    config = yaml.safe_load((KUBE / "prometheus" / "scrape-configs.yaml").read_text())
+    (job,) = config["scrape_configs"]
+    sources = {s for r in job["relabel_configs"] for s in r.get("source_labels", [])}
+    for key in ("scrape", "port", "path"):
+        meta = f"__meta_kubernetes_pod_annotation_prometheus_io_{key}"
+        assert meta in sources
+    address = next(r for r in job["relabel_configs"] if r.get("target_label") == "__address__")
+    assert re.fullmatch(address["regex"], "10.0.0.7:5557;8000")
+    assert (
+        re.sub(address["regex"], address["replacement"].replace("$", "\\"), "10.0.0.7:5557;8000")
+        == "10.0.0.7:8000"
+    )
+
+
+def test_api_keys_come_from_one_secret() -> None:
+    """The key vLLM is started with (VLLM_API_KEY) is the one the router sends to it."""
+    objects = render("cpu")
+    env_router = {e["name"]: e for e in container(router(objects), "router")["env"]}
+    env_vllm = {e["name"]: e for e in container(vllm(objects), "vllm")["env"]}
+    replica_key = env_router["KVROUTE_REPLICA_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert env_vllm["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == replica_key
+    router_key = env_router["KVROUTE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert router_key["name"] == replica_key["name"] and router_key["key"] != replica_key["key"]
+
+
+def test_shared_storage_overlay_wires_replicas_evictor_and_router() -> None:
+    objects = render("shared-storage")
+    claim = one(objects, "PersistentVolumeClaim", "kvroute-shared-kv")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    sts = vllm(objects)
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    domain = annotations["kvroute.io/storage-domain"]
+    transfer = json.loads(flag(container(sts, "vllm")["args"], "--kv-transfer-config"))
+    extra = transfer["kv_connector_extra_config"]
+    assert extra["storage_domain"] == domain
+    gc = one(objects, "Deployment", "kvroute-storage-gc")
+    assert gc["spec"]["replicas"] == 1 and gc["spec"]["strategy"]["type"] == "Recreate"
+    gc_c = container(gc, "gc")
+    assert flag(gc_c["args"], "--dir") == extra["disk_dir"]
+
+    def claim_mounts(workload: dict[str, Any], name: str) -> set[str]:
+        volumes = {
+            v["name"]
+            for v in workload["spec"]["template"]["spec"]["volumes"]
+            if v.get("persistentVolumeClaim", {}).get("claimName") == "kvroute-shared-kv"
+        }
+        c = container(workload, name)
+        return {m["mountPath"] for m in c["volumeMounts"] if m["name"] in volumes}
+
+    assert claim_mounts(sts, "vllm") == {extra["disk_dir"]} == claim_mounts(gc, "gc")
+
+    (storage,) = settings_from_args(serve_args(objects)).storage_domains
+    assert storage.name == domain
+    service = one(objects, "Service", "kvroute-storage-gc")
+    assert selects(service["spec"]["selector"], gc["spec"]["template"]["metadata"]["labels"])
+    ports = {p["port"]: container_port(gc_c, p["targetPort"]) for p in service["spec"]["ports"]}
+    assert ports == {5600: 5600, 5601: 5601}
+    assert storage.events == "tcp://kvroute-storage-gc:5600"
+    assert storage.replay == "tcp://kvroute-storage-gc:5601"
+    # The evictor's command line through the real `kvroute` command (its image's entrypoint).
+    gc_args = build_parser(gc_c["args"]).parse_args(gc_c["args"])
+    assert gc_args.dir == extra["disk_dir"] and gc_args.max_gib > 0
+    assert {gc_args.events, gc_args.replay} == {"tcp://*:5600", "tcp://*:5601"}
+    assert gc_c["args"][:2] == ["storage", "gc"]
+
+
+# --- images -----------------------------------------------------------------------------
+
+
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile: continuations joined, comments dropped."""
+    text = (KUBE / name).read_text()
+    joined = re.sub(
+        r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    )
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            instruction, _, rest = line.strip().partition(" ")
+            assert instruction.isupper(), line
+            out.append((instruction, rest.strip()))
+    return out
+
+
+KNOWN_INSTRUCTIONS = {
+    "FROM",
+    "ARG",
+    "ENV",
+    "WORKDIR",
+    "COPY",
+    "RUN",
+    "USER",
+    "EXPOSE",
+    "ENTRYPOINT",
+    "CMD",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "runs"),
+    [
+        ("Dockerfile", ["kvroute", "serve"]),
+        ("Dockerfile.vllm", ["vllm", "serve"]),
+        ("Dockerfile.vllm-cpu", ["python", "-m", "kvroute.deploy.vllm_server", "--serve", "serve"]),
+    ],
+)
+def test_dockerfiles_install_this_package_and_run_it(name: str, runs: list[str]) -> None:
+    steps = dockerfile(name)
+    kinds = [k for k, _ in steps]
+    assert set(kinds) <= KNOWN_INSTRUCTIONS, kinds
+    assert next(k for k in kinds if k != "ARG") == "FROM"  # only ARGs may precede FROM
+    copied = [a.split() for k, a in steps if k == "COPY"]
+    assert copied and copied[0][0] == "."  # the repository root: pyproject.toml and sources
+    dest = copied[0][1]
+    installs = [a for k, a in steps if k == "RUN" and "pip install" in a]
+    assert installs and dest.rstrip("/") in installs[0]
+    entry = json.loads(dict(steps)["ENTRYPOINT"])
+    cmd = json.loads(dict(steps).get("CMD", "[]"))
+    assert [*entry, *cmd][: len(runs)] == runs
+    if name == "Dockerfile":
+        user = dict(steps)["USER"]
+        deploy = router(render("cpu"))
+        assert int(user) == deploy["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+        # The manifests pass ``serve ...`` as args: the image's entrypoint is kvroute.
+        assert container(deploy, "router")["args"][0] == "serve" and entry == ["kvroute"]
+
+
+def test_docker_context_leaves_out_the_virtualenv() -> None:
+    lines = (REPO_ROOT / ".dockerignore").read_text().splitlines()
+    ignored = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    assert {".venv", ".git", ".kvroute", "build"} <= set(ignored)
+    assert not {"pyproject.toml", "router", "connector"} & set(ignored)
+
+
+def test_docs_walk_through_apply_the_overlays_that_exist() -> None:
+    text = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    named = set(re.findall(r"kubectl apply -k deploy/kubernetes/overlays/([\w-]+)", text))
+    assert named and named <= set(OVERLAYS)
+    assert {p.name for p in (KUBE / "overlays").iterdir()} == set(OVERLAYS)
