@@ -48,5 +48,11 @@ def wait_until_up(proc: subprocess.Popen[str], timeout: float = 120) -> str:
         lines.append(line)
         if READY_LINE in line:
             return "".join(lines)
-    proc.kill()
+    # SIGTERM first: kvroute up then stops the fleet it started (its children run in
+    # sessions of their own, so a SIGKILL to it alone would leave them running).
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
     pytest.fail("kvroute up never became ready:\n" + "".join(lines))
