@@ -15,6 +15,12 @@ intersection of the keys. Files are never trusted:
 * a valid file whose sibling ranks are missing is not announced; it is left for its
   owner (another replica sharing the directory may be writing the other ranks right
   now) and removed only once it is older than ``STALE_S``, like a temp file.
+
+The chunks served come least recently written first (the RAM/disk LRU order), except that a
+chunk never comes before its parent chunk: the start-up announcement is a stream of
+self-describing ``BlockStored`` events, and a subscriber keys a chunk through its parent's
+keys, so a child announced first is unresolvable. Parallel writer threads finish chunks out
+of prompt order, so file times alone do not give that order.
 """
 
 from __future__ import annotations
@@ -92,10 +98,10 @@ def scan_directory(
     directory: Path, identity: str, *, stale_s: float = STALE_S
 ) -> list[tuple[ChunkInfo, int]]:
     """(chunk, file size) of every valid file of ONE directory checked against one
-    (rank) identity, oldest first (LRU order by mtime). Invalid files are removed."""
+    (rank) identity, oldest first (LRU order by mtime, parents first). Invalid files are removed."""
     found = _scan_files(Path(directory), identity, time.time(), stale_s)
     ordered = sorted(found.values(), key=lambda f: f.mtime)
-    return [(f.info, f.size) for f in ordered]
+    return parents_first([(f.info, f.size) for f in ordered])
 
 
 def _remove_legacy_files(layout_dir: Path, now: float, stale_s: float) -> None:
@@ -148,4 +154,21 @@ def scan_layout(
         newest = max(f.mtime for f in files)
         served.append((newest, files[0].info, sum(f.size for f in files)))
     served.sort(key=lambda x: (x[0], x[1].key))
-    return [(info, size) for _, info, size in served]
+    return parents_first([(info, size) for _, info, size in served])
+
+
+def parents_first(chunks: Sequence[tuple[ChunkInfo, int]]) -> list[tuple[ChunkInfo, int]]:
+    """``chunks`` in their order, except that a chunk whose parent chunk is among them
+    comes after it (the parent moves up to just before its first child)."""
+    by_key = {info.key: (info, size) for info, size in chunks}
+    out: list[tuple[ChunkInfo, int]] = []
+    placed: set[bytes] = set()
+    for info, _ in chunks:
+        lineage: list[bytes] = []
+        key: bytes | None = info.key
+        while key is not None and key in by_key and key not in placed:
+            lineage.append(key)
+            placed.add(key)
+            key = by_key[key][0].parent_hash
+        out.extend(by_key[k] for k in reversed(lineage))
+    return out

@@ -9,6 +9,7 @@ holds for a chunk announced from its disk file after a restart.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -124,23 +125,22 @@ def test_ram_tier_events_match_the_device_events(kind: str) -> None:
         assert ours[1].extra_keys == [(("img-1", -3),), (("img-1", -7),)]
 
 
-@pytest.mark.parametrize("kind", ["lora", "cache_salt", "multimodal"])
-def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, kind: str) -> None:
+def _write_to_disk(request, disk_dir: Path) -> list:
+    """The request's chunks written through the real planner and worker to ``disk_dir``;
+    returns the STORAGE events announced as they landed."""
     from kvroute.connector.disk_tier import unlink_chunk_all_ranks
     from kvroute.connector.events import to_vllm_event
     from kvroute.connector.vllm_extras import request_extras
 
-    request = _request(kind)
-    device = _device_events(request)
     paged = make_paged()
     p = make_planner(
         num_slots=8,
         disk_enabled=True,
         disk_capacity_bytes=1 << 20,
         payload_bytes=paged.num_layers * BPC * paged.block_bytes(),
-        unlink=lambda k: unlink_chunk_all_ranks(tmp_path, [RankInfo()], k),
+        unlink=lambda k: unlink_chunk_all_ranks(disk_dir, [RankInfo()], k),
     )
-    ex = make_executor(paged, num_slots=8, disk_dir=tmp_path)
+    ex = make_executor(paged, num_slots=8, disk_dir=disk_dir)
     p.on_scheduled(
         request.request_id,
         list(range(N_CHUNKS * BPC)),
@@ -155,6 +155,16 @@ def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, k
     p.on_reports(ex.take_reports())
     stored = [to_vllm_event(e) for e in p.take_events() if e.tier == Tier.STORAGE]
     ex.close()
+    return stored
+
+
+@pytest.mark.parametrize("kind", ["lora", "cache_salt", "multimodal"])
+def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, kind: str) -> None:
+    from kvroute.connector.events import to_vllm_event
+
+    request = _request(kind)
+    device = _device_events(request)
+    stored = _write_to_disk(request, tmp_path)
     # Restart: the scan announces every file with the extras from its header.
     found = scan_layout(tmp_path, IDENTITY, [RankInfo()])
     restart = [to_vllm_event(TierEvent("stored", Tier.STORAGE, info)) for info, _ in found]
@@ -164,6 +174,39 @@ def test_disk_chunks_announced_at_start_carry_the_saved_extras(tmp_path: Path, k
         o = by_parent[d.parent_block_hash]
         assert o.medium == "STORAGE"
         assert _same_bytes(o, d)
+
+
+def test_a_restart_announces_every_chunk_after_its_parent(tmp_path: Path) -> None:
+    """Parallel disk writers finish a prompt's chunks out of order, so a later chunk's file
+    can be older than its parent's. The start-up announcement must still name the parent
+    first: an indexer keys a self-describing chunk through its parent, and one announced
+    before it is lost with every chunk after it (seen in CI: 2 of 11 chunks re-indexed)."""
+    from vllm.distributed import kv_events as kv
+
+    from kvroute.connector.disk_tier import rank_directory
+    from kvroute.connector.events import to_vllm_event
+    from kvroute.indexer.index import InMemoryPrefixIndex
+    from kvroute.indexer.wire import decode_batch
+
+    request = _request("plain")
+    _write_to_disk(request, tmp_path)
+    files = sorted(rank_directory(tmp_path, RankInfo()).iterdir())
+    assert len(files) == N_CHUNKS
+    found = scan_layout(tmp_path, IDENTITY, [RankInfo()])
+    # The last chunk written first, the first chunk last.
+    for age, (info, _) in enumerate(found):
+        path = next(f for f in files if info.key.hex() in f.name)
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))
+    found = scan_layout(tmp_path, IDENTITY, [RankInfo()])
+    assert [info.index for info, _ in found] == list(range(N_CHUNKS))
+
+    events = [to_vllm_event(TierEvent("stored", Tier.STORAGE, info)) for info, _ in found]
+    payload = msgspec.msgpack.encode(kv.KVEventBatch(ts=1.0, events=events))
+    index = InMemoryPrefixIndex()
+    result = index.apply("r1", decode_batch(payload).events)
+    assert result.rejected == [] and result.unresolved == 0, result
+    match = index.lookup(request.all_token_ids)["r1"]
+    assert match.tokens_in(Tier.STORAGE) == N_CHUNKS * BPC * BLOCK
 
 
 def test_block_removed_stays_hashes_and_medium() -> None:
