@@ -11,6 +11,21 @@ Retries: an attempt that fails before the response headers (connection refused, 
 timeout) or answers 502/503/504 moves to the next replica of the ranking. Once bytes flowed
 to the client nothing is retried; a broken stream ends with an SSE error event and
 ``data: [DONE]`` so no client hangs.
+
+A 500 is retried only when the replica's engine is dead. vLLM answers 500 to the requests of
+an engine that died (``EngineDeadError``), which another replica could serve; but a 500 is
+also a request's own failure, and a request that crashes engines must not be tried across
+the fleet. So on a 500, before any byte went to the client, the proxy asks that replica's
+``GET /health`` (with the router's replica key, ``probe_timeout_s``; concurrent 500s of one
+server share one probe): 200 means the engine lives and the 500 is the request's own, relayed
+as is; anything else (non-200, refused, reset, no answer in time) means the engine is dead:
+the replica is ejected at once (with its data-parallel siblings, as for a refused
+connection), the retry is counted, and the next replica of another server is tried. At most
+one 500 per request is retried this way: a second dead replica's 500 is the client's answer,
+so one poison request takes down two engines at most. A 500 from the last candidate is
+relayed without a probe (the health checker ejects that replica on its own schedule).
+Targets of a server this request already found dead (refused, or a dead engine) are skipped
+without costing an attempt.
 """
 
 from __future__ import annotations
@@ -263,12 +278,16 @@ class Forwarder:
         max_attempts: int = 3,
         on_retry: Callable[[], None] | None = None,
         auth: ReplicaAuth | None = None,
+        probe_timeout_s: float = 1.0,
     ) -> None:
         self.client = client
         self.registry = registry
         self.max_attempts = max_attempts
         self.on_retry = on_retry
         self.auth = auth or ReplicaAuth()
+        self.probe_timeout_s = probe_timeout_s
+        # The /health probe in flight per server URL (``_engine_down``).
+        self._probes: dict[str, asyncio.Task[str | None]] = {}
 
     async def open(
         self,
@@ -283,12 +302,20 @@ class Forwarder:
         """Send to the first replica that answers; its in-flight count stays raised until
         ``close``. Raises RouterError 503 when every attempt failed before the first byte,
         502 when every replica refused the router's credentials (a configuration error: the
-        client's key is not what they refused, so their 401 is not passed on)."""
+        client's key is not what they refused, so their 401 is not passed on). A 500 moves on
+        only when the replica's engine is dead, once per request (module docstring)."""
         errors: list[str] = []
         refusals = 0
-        tries = ranked[: self.max_attempts]
+        attempt = 0
+        retried_500 = False
+        dead: set[str] = set()  # servers (Replica.group) found dead during this request
         headers = self.auth.apply(headers)
-        for attempt, replica in enumerate(tries, 1):
+        for index, replica in enumerate(ranked):
+            if attempt >= self.max_attempts:
+                break
+            if replica.group in dead:
+                continue
+            attempt += 1
             if attempt > 1 and self.on_retry is not None:
                 self.on_retry()
             if on_attempt is not None:
@@ -304,6 +331,8 @@ class Forwarder:
                 refused = isinstance(exc, UpstreamUnreachable)
                 self.registry.record_failure(replica, f"proxy: {exc!r}", eject_now=refused)
                 errors.append(f"{replica.name}: {type(exc).__name__}")
+                if refused:
+                    dead.add(replica.group)
                 continue
             except BaseException:
                 replica.end_request(epoch)
@@ -316,11 +345,30 @@ class Forwarder:
                 errors.append(f"{replica.name}: {_REFUSED}")
                 refusals += 1
                 continue
-            if response.status in _RETRY_STATUS and attempt < len(tries):
+            if response.status in _RETRY_STATUS and self._has_next(ranked, index, attempt, dead):
                 response.close()
                 replica.end_request(epoch)
                 errors.append(f"{replica.name}: HTTP {response.status}")
                 continue
+            if (
+                response.status == 500
+                and not retried_500
+                and self._has_next(ranked, index, attempt, dead | {replica.group})
+            ):
+                try:
+                    reason = await self._engine_down(replica)
+                except BaseException:  # cancelled (the client left) during the probe
+                    response.close()
+                    replica.end_request(epoch)
+                    raise
+                if reason is not None:
+                    response.close()
+                    replica.end_request(epoch)
+                    self._eject_dead(replica, reason)
+                    errors.append(f"{replica.name}: HTTP 500, engine down ({reason})")
+                    dead.add(replica.group)
+                    retried_500 = True
+                    continue
             return Upstream(replica, response, started, attempt, epoch)
         if refusals and refusals == len(errors):
             raise RouterError(502, "no replica accepted the router's request: " + "; ".join(errors))
@@ -329,6 +377,61 @@ class Forwarder:
             "no replica could take the request: " + "; ".join(errors),
             headers={"retry-after": "1"},
         )
+
+    def _has_next(self, ranked: list[Replica], index: int, attempt: int, dead: set[str]) -> bool:
+        """Whether another attempt would follow the one at ``ranked[index]``."""
+        if attempt >= self.max_attempts:
+            return False
+        return any(r.group not in dead for r in ranked[index + 1 :])
+
+    async def _engine_down(self, replica: Replica) -> str | None:
+        """Why the replica's server is not healthy now (its ``/health`` fails), or None when
+        it answers 200. Concurrent callers for one server share one probe: when an engine
+        dies under load, its hundred failing requests cost it one ``/health``."""
+        task = self._probes.get(replica.url)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._probe(replica.url))
+            self._probes[replica.url] = task
+            task.add_done_callback(lambda done: self._forget_probe(replica.url, done))
+        # Shielded: a caller whose client left does not cancel the others' answer.
+        return await asyncio.shield(task)
+
+    def _forget_probe(self, url: str, task: asyncio.Task[str | None]) -> None:
+        if self._probes.get(url) is task:
+            del self._probes[url]
+
+    async def _probe(self, url: str) -> str | None:
+        # A client (and connection) of its own, closed after it: a probe never waits for a
+        # pool slot behind proxied requests (a probe that waits is one that times out, and a
+        # false "dead"), and nothing stays open per replica. Probes are rare and shared.
+        client = UpstreamClient(
+            max_connections_per_replica=1,
+            connect_timeout_s=self.probe_timeout_s,
+            read_timeout_s=self.probe_timeout_s,
+        )
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                response = await client.request(url, "/health", b"", self.auth.apply([]), b"GET")
+                response.close()
+        except TimeoutError:
+            return f"/health did not answer within {self.probe_timeout_s:g} s"
+        except (UpstreamError, OSError) as exc:
+            return f"/health failed: {exc!r}"
+        finally:
+            client.close()
+        if response.status != 200:
+            return f"/health answered {response.status}"
+        return None
+
+    def _eject_dead(self, replica: Replica, reason: str) -> None:
+        was_healthy = replica.healthy
+        self.registry.record_failure(replica, f"proxy: HTTP 500 and {reason}", eject_now=True)
+        if was_healthy and not replica.healthy:
+            log.warning(
+                "replica %s ejected: it answered 500 and %s; retrying on the next replica",
+                replica.name,
+                reason,
+            )
 
     @staticmethod
     def close(upstream: Upstream, *, complete: bool) -> None:
