@@ -36,6 +36,7 @@ from kvroute.bench.sim.tokenizer import SimTokenizer
 from kvroute.bench.workloads import BUILDERS, TextSource
 from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
+from kvroute.deploy.processes import free_port
 from kvroute.deploy.router_process import RouterProcess
 from kvroute.router.policies import POLICIES
 
@@ -268,6 +269,19 @@ def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> SimFleetC
         seed=args.seed,
         latency=LatencyModel(time_scale=pick("time_scale"), **BENCH_LATENCY),
     )
+
+
+def _peer_router_settings(settings: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """``n`` routers as an HA deployment runs them: each knows the others as peers (for
+    warm start and shared load, router/peer_load.py), so their ports are chosen first."""
+    if n == 1:
+        return [settings]
+    host = str(settings.get("host", "127.0.0.1"))
+    ports = [free_port(host) for _ in range(n)]
+    return [
+        {**settings, "port": port, "peers": [f"http://{host}:{p}" for p in ports if p != port]}
+        for port in ports
+    ]
 
 
 def _router_settings(fleet: SimFleet, policy: str, config: SimFleetConfig) -> dict[str, Any]:
@@ -565,7 +579,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 settings = _router_settings(fleet, policy, config)
                 _apply_router_options(settings, args.router_option)
                 routers = [
-                    stack.enter_context(RouterProcess(settings)) for _ in range(args.routers)
+                    stack.enter_context(RouterProcess(peer_settings))
+                    for peer_settings in _peer_router_settings(settings, args.routers)
                 ]
                 urls = [r.url for r in routers]
                 seen: dict[str, float] = {}

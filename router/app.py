@@ -28,6 +28,7 @@ from kvroute.router.dashboard_data import DashboardData
 from kvroute.router.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.errors import RouterError, error_body, error_response
 from kvroute.router.openapi import PROXIED, add_proxied_paths
+from kvroute.router.peer_load import load_body
 from kvroute.router.peer_snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.proxy import read_body
 from kvroute.router.readiness import Readiness
@@ -159,6 +160,12 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
             settings.peer_snapshot_max_mib * 2**20,
         )
         return StreamingResponse(body, media_type=MEDIA_TYPE)
+
+    @app.get("/peer/load")
+    async def peer_load() -> Response:
+        """What this router is proxying to each replica now, for its peers' queue view
+        (router/peer_load.py)."""
+        return JSONResponse(load_body(service.peer_load.router_id, service.registry))
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:

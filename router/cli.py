@@ -79,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long to wait for one peer's whole snapshot before trying the next",
     )
     fleet.add_argument(
+        "--peer-load-interval-s",
+        type=float,
+        default=d.peer_load_interval_s,
+        help="poll the peer routers' in-flight requests this often and count them in each "
+        "replica's queue (several routers behind one Service); 0: off",
+    )
+    fleet.add_argument(
         "--stale-clear-after-s",
         type=float,
         default=d.stale_clear_after_s,
@@ -362,6 +369,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         replay_timeout_s=args.replay_timeout_s,
         peers=list(args.peer),
         peer_timeout_s=args.peer_timeout_s,
+        peer_load_interval_s=args.peer_load_interval_s,
         stale_clear_after_s=args.stale_clear_after_s,
         event_max_mib_per_s=args.event_max_mib_per_s,
         index_max_entries=args.index_max_entries,

@@ -302,6 +302,9 @@ class RouterSettings:
     peers: list[str] = field(default_factory=list)
     peer_timeout_s: float = 5.0
     peer_snapshot_max_mib: int = 1024  # a bigger snapshot is refused (and not served)
+    # Shared load (router/peer_load.py): how often the peers' in-flight counts are polled;
+    # 0 turns it off (each router then sees only its own requests between scrapes).
+    peer_load_interval_s: float = 0.1
     stale_clear_after_s: float = 30.0
     # Per event stream: a publisher past this many MiB/s of events is cleared and dropped
     # until it slows down (indexer/budget.py); 0 turns the budget off.
@@ -393,6 +396,8 @@ class RouterSettings:
                 raise ConfigError(f"peer must be http(s)://host:port, got {peer!r}")
         if self.peer_timeout_s <= 0 or self.peer_snapshot_max_mib < 1:
             raise ConfigError("peer_timeout_s must be > 0, peer_snapshot_max_mib >= 1")
+        if not 0 <= self.peer_load_interval_s <= 60:
+            raise ConfigError("peer_load_interval_s must be in [0, 60] (0: off)")
         for key in self.api_keys:
             check_api_key(key, "api key")
         if self.replica_api_key is not None:

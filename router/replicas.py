@@ -7,6 +7,8 @@ a scrape interval old. ``Replica.pending`` combines them: the gauges plus the re
 router sent since that scrape and still has in flight (which the gauges cannot hold yet), or
 the router's own count if that is larger. Without the second term, a router behind several
 others, or a burst inside one scrape interval, would see a replica as idle as its last page.
+With peer routers (router/peer_load.py), their in-flight requests are added to this router's
+own count: every request passes through some router, so that sum is the replica's queue now.
 
 A data-parallel server's ranks are replicas of their own (router/dp.py) sharing one URL and
 one metrics page: vLLM labels each engine's gauges ``engine="<rank>"``, so each rank takes its
@@ -119,6 +121,8 @@ class Replica:
     last_check: float | None = None
     ejections: int = 0
     in_flight: int = 0
+    # What peer routers are proxying to it, as of their last answer (router/peer_load.py).
+    peer_in_flight: int = 0
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
@@ -147,8 +151,11 @@ class Replica:
     @property
     def pending(self) -> float:
         """Requests ahead of a new one: vLLM's last gauges plus what this router sent since,
-        or ours in flight, whichever is more."""
-        return max(float(self.in_flight), self.running + self.waiting + self.sent_since_scrape)
+        or what every router has in flight (ours and the peers'), whichever is more."""
+        return max(
+            float(self.in_flight + self.peer_in_flight),
+            self.running + self.waiting + self.sent_since_scrape,
+        )
 
     def begin_request(self) -> int:
         """A request goes out: count it; returns the epoch to give ``end_request``."""

@@ -30,6 +30,8 @@ from kvroute.router.health import HealthChecker
 from kvroute.router.k8s_discovery import KubernetesDiscovery
 from kvroute.router.metrics import RouterMetrics
 from kvroute.router.model_tokenizers import FleetTokenizer
+from kvroute.router.peer_load import PeerLoad
+from kvroute.router.periodic import PeriodicTask
 from kvroute.router.policies import make_policy
 from kvroute.router.proxy import Forwarder
 from kvroute.router.replicas import Replica, ReplicaRegistry
@@ -150,6 +152,14 @@ class RouterService:
         self.peer_urls: PeerUrls = self._default_peer_urls
         self.warm = WarmStart()
         self.feeds_started = False  # /index/snapshot answers 503 until then
+        # Shared load (router/peer_load.py): the same peers' in-flight counts, polled.
+        self.peer_load = PeerLoad(
+            interval_s=settings.peer_load_interval_s,
+            timeout_s=max(0.05, min(1.0, 5 * settings.peer_load_interval_s)),
+            api_key=settings.api_keys[0] if settings.api_keys else None,
+        )
+        self._peer_load_task: PeriodicTask | None = None
+        self._peer_client: httpx.AsyncClient | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -167,6 +177,7 @@ class RouterService:
             max_attempts=s.max_attempts,
             on_retry=self.metrics.retries.inc,
             auth=self.replica_auth,
+            probe_timeout_s=min(1.0, s.health_timeout_s),
         )
         if self.discovery is not None:
             await self.discovery.refresh_peers()  # before warm start, which asks them
@@ -197,6 +208,15 @@ class RouterService:
         if self.warm.seeds:  # replicas configured later may use them a while; then freed
             asyncio.get_running_loop().call_later(SEED_TTL_S + 1, self.warm.drop_stale_seeds)
         self.dp_discovery.start()
+        if self.settings.peer_load_interval_s > 0:
+            # Its own small pool: a poll never waits behind proxied traffic or health checks.
+            self._peer_client = httpx.AsyncClient(
+                trust_env=False, limits=httpx.Limits(max_connections=16)
+            )
+            self._peer_load_task = PeriodicTask(
+                "kvroute-peer-load", self.settings.peer_load_interval_s, self.poll_peer_load
+            )
+            self._peer_load_task.start()
         if self.watcher is not None:
             self.watcher.start()
         if self.discovery is not None:
@@ -218,6 +238,10 @@ class RouterService:
             await self.tokenizer.close()
         await self.dp_discovery.stop()
         await self.health.stop()
+        if self._peer_load_task is not None:
+            await self._peer_load_task.stop()
+        if self._peer_client is not None:
+            await self._peer_client.aclose()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.discovery is not None:
@@ -457,6 +481,12 @@ class RouterService:
     def _source_name(self) -> str:
         return "discovery" if self.discovery is not None else "replicas file"
 
+    async def poll_peer_load(self) -> None:
+        """One round of shared load: ask the peers, then set every replica's share."""
+        assert self._peer_client is not None
+        await self.peer_load.poll(self._peer_client, await peer_list(self.peer_urls))
+        self.peer_load.apply(self.registry)
+
     def _set_discovered_peers(self, peers: list[str]) -> None:
         self._discovered_peers = list(peers)
 
@@ -562,6 +592,7 @@ class RouterService:
             entry["health"] = r.snapshot()
             entry["load"] = {
                 "in_flight": r.in_flight,
+                "peer_in_flight": r.peer_in_flight,
                 "running": r.running,
                 "waiting": r.waiting,
                 "kv_cache_usage": r.kv_usage,
@@ -593,4 +624,5 @@ class RouterService:
             "replicas_file": None if self.watcher is None else self.watcher.status(),
             "start": self.warm.to_dict(self.subscriber.warm_outcomes()),
             "discovery": None if self.discovery is None else self.discovery.status(),
+            "peer_load": self.peer_load.to_dict() if self._peer_load_task is not None else None,
         }

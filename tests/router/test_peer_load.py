@@ -1,0 +1,259 @@
+"""Shared load between peer routers (router/peer_load.py): the answer's decoder, the sum over
+fresh peers, and two real routers on 127.0.0.1 in front of simulated vLLM replicas, where the
+second router sees (and routes around) the requests the first one is holding."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvroute.bench.sim.faults import ReplicaFaults
+from kvroute.router.app import create_app
+from kvroute.router.config import ConfigError, ReplicaConfig, RouterSettings
+from kvroute.router.peer_load import PeerLoad, PeerLoadError, PeerReport, load_body, parse_load
+from kvroute.router.replicas import Replica
+from kvroute.router.tokenization import LocalTokenizer
+from tests.router.fleet import Fleet, make_fleet
+from tests.router.manual_clock import ManualClock
+from tests.router.servers import ServerThread, wait_until
+
+KEY = "sk-peer-load-test"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+# --- the answer ---------------------------------------------------------------------------
+
+
+def test_a_peers_answer_round_trips() -> None:
+    replicas = [
+        Replica(ReplicaConfig(url=f"http://127.0.0.1:{9000 + i}", name=f"r{i}")) for i in range(2)
+    ]
+    replicas[1].in_flight = 7
+    body = load_body("router-a", replicas)
+    assert parse_load(body) == ("router-a", {"r0": 0, "r1": 7})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        "text",
+        {"router": "a"},
+        {"replicas": {"r0": 1}},
+        {"router": "", "replicas": {}},
+        {"router": 5, "replicas": {}},
+        {"router": "a", "replicas": []},
+        {"router": "a", "replicas": {"r0": -1}},
+        {"router": "a", "replicas": {"r0": True}},
+        {"router": "a", "replicas": {"r0": "3"}},
+        {"router": "a", "replicas": {"r0": math.nan}},
+        {"router": "a", "replicas": {"r0": math.inf}},
+        {"router": "a", "replicas": {"r0": 10**9}},
+    ],
+)
+def test_a_malformed_or_forged_answer_is_refused(body: Any) -> None:
+    with pytest.raises(PeerLoadError):
+        parse_load(body)
+
+
+def test_only_fresh_answers_of_other_routers_count() -> None:
+    clock = ManualClock()
+    load = PeerLoad(interval_s=0.1, timeout_s=0.5, router_id="me", clock=clock)
+    replicas = [
+        Replica(ReplicaConfig(url=f"http://127.0.0.1:{9000 + i}", name=f"r{i}")) for i in range(2)
+    ]
+    for url, router, counts in [
+        ("http://a", "router-a", {"r0": 2, "r1": 1}),
+        ("http://b", "router-b", {"r0": 3, "unknown": 50}),
+        ("http://self", "me", {"r0": 100}),  # a discovery list that includes this router
+    ]:
+        load.peers[url] = PeerReport(router=router, in_flight=counts, received_at=clock())
+    load.apply(replicas)
+    assert [r.peer_in_flight for r in replicas] == [5, 1]
+    replicas[0].in_flight = 1
+    assert replicas[0].pending == 6  # ours plus the peers'
+    clock.t += 0.5
+    load.peers["http://a"].received_at = clock()
+    clock.t += 0.6  # b answered 1.1 s ago: past stale_after_s (1 s)
+    load.apply(replicas)
+    assert [r.peer_in_flight for r in replicas] == [2, 1]
+    clock.t += 1.0
+    load.apply(replicas)
+    assert [r.peer_in_flight for r in replicas] == [0, 0]
+    stats = load.to_dict()["peers"]
+    assert stats["http://self"]["self"] is True
+    assert stats["http://a"]["fresh"] is False
+
+
+def test_the_interval_is_checked() -> None:
+    with pytest.raises(ConfigError):
+        RouterSettings(peer_load_interval_s=-1)
+    with pytest.raises(ConfigError):
+        RouterSettings(peer_load_interval_s=600)
+
+
+# --- two routers over real HTTP -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _peer(fleet: Fleet, tokenizer: LocalTokenizer, **changes: Any) -> Iterator[ServerThread]:
+    """A second router over the same replicas. It scrapes their metrics only at start
+    (health every 60 s): the replicas' gauges cannot tell it what the first router sent."""
+    settings = fleet.settings.replace(health_interval_s=60.0, **changes)
+    with ServerThread(create_app(settings, tokenizer=tokenizer)) as router:
+        wait_until(lambda: len(router.app.state.service.registry.healthy()) == len(fleet.fakes))
+        yield router
+
+
+def _stats(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/index/stats", headers=AUTH, timeout=5).json()
+
+
+def _hold(fleet: Fleet, n: int) -> list[concurrent.futures.Future[int]]:
+    """``n`` streamed completions through the first router, each held ~3 s by its replica's
+    slow prefill; returns their futures (status codes)."""
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+
+    def one(i: int) -> int:
+        body = {
+            "model": "tiny",
+            "prompt": f"held request {i} " * 20,
+            "max_tokens": 2,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"{fleet.url}/v1/completions", json=body, headers=AUTH, timeout=30
+        ) as resp:
+            resp.read()
+            return resp.status_code
+
+    futures = [pool.submit(one, i) for i in range(n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
+    local_tokenizer: LocalTokenizer,
+) -> None:
+    slow = ReplicaFaults(prefill_delay_s=3.0)
+    with (
+        make_fleet(
+            local_tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
+        ) as fleet,
+        _peer(fleet, local_tokenizer, peers=[fleet.url], peer_load_interval_s=0.05) as b,
+    ):
+        futures = _hold(fleet, 3)
+        in_flight = {}
+
+        def held() -> bool:
+            in_flight.update(
+                {n: r["load"]["in_flight"] for n, r in _stats(fleet.url)["replicas"].items()}
+            )
+            return sum(in_flight.values()) == 3
+
+        wait_until(held, timeout_s=5)
+        busy = max(in_flight, key=lambda n: in_flight[n])
+        idle = min(in_flight, key=lambda n: in_flight[n])
+        assert in_flight[busy] > in_flight[idle]
+
+        def peer_sees() -> bool:
+            load = {n: r["load"] for n, r in _stats(b.url)["replicas"].items()}
+            return all(load[n]["peer_in_flight"] == in_flight[n] for n in in_flight)
+
+        wait_until(peer_sees, timeout_s=3)
+        replicas = _stats(b.url)["replicas"]
+        assert {n: r["load"]["pending"] for n, r in replicas.items()} == in_flight
+        peer_load = _stats(b.url)["peer_load"]
+        assert peer_load["peers"][fleet.url]["fresh"] is True
+        assert peer_load["peers"][fleet.url]["in_flight"] == 3
+        # B has sent nothing, yet it puts a new request where A's queue is shorter.
+        decision = httpx.post(
+            f"{b.url}/debug/route",
+            json={"model": "tiny", "prompt": "a new question"},
+            headers=AUTH,
+            timeout=5,
+        ).json()
+        assert decision["chosen"] == idle, decision
+        assert [f.result(timeout=30) for f in futures] == [200, 200, 200]
+        wait_until(
+            lambda: all(
+                r["load"]["peer_in_flight"] == 0 for r in _stats(b.url)["replicas"].values()
+            ),
+            timeout_s=3,
+        )
+
+
+def test_without_shared_load_the_peer_is_blind_to_them(local_tokenizer: LocalTokenizer) -> None:
+    """The same setup with polling off: what the test above asserts is the peer load's doing."""
+    slow = ReplicaFaults(prefill_delay_s=3.0)
+    with (
+        make_fleet(
+            local_tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
+        ) as fleet,
+        _peer(fleet, local_tokenizer, peers=[fleet.url], peer_load_interval_s=0) as b,
+    ):
+        futures = _hold(fleet, 3)
+        wait_until(
+            lambda: (
+                sum(r["load"]["in_flight"] for r in _stats(fleet.url)["replicas"].values()) == 3
+            ),
+            timeout_s=5,
+        )
+        stats = _stats(b.url)
+        assert stats["peer_load"] is None
+        assert all(r["load"]["pending"] == 0 for r in stats["replicas"].values())
+        assert [f.result(timeout=30) for f in futures] == [200, 200, 200]
+
+
+def test_peer_load_needs_the_key_and_a_wrong_key_is_reported(
+    local_tokenizer: LocalTokenizer,
+) -> None:
+    with make_fleet(local_tokenizer, n=1, api_keys=[KEY]) as fleet:
+        assert httpx.get(f"{fleet.url}/peer/load", timeout=5).status_code == 401
+        ok = httpx.get(f"{fleet.url}/peer/load", headers=AUTH, timeout=5)
+        assert ok.status_code == 200
+        router, counts = parse_load(ok.json())
+        assert counts == {"r0": 0}
+        assert router == fleet.service.peer_load.router_id
+        # A peer holding another key: its polls are refused, counted and shown, never used.
+        with _peer(
+            fleet,
+            local_tokenizer,
+            api_keys=["sk-another-key"],
+            peers=[fleet.url],
+            peer_load_interval_s=0.05,
+        ) as b:
+            headers = {"authorization": "Bearer sk-another-key"}
+
+            def refused() -> dict[str, Any] | None:
+                stats = httpx.get(f"{b.url}/index/stats", headers=headers, timeout=5).json()
+                peer = stats["peer_load"]["peers"].get(fleet.url)
+                return peer if peer and peer["failures"] >= 2 else None
+
+            wait_until(lambda: refused() is not None, timeout_s=5)
+            peer = refused()
+            assert peer is not None and "401" in peer["error"] and peer["fresh"] is False
+
+
+def test_a_router_listed_among_its_own_peers_ignores_itself(
+    local_tokenizer: LocalTokenizer,
+) -> None:
+    slow = ReplicaFaults(prefill_delay_s=3.0)
+    with make_fleet(local_tokenizer, n=1, faults=[slow], api_keys=[KEY]) as fleet:
+        service = fleet.service
+        service.peer_urls = lambda: [fleet.url]
+        futures = _hold(fleet, 2)
+        wait_until(lambda: service.registry.get("r0").in_flight == 2, timeout_s=5)
+        wait_until(lambda: fleet.url in _stats(fleet.url)["peer_load"]["peers"], timeout_s=3)
+        wait_until(lambda: _stats(fleet.url)["peer_load"]["peers"][fleet.url]["polls"] >= 3)
+        stats = _stats(fleet.url)
+        assert stats["peer_load"]["peers"][fleet.url]["self"] is True
+        assert stats["replicas"]["r0"]["load"]["peer_in_flight"] == 0
+        assert stats["replicas"]["r0"]["load"]["pending"] == 2  # not 4
+        assert [f.result(timeout=30) for f in futures] == [200, 200]
