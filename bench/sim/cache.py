@@ -22,8 +22,12 @@ The rules follow vLLM's block manager where vLLM has one, and are stated here wh
   the replica's own: a lookup continues into the domain where the local tiers end, a domain
   hit is a load (the file stays for the other replicas: no BlockRemoved), and a block leaving
   the last local tier is written there (BlockStored(STORAGE) only when the domain did not
-  hold it, as the connector announces only files it wrote) and dropped locally. The domain's
-  evictions are its own evictor's events, never this cache's.
+  hold it, as the connector announces only files it wrote) and dropped locally. A domain
+  written through (``SharedStorageDomain.write_through``) also gets every block once its
+  prefill is done (``write_through``), while the block stays in the local tiers: the one
+  place where the tiers are not exclusive, as the connector's ``write_through`` disk policy
+  keeps a chunk on the device and on disk. The domain's evictions are its own evictor's
+  events, never this cache's.
 """
 
 from __future__ import annotations
@@ -408,11 +412,10 @@ class TieredPrefixCache:
         self._store_event([block], dst)
         self._events.append(BlockRemoved(block_hashes=[block.hash], medium=src))
 
-    def _write_shared(self, block: CachedBlock) -> None:
-        """Write an evicted block to the domain, then drop it (and its local descendants,
-        unreachable locally now) from this replica's tiers."""
+    @staticmethod
+    def _stored(block: CachedBlock) -> StoredBlock:
         parent = block.parent
-        stored = StoredBlock(
+        return StoredBlock(
             digest=block.digest,
             hash=block.hash,
             parent_hash=None if parent is None else parent.hash,
@@ -420,10 +423,29 @@ class TieredPrefixCache:
             extra=block.extra,
             lora_name=block.lora_name,
         )
+
+    def _write_shared(self, block: CachedBlock) -> None:
+        """Write an evicted block to the domain, then drop it (and its local descendants,
+        unreachable locally now) from this replica's tiers."""
         assert self.shared is not None
-        if self.shared.put(stored):
+        if self.shared.put(self._stored(block)):
             self._store_event([block], Medium.STORAGE)
         self._drop(block)
+
+    def write_through(self, blocks: Sequence[CachedBlock]) -> None:
+        """``blocks`` (one chain, in order) are computed: write those the domain lacks to it,
+        when it is written through, announced as runs of BlockStored(STORAGE); the local
+        copies stay. No-op without such a domain."""
+        if self.shared is None or not self.shared.write_through:
+            return
+        run: list[CachedBlock] = []
+        for block in blocks:
+            if block.tier is not None and self.shared.put(self._stored(block)):
+                run.append(block)
+                continue
+            self._store_event(run, Medium.STORAGE)  # a gap ends the run: runs are chains
+            run = []
+        self._store_event(run, Medium.STORAGE)
 
     def _drop(self, block: CachedBlock) -> None:
         """Remove a block that no request uses, and its cached descendants (see module doc)."""

@@ -40,6 +40,7 @@ import httpx
 
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.replica import SimReplicaConfig
+from kvroute.bench.sim.storage import WRITE_POLICIES
 from kvroute.deploy.processes import ChildProcess, RunsChild, child_env, free_port
 
 API_KEY_ENV = "KVROUTE_SIM_API_KEY"
@@ -71,6 +72,9 @@ class SimFleetConfig:
     # storage_blocks must be 0), named storage_domain in the router's replica list.
     shared_storage_blocks: int = 0
     storage_domain: str = "shared"
+    # When replicas write the shared domain (bench/sim/storage.py): "through" (the connector's
+    # default disk policy) or "demotion" (only blocks leaving their last local tier).
+    shared_storage_writes: str = "demotion"
     max_num_seqs: int = 64
     max_model_len: int = 32768
     default_max_tokens: int = 16
@@ -195,7 +199,11 @@ async def serve_fleet(
     if config.shared_storage_blocks > 0:
         if config.storage_blocks:
             raise ValueError("storage_blocks and shared_storage_blocks exclude each other")
-        domain = SharedStorageDomain(config.storage_domain, config.shared_storage_blocks)
+        domain = SharedStorageDomain(
+            config.storage_domain,
+            config.shared_storage_blocks,
+            writes=config.shared_storage_writes,
+        )
         domain.publisher = EventPublisher(
             f"tcp://{config.host}:0",
             replay_endpoint=f"tcp://{config.host}:0",
@@ -458,6 +466,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.shared_storage_blocks,
         help="> 0: one STORAGE tier of this many blocks shared by every replica (a shared "
         "file system), with its evictor's event stream; excludes --storage-blocks",
+    )
+    parser.add_argument(
+        "--shared-storage-writes",
+        choices=WRITE_POLICIES,
+        default=d.shared_storage_writes,
+        help="when replicas write the shared domain: 'through', every block once computed "
+        "(the connector's default write_through disk policy), or 'demotion', only blocks "
+        "leaving their last local tier",
     )
     parser.add_argument(
         "--storage-domain",

@@ -160,7 +160,8 @@ class Scheduler:
             return
         tokens = req.prompt + output
         digests = req.digests + self._output_digests(req, tokens)
-        self.cache.commit(req.alloc, tokens, digests, req.extra_keys, req.lora_name)
+        created = self.cache.commit(req.alloc, tokens, digests, req.extra_keys, req.lora_name)
+        self.cache.write_through(created)
         self.cache.release(req.alloc)
         self.stats.generation_tokens += len(output)
         self.stats.requests_finished += 1
@@ -246,10 +247,12 @@ class Scheduler:
             for req in list(self._blocked.values()):
                 if all(d.settled for d in req.deps):
                     del self._blocked[req.id]
+                    self.cache.write_through(req.owned)  # computed: on disk (if written so)
                     self._settle(req)
                     if req.prefilled is not None and not req.prefilled.done():
                         req.prefilled.set_result(now)
                     progress = True
+        self._flush()  # what the settled prefills wrote through to the shared domain
 
     @staticmethod
     def _settle(req: SimRequest) -> None:

@@ -14,7 +14,10 @@ one that was just added or restarted. This class is that directory, as state:
   announce what they write, the evictor what it deletes.
 
 Writes come from the replicas' caches (bench/sim/cache.py): a block evicted from a replica's
-CPU tier (device tier when it has no CPU tier) is written here unless already present.
+CPU tier (device tier when it has no CPU tier) is written here unless already present; with
+``writes="through"`` (kvroute's connector's default disk policy, ``write_through``) every
+block is also written as soon as its prefill is done, so another replica can load a prefix
+while its first replica still holds it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from kvroute.indexer.wire import BlockRemoved, BlockStored, Event, Medium
 if TYPE_CHECKING:
     from kvroute.bench.publisher import EventPublisher
 
-__all__ = ["SharedStorageDomain", "StoredBlock"]
+__all__ = ["WRITE_POLICIES", "SharedStorageDomain", "StoredBlock"]
+
+WRITE_POLICIES = ("through", "demotion")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +52,16 @@ class StoredBlock:
 class SharedStorageDomain:
     """The domain's contents and evictor. Runs on the fleet's loop; no I/O but ``flush``."""
 
-    def __init__(self, name: str, capacity_blocks: int) -> None:
+    def __init__(self, name: str, capacity_blocks: int, *, writes: str = "demotion") -> None:
         if capacity_blocks <= 0:
             raise ValueError("a shared storage domain needs capacity_blocks > 0")
+        if writes not in WRITE_POLICIES:
+            raise ValueError(f"writes must be one of {WRITE_POLICIES}, got {writes!r}")
         self.name = name
         self.capacity = capacity_blocks
+        # "through": replicas write each block once computed; "demotion": only blocks that
+        # leave their last local tier.
+        self.write_through = writes == "through"
         self._blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
         self._removed: list[int] = []
         # The evictor's stream; set by the fleet once its sockets are bound.

@@ -105,6 +105,53 @@ def test_a_block_one_replica_evicts_is_a_storage_hit_for_another() -> None:
     assert domain.reads == 3
 
 
+def test_a_domain_written_through_has_a_block_while_its_writer_still_holds_it() -> None:
+    """The connector's default disk policy: a computed block is on the shared disk at once,
+    so another replica loads a document its first replica still holds on its device."""
+    domain = SharedStorageDomain("d", 64, writes="through")
+    a = TieredPrefixCache(BS, gpu_blocks=8, shared=domain)
+    b = TieredPrefixCache(BS, gpu_blocks=8, shared=domain)
+    feed = _Feed()
+    doc = _prompt(1, 2, 3)
+    digests = HASHER.chain(doc, BS)
+    alloc = a.allocate(digests, len(doc), 4)
+    assert alloc is not None
+    created = a.commit(alloc, doc, digests)
+    assert len(domain) == 0  # committed is not computed: nothing written before the prefill
+    a.write_through(created)
+    a.release(alloc)
+    a.check_invariants()
+    events = feed.feed("a", a)
+    assert _stored(events, Medium.GPU) == set(_hashes(doc)[:3])
+    assert _stored(events, Medium.STORAGE) == set(_hashes(doc)[:3])  # one run, after the GPU
+    assert [a.tier_of(d) for d in digests[:3]] == [Medium.GPU] * 3  # a keeps its copies
+    match = feed.index.lookup(doc)["a"]
+    assert match.blocks == 3
+
+    loaded = _run(b, doc)
+    assert loaded.hit_tiers == [Medium.STORAGE] * 3
+    a.write_through(created)  # already there: nothing written, nothing announced
+    for filler in range(3):  # the document leaves a's device: the domain had it
+        _run(a, _prompt(10 * filler + 7, 10 * filler + 8, 10 * filler + 9))
+    assert a.tier_of(digests[0]) is None  # demoted: dropped locally, kept in the domain
+    demoted = _stored(feed.feed("a", a), Medium.STORAGE)  # the fillers a evicted since
+    assert not demoted & set(_hashes(doc)[:3])
+    assert domain.writes == 3 + len(demoted)  # the document's demotion wrote nothing again
+
+
+def test_write_through_is_a_no_op_for_a_domain_written_by_demotion() -> None:
+    domain = SharedStorageDomain("d", 64)
+    a = TieredPrefixCache(BS, gpu_blocks=8, shared=domain)
+    doc = _prompt(1, 2, 3)
+    digests = HASHER.chain(doc, BS)
+    alloc = a.allocate(digests, len(doc), 4)
+    assert alloc is not None
+    a.write_through(a.commit(alloc, doc, digests))
+    assert len(domain) == 0 and not _stored(a.take_events(), Medium.STORAGE)
+    with pytest.raises(ValueError):
+        SharedStorageDomain("d", 64, writes="sometimes")
+
+
 def test_only_the_first_writer_announces_a_block() -> None:
     domain = SharedStorageDomain("d", 64)
     a = TieredPrefixCache(BS, gpu_blocks=4, shared=domain)
