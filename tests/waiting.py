@@ -6,11 +6,14 @@ import time
 from collections.abc import Callable
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Return once ``cond()`` is true; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02
+) -> None:
+    """Return once ``predicate()`` is true; fail the test after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
             return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        time.sleep(interval_s)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.bench.sim.hashing import digest_to_int
-from kvroute.bench.sim.storage import SharedStorageDomain, StoredBlock
+from kvroute.bench.sim.storage import SharedStorageDomain, StoredBlock, leading_run
 from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = ["Allocation", "CachedBlock", "TieredPrefixCache"]
@@ -127,13 +127,7 @@ class TieredPrefixCache:
 
     def match(self, digests: Sequence[bytes]) -> list[CachedBlock]:
         """The longest run of ``digests`` (a request's chain) cached in any tier."""
-        out: list[CachedBlock] = []
-        for d in digests:
-            block = self._blocks.get(d)
-            if block is None:
-                break
-            out.append(block)
-        return out
+        return leading_run(self._blocks, digests)
 
     def max_hit_blocks(self, prompt_len: int) -> int:
         """vLLM always computes the last prompt token: a hit covers at most prompt_len - 1."""

@@ -23,18 +23,27 @@ while its first replica still holds it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from itertools import takewhile
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvroute.indexer.wire import BlockRemoved, BlockStored, Event, Medium
 
 if TYPE_CHECKING:
     from kvroute.bench.publisher import EventPublisher
 
-__all__ = ["WRITE_POLICIES", "SharedStorageDomain", "StoredBlock"]
+__all__ = ["WRITE_POLICIES", "SharedStorageDomain", "StoredBlock", "leading_run"]
 
 WRITE_POLICIES = ("through", "demotion")
+
+T = TypeVar("T")
+
+
+def leading_run(blocks: Mapping[bytes, T], digests: Sequence[bytes]) -> list[T]:
+    """The blocks of the longest leading run of ``digests`` (a request's chain) in ``blocks``:
+    a prefix lookup, in a replica's cache or in the domain."""
+    return list(takewhile(lambda block: block is not None, map(blocks.get, digests)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +93,7 @@ class SharedStorageDomain:
 
     def run(self, digests: Sequence[bytes]) -> list[StoredBlock]:
         """The longest leading run of ``digests`` present (a lookup: nothing refreshed)."""
-        out: list[StoredBlock] = []
-        for d in digests:
-            block = self._blocks.get(d)
-            if block is None:
-                break
-            out.append(block)
-        return out
+        return leading_run(self._blocks, digests)
 
     def read(self, blocks: Sequence[StoredBlock]) -> None:
         """A replica loads ``blocks``: they become the most recently used."""

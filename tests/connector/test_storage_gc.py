@@ -33,7 +33,7 @@ from kvroute.indexer.publisher import EventPublisher
 from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness
 from kvroute.indexer.wire import BlockStored, Medium
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, block_hashes
-from tests.waiting import wait_for
+from tests.waiting import wait_until
 
 RANKS = all_ranks(2, 1)
 PAYLOAD = 4096
@@ -152,7 +152,7 @@ def subscriber(domain: Domain) -> Iterator[EventSubscriber]:
 
 def subscribe(sub: EventSubscriber, pub: EventPublisher) -> None:
     sub.add_source(EventSource(DOMAIN, pub.endpoint, pub.replay_endpoint))
-    wait_for(lambda: sub.freshness(DOMAIN)[0] is Freshness.LIVE)
+    wait_until(lambda: sub.freshness(DOMAIN)[0] is Freshness.LIVE)
 
 
 def test_over_budget_the_least_recently_used_chunks_go_and_the_router_hears_it(
@@ -168,7 +168,7 @@ def test_over_budget_the_least_recently_used_chunks_go_and_the_router_hears_it(
     assert (report.bytes_before, report.removed_chunks, report.removed_files) == (4 * size, 2, 4)
     assert report.bytes_after == domain.bytes() == 2 * size
     assert report.events_published == 2
-    wait_for(lambda: [domain.cached(doc(i)) for i in range(4)] == [0, 0, BPC, BPC])
+    wait_until(lambda: [domain.cached(doc(i)) for i in range(4)] == [0, 0, BPC, BPC])
     # under budget now: the next pass removes nothing and publishes nothing
     assert evictor.run_pass().removed_chunks == 0
     assert subscriber.feed_stats()[DOMAIN].batches == 1
@@ -182,7 +182,7 @@ def test_a_router_joining_late_replays_the_removals(
     domain.write(doc(1), age_s=10)
     StorageEvictor(domain.root, size, low_watermark=1.0, publisher=publisher).run_pass()
     subscribe(subscriber, publisher)  # after the pass: only the replay has the removal
-    wait_for(lambda: domain.cached(doc(0, chunks=2)) == 0)
+    wait_until(lambda: domain.cached(doc(0, chunks=2)) == 0)
     assert domain.cached(doc(1)) == BPC
     assert subscriber.feed_stats()[DOMAIN].replays == 1
 
@@ -329,7 +329,7 @@ def test_the_cli_as_a_sidecar_publishes_removals_and_stops_on_sigterm(
         subscriber.add_source(
             EventSource(DOMAIN, f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}")
         )
-        wait_for(lambda: domain.cached(doc(0)) == 0, timeout=20)
+        wait_until(lambda: domain.cached(doc(0)) == 0, timeout_s=20)
         assert domain.cached(doc(2)) == BPC
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
@@ -409,7 +409,7 @@ def test_a_restarted_evictor_announces_the_domain_so_routers_know_it_again(
         subscribe(subscriber, first)
         budget = 4 * size + 1000  # the LoRA chunks' headers are a little longer
         StorageEvictor(domain.root, budget, low_watermark=1.0, publisher=first).run_pass()
-        wait_for(lambda: domain.cached(doc(0)) == 0)
+        wait_until(lambda: domain.cached(doc(0)) == 0)
     finally:
         first.close()
     held = [domain.cached(doc(i)) for i in range(3)] + [domain.cached(lora_doc, lora="sql")]
@@ -420,8 +420,8 @@ def test_a_restarted_evictor_announces_the_domain_so_routers_know_it_again(
         announced = StorageEvictor(domain.root, 4 * size, publisher=second).announce()
         assert announced == 4
         second.publish([])  # seq 1: the subscriber sees the restart, clears, replays from 0
-        wait_for(lambda: subscriber.feed_stats()[DOMAIN].resets >= 1)
-        wait_for(
+        wait_until(lambda: subscriber.feed_stats()[DOMAIN].resets >= 1)
+        wait_until(
             lambda: (
                 [domain.cached(doc(i)) for i in range(3)] + [domain.cached(lora_doc, lora="sql")]
                 == held

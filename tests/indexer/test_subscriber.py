@@ -34,7 +34,7 @@ from kvroute.indexer.wire import (
     encode_frames,
 )
 from tests.indexer.builders import DOC, DOCS, operation, removed, stored
-from tests.waiting import wait_for
+from tests.waiting import wait_until
 
 TOPIC = "kv@127.0.0.1:8000@tiny"
 
@@ -80,13 +80,13 @@ def test_live_events_are_indexed_in_order_and_late_join_replays(
         connect(subscriber, pub)
         time.sleep(0.3)
         pub.publish([stored(DOC, 4, 1, Medium.CPU)])
-        wait_for(lambda: blocks(index) == 5)
+        wait_until(lambda: blocks(index) == 5)
         state, reason = subscriber.freshness("r1")
         assert state is Freshness.LIVE, reason
         stats = subscriber.feed_stats()["r1"]
         assert stats.replays == 1 and stats.missed_batches == 0
         pub.publish([removed(DOC, [4], Medium.CPU)])
-        wait_for(lambda: blocks(index) == 4)
+        wait_until(lambda: blocks(index) == 4)
 
 
 def test_joining_an_idle_replica_takes_its_history_without_waiting_for_a_batch(
@@ -97,13 +97,13 @@ def test_joining_an_idle_replica_takes_its_history_without_waiting_for_a_batch(
         pub.publish([stored(DOC, 0, 2)])
         pub.publish([stored(DOC, 2, 1, Medium.CPU), stored(DOC, 3, 1, Medium.CPU)])
         connect(subscriber, pub)  # and nothing is published from here on
-        wait_for(lambda: blocks(index) == 4)
+        wait_until(lambda: blocks(index) == 4)
         state, reason = subscriber.freshness("r1")
         assert state is Freshness.LIVE, reason
         stats = subscriber.feed_stats()["r1"]
         assert stats.replays == 1 and stats.batches == 2 and stats.missed_batches == 0
         pub.publish([removed(DOC, [3], Medium.CPU)])  # seq 2: the next one, applied live
-        wait_for(lambda: blocks(index) == 3)
+        wait_until(lambda: blocks(index) == 3)
         assert subscriber.feed_stats()["r1"].duplicates == 0
 
 
@@ -112,10 +112,10 @@ def test_joining_a_replica_that_published_nothing_is_live(
 ) -> None:
     with publisher() as pub:
         connect(subscriber, pub)
-        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.LIVE)
+        wait_until(lambda: subscriber.freshness("r1")[0] is Freshness.LIVE)
         assert "published nothing" in subscriber.freshness("r1")[1]
         pub.publish([stored(DOC, 0, 2)])  # seq 0
-        wait_for(lambda: blocks(index) == 2)
+        wait_until(lambda: blocks(index) == 2)
         assert subscriber.feed_stats()["r1"].gaps == 0
 
 
@@ -124,10 +124,10 @@ def test_gap_is_filled_from_replay(index: InMemoryPrefixIndex, subscriber: Event
         connect(subscriber, pub)
         time.sleep(0.3)
         pub.publish([stored(DOC, 0, 2)])
-        wait_for(lambda: blocks(index) == 2)
+        wait_until(lambda: blocks(index) == 2)
         pub.publish([stored(DOC, 2, 2)], drop=True)  # lost on the wire, kept for replay
         pub.publish([stored(DOC, 4, 2)])
-        wait_for(lambda: blocks(index) == 6)
+        wait_until(lambda: blocks(index) == 6)
         stats = subscriber.feed_stats()["r1"]
         # Two replays: the join's (nothing published yet) and the gap's.
         assert stats.gaps == 1 and stats.replays == 2 and stats.events_rejected == 0
@@ -142,10 +142,10 @@ def test_gap_without_replay_clears_and_rebuilds(
         connect(subscriber, pub)
         time.sleep(0.3)
         pub.publish([stored(DOC, 0, 4)])
-        wait_for(lambda: blocks(index) == 4)
+        wait_until(lambda: blocks(index) == 4)
         pub.publish([removed(DOC, [3, 2, 1, 0])], drop=True)  # lost: the index would lie
         pub.publish([stored(other, 0, 2)])
-        wait_for(lambda: subscriber.feed_stats()["r1"].replay_failures == 1)
+        wait_until(lambda: subscriber.feed_stats()["r1"].replay_failures == 1)
         state, reason = subscriber.freshness("r1")
         assert state is Freshness.REBUILDING and "no replay endpoint" in reason
         assert blocks(index) == 0  # cleared rather than trusting the stale view
@@ -159,11 +159,11 @@ def test_replay_that_no_longer_holds_the_gap_clears(
         connect(subscriber, pub)
         time.sleep(0.3)
         pub.publish([stored(DOC, 0, 2)])
-        wait_for(lambda: blocks(index) == 2)
+        wait_until(lambda: blocks(index) == 2)
         for _ in range(3):
             pub.publish([removed(DOC, [1])], drop=True)
         pub.publish([BlockStored([1], None, [1, 2, 3, 4], 4)])
-        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.REBUILDING)
+        wait_until(lambda: subscriber.freshness("r1")[0] is Freshness.REBUILDING)
         assert "no longer holds" in subscriber.freshness("r1")[1]
         assert blocks(index) == 0
 
@@ -177,9 +177,9 @@ def test_sequence_reset_clears_and_rebuilds(
     time.sleep(0.3)
     for i in range(4):
         pub.publish([stored(DOC, 2 * i, 2)])
-    wait_for(lambda: blocks(index) == 8)
+    wait_until(lambda: blocks(index) == 8)
     pub.close()
-    wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.STALE)
+    wait_until(lambda: subscriber.freshness("r1")[0] is Freshness.STALE)
     assert blocks(index) == 8  # kept while stale (and discounted by the router)
     # The replica restarts on the same ports: a new process, seq from 0, an empty cache.
     pub = EventPublisher(port_pub, replay_endpoint=port_replay, topic=TOPIC, bind=True)
@@ -188,8 +188,8 @@ def test_sequence_reset_clears_and_rebuilds(
         # live batch, whichever comes first: either way exactly one reset.
         time.sleep(0.3)
         pub.publish([stored(DOC, 0, 1)])
-        wait_for(lambda: subscriber.feed_stats()["r1"].resets == 1)
-        wait_for(lambda: blocks(index) == 1)
+        wait_until(lambda: subscriber.feed_stats()["r1"].resets == 1)
+        wait_until(lambda: blocks(index) == 1)
         assert subscriber.feed_stats()["r1"].resets == 1
         assert subscriber.freshness("r1")[0] is Freshness.LIVE
     finally:
@@ -203,9 +203,9 @@ def test_stale_publisher_is_cleared_after_the_grace_period(
     connect(subscriber, pub)
     time.sleep(0.3)
     pub.publish([stored(DOC, 0, 2)])
-    wait_for(lambda: blocks(index) == 2)
+    wait_until(lambda: blocks(index) == 2)
     pub.close()
-    wait_for(lambda: blocks(index) == 0, timeout=10)  # stale_clear_after_s=1 in the fixture
+    wait_until(lambda: blocks(index) == 0, timeout_s=10)  # stale_clear_after_s=1 in the fixture
     assert subscriber.freshness("r1")[0] is Freshness.STALE
 
 
@@ -220,7 +220,7 @@ def test_garbage_frames_and_foreign_topics_are_counted_never_fatal(
         pub.publish_payload(b"\xc1 not msgpack")  # seq 0: counted and skipped
         pub.publish_payload(msgspec.msgpack.encode([1.0]))  # seq 1: not a batch
         pub.publish([stored(DOC, 0, 1), BlockRemoved([1], Medium.GPU)])  # seq 2
-        wait_for(lambda: blocks(index) == 1)
+        wait_until(lambda: blocks(index) == 1)
         stats = subscriber.feed_stats()["r1"]
         assert stats.malformed_messages == 4
         assert stats.gaps == 0 and stats.events_applied == 2
@@ -239,7 +239,7 @@ def test_replicas_are_independent_and_removable(
         time.sleep(0.3)
         a.publish([stored(DOC, 0, 3)])
         b.publish([stored(DOC, 0, 1)])
-        wait_for(lambda: blocks(index, "a") == 3 and blocks(index, "b") == 1)
+        wait_until(lambda: blocks(index, "a") == 3 and blocks(index, "b") == 1)
         subscriber.remove_source("a")
         assert "a" not in index.lookup(DOC)
         assert [s.replica for s in subscriber.sources()] == ["b"]
@@ -268,11 +268,11 @@ def test_subscriber_never_blocks_on_a_dead_replay_socket(index: InMemoryPrefixIn
         with EventPublisher("tcp://127.0.0.1:0", topic=TOPIC, bind=True) as pub:
             sub.add_source(EventSource("r1", pub.endpoint, f"tcp://127.0.0.1:{port}", TOPIC))
             # The join's replay is not answered: still connecting, the feed thread alive.
-            wait_for(lambda: sub.feed_stats()["r1"].replay_failures == 1)
+            wait_until(lambda: sub.feed_stats()["r1"].replay_failures == 1)
             assert sub.freshness("r1")[0] is Freshness.CONNECTING
             pub.publish([stored(DOC, 0, 1)], drop=True)
             pub.publish([stored(DOC, 1, 1)])
-            wait_for(lambda: sub.feed_stats()["r1"].replay_failures == 2)
+            wait_until(lambda: sub.feed_stats()["r1"].replay_failures == 2)
             assert sub.freshness("r1")[0] is Freshness.REBUILDING
     finally:
         sub.close()
@@ -307,14 +307,14 @@ def test_restart_that_goes_idle_before_we_reconnect_is_found_by_replay(
     time.sleep(0.3)
     for i in range(4):
         pub.publish([stored(DOC, 2 * i, 2)])
-    wait_for(lambda: blocks(index) == 8)
+    wait_until(lambda: blocks(index) == 8)
     pub.close()
-    wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.STALE)
+    wait_until(lambda: subscriber.freshness("r1")[0] is Freshness.STALE)
     pub = EventPublisher(endpoints[0], replay_endpoint=endpoints[1], topic=TOPIC, bind=True)
     try:
         pub.publish([stored(DOC, 0, 1)])  # published at once, then nothing more
-        wait_for(lambda: subscriber.feed_stats()["r1"].resets == 1)
-        wait_for(lambda: blocks(index) == 1)
+        wait_until(lambda: subscriber.feed_stats()["r1"].resets == 1)
+        wait_until(lambda: blocks(index) == 1)
         assert subscriber.freshness("r1")[0] is Freshness.LIVE
     finally:
         pub.close()
@@ -616,7 +616,7 @@ def test_a_second_stream_of_the_replica_resolves_through_the_first(
             time.sleep(0.4)
             learn = list(range(300, 332))
             pub.publish([stored(DOC, 0, 8), stored(learn, 0, 8)])
-            wait_for(lambda: blocks(index) == 8)
+            wait_until(lambda: blocks(index) == 8)
             # Chunks of 2 blocks, named by their last block: blocks 1, 3, 5, 7.
             learn_last = [ehash(tuple(learn[: 4 * b])) for b in (2, 4, 6, 8)]
             doc_last = [ehash(tuple(DOC[: 4 * b])) for b in (2, 4, 6, 8)]
@@ -627,14 +627,14 @@ def test_a_second_stream_of_the_replica_resolves_through_the_first(
             pub.publish([stored(learn, 0, 8), stored(DOC, 0, 8)])
             # The streams are read by two threads: wait for each batch before the next one of
             # the other stream (in a fleet the store lands well before its offload finishes).
-            wait_for(lambda: subscriber.feed_stats()["r1"].last_seq == 2)
+            wait_until(lambda: subscriber.feed_stats()["r1"].last_seq == 2)
             fs.stored(learn_last[1:2])  # two walks back to the previous chunk: 2 blocks
             fs.stored(learn_last[2:3])
             fs.stored([123], medium="TAPE")  # nobody's medium: counted, dropped
             fs.stored(doc_last)  # DOC's four chunks, resolved to 8 blocks
-            wait_for(lambda: subscriber.stream_stats()["r1"][fs.endpoint].batches == 5)
+            wait_until(lambda: subscriber.stream_stats()["r1"][fs.endpoint].batches == 5)
             pub.publish([removed(DOC, list(range(8)))])
-            wait_for(lambda: index.lookup(DOC)["r1"].blocks_by_tier == {})
+            wait_until(lambda: index.lookup(DOC)["r1"].blocks_by_tier == {})
             match = index.lookup(DOC)["r1"]
             assert match.blocks == 8 and match.unconfirmed_by_tier == {Medium.STORAGE: 8}
             assert subscriber.freshness("r1")[0] is Freshness.LIVE
@@ -668,7 +668,7 @@ def test_an_oversized_message_costs_its_publisher_only(index: InMemoryPrefixInde
             huge = list(range(100_000, 100_000 + 40_000))  # ~160 KiB of token ids
             big.publish([stored(huge, 0, len(huge) // 4)])
             fine.publish([stored(DOC, 0, 4)])
-            wait_for(lambda: blocks(index, "r2") == 4)
+            wait_until(lambda: blocks(index, "r2") == 4)
             assert index.lookup(huge).get("r1") is None or index.lookup(huge)["r1"].blocks == 0
 
             def back() -> bool:
@@ -676,7 +676,7 @@ def test_an_oversized_message_costs_its_publisher_only(index: InMemoryPrefixInde
                 time.sleep(0.1)
                 return blocks(index, "r1") == 2
 
-            wait_for(back, timeout=15)
+            wait_until(back, timeout_s=15)
             assert index.lookup(huge)["r1"].blocks == 0  # the oversized batch was never applied
             assert blocks(index, "r2") == 4
     finally:
@@ -754,7 +754,7 @@ def test_a_flood_costs_its_own_feed_only(index: InMemoryPrefixIndex) -> None:
                     step += 1
                 time.sleep(0.001)
             fine.publish([stored(DOC, 0, 8)])
-            wait_for(lambda: blocks(index, "r2") == 8)
+            wait_until(lambda: blocks(index, "r2") == 8)
             stats = sub.feed_stats()
             assert stats["r2"].freshness is Freshness.LIVE and stats["r2"].throttles == 0
             assert stats["r2"].missed_batches == 0
@@ -768,7 +768,7 @@ def test_a_flood_costs_its_own_feed_only(index: InMemoryPrefixIndex) -> None:
                 time.sleep(0.2)
                 return blocks(index, "r1") == 2
 
-            wait_for(back, timeout=20)
+            wait_until(back, timeout_s=20)
             assert sub.freshness("r1")[0] is Freshness.REBUILDING
     finally:
         sub.close()

@@ -23,7 +23,7 @@ from kvroute.indexer.subscriber import (
 )
 from kvroute.indexer.wire import Frame, Medium, decode_batch, encode_batch
 from tests.indexer.builders import DOC, OTHER, removed, stored
-from tests.waiting import wait_for
+from tests.waiting import wait_until
 
 TOPIC = "kv@127.0.0.1:8000@tiny"
 
@@ -62,7 +62,7 @@ def blocks(index: InMemoryPrefixIndex, tokens: list[int] = DOC) -> int:
 
 
 def live_snapshot(sub: EventSubscriber) -> ReplicaSnapshot:
-    wait_for(lambda: sub.freshness("r1")[0] is Freshness.LIVE)
+    wait_until(lambda: sub.freshness("r1")[0] is Freshness.LIVE)
     snap = sub.export_replica("r1")
     assert snap is not None
     # As a peer receives it: through msgpack.
@@ -76,17 +76,17 @@ def test_a_seeded_feed_replays_only_the_gap(subscribers: Make) -> None:
         for b in range(4):
             pub.publish([stored(DOC, 2 * b, 2)])  # seqs 0..3
         first.add_source(source(pub))
-        wait_for(lambda: blocks(first_index) == 8)
+        wait_until(lambda: blocks(first_index) == 8)
         snap = live_snapshot(first)
         assert snap.last_seq == 3 and snap.state.entries == 8
         pub.publish([removed(DOC, [7])])  # seqs 4, 5: the gap
         pub.publish([stored(DOC, 7, 1, Medium.CPU)])
-        wait_for(lambda: first.feed_stats()["r1"].last_seq == 5)
+        wait_until(lambda: first.feed_stats()["r1"].last_seq == 5)
 
         index, sub = subscribers()
         assert sub.seed_replica("r1", source(pub), snap)
         assert blocks(index) == 8  # imported before the feed even connects
-        wait_for(lambda: sub.freshness("r1")[0] is Freshness.LIVE)
+        wait_until(lambda: sub.freshness("r1")[0] is Freshness.LIVE)
         warm = sub.warm_outcomes()["r1"]
         assert (warm.outcome, warm.snapshot_seq, warm.gap_batches) == ("verified", 3, 2)
         stats = sub.feed_stats()["r1"]
@@ -95,8 +95,8 @@ def test_a_seeded_feed_replays_only_the_gap(subscribers: Make) -> None:
             assert index.lookup(RequestKeys(tokens)) == first_index.lookup(RequestKeys(tokens))
         assert index.block_tiers("r1", DOC)[7] == {"CPU"}
         pub.publish([removed(DOC, [6, 7], Medium.GPU)])  # seq 6: live, for both
-        wait_for(lambda: index.block_tiers("r1", DOC)[6] == set())
-        wait_for(lambda: index.lookup(RequestKeys(DOC)) == first_index.lookup(RequestKeys(DOC)))
+        wait_until(lambda: index.block_tiers("r1", DOC)[6] == set())
+        wait_until(lambda: index.lookup(RequestKeys(DOC)) == first_index.lookup(RequestKeys(DOC)))
         assert sub.feed_stats()["r1"].duplicates == 0
 
 
@@ -117,9 +117,9 @@ def test_a_replica_that_restarted_since_the_snapshot_is_replayed_from_zero(
         restarted = dataclasses.replace(snap, source=source(new))
         index, sub = subscribers()
         assert sub.seed_replica("r1", source(new), restarted)
-        wait_for(lambda: sub.warm_outcomes()["r1"].outcome != "pending")
+        wait_until(lambda: sub.warm_outcomes()["r1"].outcome != "pending")
         assert sub.warm_outcomes()["r1"].outcome.startswith("replica restarted")
-        wait_for(lambda: sub.freshness("r1")[0] is Freshness.LIVE)
+        wait_until(lambda: sub.freshness("r1")[0] is Freshness.LIVE)
         assert blocks(index, OTHER) == 5
         assert index.block_tiers("r1", DOC)[2:] == [set()] * 6  # the old process's blocks
         assert sub.feed_stats()["r1"].resets == 1
@@ -135,11 +135,11 @@ def test_a_snapshot_the_replay_cannot_confirm_is_dropped(subscribers: Make) -> N
         silent = EventSource("r1", pub.endpoint, "tcp://127.0.0.1:9", TOPIC)
         index, sub = subscribers()
         assert sub.seed_replica("r1", silent, dataclasses.replace(snap, source=silent))
-        wait_for(lambda: sub.warm_outcomes()["r1"].outcome != "pending")
+        wait_until(lambda: sub.warm_outcomes()["r1"].outcome != "pending")
         assert sub.warm_outcomes()["r1"].outcome == "replay unavailable: snapshot dropped"
         assert blocks(index) == 0  # nothing unconfirmed is believed
         pub.publish([stored(OTHER, 0, 8)])  # live events rebuild it the normal way
-        wait_for(lambda: blocks(index, OTHER) == 8)
+        wait_until(lambda: blocks(index, OTHER) == 8)
         assert sub.freshness("r1")[0] is Freshness.REBUILDING
 
 
@@ -156,7 +156,7 @@ def test_a_forged_snapshot_is_refused_and_the_feed_starts_by_replay(subscribers:
         assert not sub.seed_replica("r1", source(pub), forged)
         assert index.replicas() == []
         sub.add_source(source(pub))  # what the router does next
-        wait_for(lambda: blocks(index) == 8)
+        wait_until(lambda: blocks(index) == 8)
         assert "r1" not in sub.warm_outcomes()
         assert sub.feed_stats()["r1"].replays == 1
 

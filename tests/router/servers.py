@@ -14,6 +14,10 @@ from typing import Any
 
 import uvicorn
 
+from tests.waiting import wait_until
+
+__all__ = ["ServerThread", "listening_socket", "wait_until"]
+
 
 def listening_socket(port: int = 0) -> socket.socket:
     """A socket already listening on 127.0.0.1 (``port=0``: a free port) for a server in this
@@ -79,13 +83,3 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if predicate():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        time.sleep(interval_s)

@@ -165,6 +165,10 @@ def test_three_routers_follow_pods_and_a_restarted_router_catches_up(
             assert disc["peers"] == sorted(
                 f"http://127.0.0.1:{p}" for p in ports if p != router.port
             )
+            # The discovered peers are the ones whose in-flight counts it polls (shared load).
+            peer_load = _stats(router)["peer_load"]
+            assert sorted(peer_load["peers"]) == disc["peers"], peer_load
+            assert all(p["fresh"] and not p["self"] for p in peer_load["peers"].values())
             for _ in range(3):
                 _complete(router, next(rr))
 
