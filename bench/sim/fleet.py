@@ -74,7 +74,7 @@ class SimFleetConfig:
     storage_domain: str = "shared"
     # When replicas write the shared domain (bench/sim/storage.py): "through" (the connector's
     # default disk policy) or "demotion" (only blocks leaving their last local tier).
-    shared_storage_writes: str = "demotion"
+    shared_storage_writes: str = "through"
     max_num_seqs: int = 64
     max_model_len: int = 32768
     default_max_tokens: int = 16

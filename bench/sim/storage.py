@@ -14,10 +14,10 @@ one that was just added or restarted. This class is that directory, as state:
   announce what they write, the evictor what it deletes.
 
 Writes come from the replicas' caches (bench/sim/cache.py): a block evicted from a replica's
-CPU tier (device tier when it has no CPU tier) is written here unless already present; with
-``writes="through"`` (kvroute's connector's default disk policy, ``write_through``) every
-block is also written as soon as its prefill is done, so another replica can load a prefix
-while its first replica still holds it.
+CPU tier (device tier when it has no CPU tier) is written here unless already present, and
+with ``writes="through"`` (the default, as kvroute's connector's default disk policy,
+``write_through``) every block is also written as soon as its prefill is done, so another
+replica can load a prefix while its first replica still holds it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class StoredBlock:
 class SharedStorageDomain:
     """The domain's contents and evictor. Runs on the fleet's loop; no I/O but ``flush``."""
 
-    def __init__(self, name: str, capacity_blocks: int, *, writes: str = "demotion") -> None:
+    def __init__(self, name: str, capacity_blocks: int, *, writes: str = "through") -> None:
         if capacity_blocks <= 0:
             raise ValueError("a shared storage domain needs capacity_blocks > 0")
         if writes not in WRITE_POLICIES:

@@ -140,7 +140,7 @@ def test_a_domain_written_through_has_a_block_while_its_writer_still_holds_it() 
 
 
 def test_write_through_is_a_no_op_for_a_domain_written_by_demotion() -> None:
-    domain = SharedStorageDomain("d", 64)
+    domain = SharedStorageDomain("d", 64, writes="demotion")
     a = TieredPrefixCache(BS, gpu_blocks=8, shared=domain)
     doc = _prompt(1, 2, 3)
     digests = HASHER.chain(doc, BS)
