@@ -247,6 +247,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "disks vs approx_prefix vs round_robin; bench/storage_scenario.py)",
     )
     parser.add_argument(
+        "--scenario-cold",
+        action="store_true",
+        help="shared_storage: no warm-up pass (the measured trace starts on cold tiers)",
+    )
+    parser.add_argument(
         "--scenario-arms",
         type=lambda v: [a for a in v.split(",") if a],
         default=None,

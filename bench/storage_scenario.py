@@ -12,7 +12,8 @@ tiers, at a rate that needs the whole fleet, replayed four times on a fresh simu
 
 Mid-run, in every arm at the same simulated times: one replica is added (the fleet starts it,
 the router learns it from the replicas file it watches) and one replica is restarted (device
-and CPU tiers lost; its disk, private or shared, survives). Each row is the routing
+and CPU tiers lost; its disk, private or shared, survives; nothing listens on its port for
+``restart_down_s``). Each row is the routing
 benchmark's row plus what the fleet changes did: the added replica's first hit (its k-th
 request) and the restarted replica's first hit after its restart, with hit rates before and
 after. ``kvroute bench routing --scenario shared_storage`` runs it.
@@ -36,6 +37,7 @@ from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.tokenizer import SimTokenizer
 from kvroute.bench.workloads import BUILDERS, TextSource
+from kvroute.bench.workloads.base import Session, Turn, Workload
 from kvroute.bench.workloads.runner import RequestRecord, run_workload
 from kvroute.deploy.router_process import RouterProcess
 
@@ -65,6 +67,8 @@ SCENARIO_PRESETS: dict[str, dict[str, Any]] = {
         "time_scale": 0.5,
         "scale_up_at_s": 4.0,
         "restart_at_s": 8.0,
+        "restart_down_s": 1.0,
+        "warmup": False,
         "deadline_s": 40.0,
         "sizes": dict(
             documents=5,
@@ -84,6 +88,11 @@ SCENARIO_PRESETS: dict[str, dict[str, Any]] = {
         "time_scale": 1.0,
         "scale_up_at_s": 12.0,
         "restart_at_s": 24.0,
+        "restart_down_s": 2.0,
+        # Each document read once before the measured trace (not measured), so the trace
+        # starts from a fleet that has served its hot documents before (``--scenario-cold``
+        # turns it off: then every arm's first seconds are the same cold recompute).
+        "warmup": True,
         "deadline_s": 110.0,
         "sizes": dict(
             documents=24,
@@ -114,6 +123,33 @@ def _fleet_config(args: argparse.Namespace, preset: dict[str, Any], shared: bool
         seed=args.seed,
         latency=LatencyModel(time_scale=preset["time_scale"], **BENCH_LATENCY),
     )
+
+
+QUESTION = "\n\nQuestion: "
+
+
+def warmup_workload(workload: Workload, rate: float) -> Workload:
+    """Each document of ``workload`` once, in order of first use, ``rate`` per second, with a
+    question of its own (so the measured trace gets no exact repeat): what a fleet that has
+    served these documents before holds in its tiers."""
+    first: dict[str, Session] = {}
+    for session in workload.sessions:
+        first.setdefault(session.turns[0].content.split(QUESTION, 1)[0], session)
+    sessions = [
+        Session(
+            id=f"warmup-{i}",
+            start_s=i / rate,
+            system=session.system,
+            turns=[
+                Turn(
+                    content=doc + QUESTION + "What is this document about?",
+                    max_tokens=session.turns[0].max_tokens,
+                )
+            ],
+        )
+        for i, (doc, session) in enumerate(first.items())
+    ]
+    return Workload(f"{workload.name}_warmup", sessions, {"documents": len(sessions)})
 
 
 def _write_replicas_file(path: Path, fleet: SimFleet) -> None:
@@ -210,7 +246,8 @@ async def _drive(
         await asyncio.sleep(max(0.0, t0 + preset["restart_at_s"] * ts - time.monotonic()))
         victim = fleet.replicas[0].name
         changes["restarted_at"] = time.monotonic() - t0
-        await asyncio.to_thread(fleet.restart, victim)
+        # Down for a while, as a restarting vLLM is (its port closed while it starts).
+        await asyncio.to_thread(fleet.restart, victim, preset["restart_down_s"] * ts)
         changes["restarted"] = victim
 
     t0 = time.monotonic()
@@ -264,6 +301,23 @@ def run_arm(
             text = TextSource(args.seed, count_tokens=lambda s: len(tokenizer.encode(s)))
             text.rng.seed(f"{args.seed}/hot_docs")
             workload = BUILDERS["hot_docs"](text, seed=args.seed, **preset["sizes"])
+            warmup = None
+            if preset.get("warmup") and not getattr(args, "scenario_cold", False):
+                warm = warmup_workload(workload, preset["sizes"]["rate"])
+                warm_records, warm_wall = asyncio.run(
+                    run_workload(
+                        warm,
+                        router.url,
+                        model=config.model,
+                        time_scale=config.latency.time_scale,
+                        deadline_s=preset["deadline_s"],
+                    )
+                )
+                warmup = {
+                    "requests": len(warm_records),
+                    "completed": sum(1 for r in warm_records if r.ok),
+                    "wall_s": round(warm_wall, 3),
+                }
             records, wall, changes = asyncio.run(
                 _drive(workload, router, fleet, replicas_file, preset, config.model)
             )
@@ -273,6 +327,7 @@ def run_arm(
             row["router_policy"] = policy
             row["storage"] = "shared" if shared else "private"
             row["sizes"] = preset["sizes"]
+            row["warmup"] = warmup  # None: the trace started on cold tiers
             row |= _changes_report(records, changes, config.latency.time_scale)
             if shared:
                 stats = fleet.storage_contents()

@@ -313,9 +313,15 @@ async def serve_fleet(
     async def restart(request: Request) -> Response:
         try:
             r = replica_of(request)
+            body = await request.json() if await request.body() else {}
+            down_s = float(body.get("down_s", 0.0))
+            if not 0.0 <= down_s <= 600.0:
+                return err("down_s must be in [0, 600]", 400)
         except KeyError as exc:
             return err(f"no replica {exc}", 404)
-        await r.restart()
+        except (ValueError, TypeError, AttributeError) as exc:
+            return err(f"bad restart body: {exc}", 400)
+        await r.restart(down_s=down_s)
         return JSONResponse(r.describe())
 
     async def faults(request: Request) -> Response:
@@ -665,8 +671,10 @@ class SimFleet(RunsChild):
     def kill(self, name: str) -> None:
         self._post(f"/replicas/{quote(name, safe='')}/kill")
 
-    def restart(self, name: str) -> None:
-        self._post(f"/replicas/{quote(name, safe='')}/restart")
+    def restart(self, name: str, down_s: float = 0.0) -> None:
+        """Kill the replica and start it again ``down_s`` wall seconds later (a real vLLM
+        process is down for its start-up: ports closed, /health refused)."""
+        self._post(f"/replicas/{quote(name, safe='')}/restart", {"down_s": down_s})
 
     def set_faults(
         self, name: str, *, error_rate: float | None = None, drop_event_rate: float | None = None

@@ -253,11 +253,14 @@ class SimReplica:
         self.cache.announce(survivors)  # a shared domain survives too, never re-announced
         self._pending_events = self.cache.take_events()
 
-    async def restart(self) -> None:
-        """Come back on the same ports with a fresh publisher (seq from 0); an engine of a
-        data-parallel server restarts alone, its server still answering."""
+    async def restart(self, down_s: float = 0.0) -> None:
+        """Come back on the same ports with a fresh publisher (seq from 0), after ``down_s``
+        wall seconds with nothing listening; an engine of a data-parallel server restarts
+        alone, its server still answering."""
         if self.alive:
             await self.kill()
+        if down_s > 0:
+            await asyncio.sleep(down_s)
         self.renew()
         if self._serves_http:
             await self.start(self.host, self.port)

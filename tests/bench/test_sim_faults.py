@@ -4,6 +4,7 @@ fresh event sequence. Uses replica sim-2 only and leaves it healthy."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -125,3 +126,37 @@ def test_death_fails_in_flight_requests_and_restart_resets_seq(sim_fleet: SimFle
     # A new process: a new replay buffer, numbered from 0, holding only its own batches.
     assert after and after[0].seq == 0 and len(after) < len(before) + 2
     assert decode_batch(after[0].payload).events
+
+
+def test_a_restart_with_down_time_refuses_connections_until_it_is_back(
+    sim_fleet: SimFleet,
+) -> None:
+    """A restarting vLLM is down while it starts: nothing listens, /health is refused (what
+    the router's probe of a 500 sees), then the new process serves."""
+    r = _replica(sim_fleet)
+    seen: dict[str, object] = {}
+
+    def restart() -> None:
+        sim_fleet.restart(REPLICA, down_s=1.5)
+        seen["back"] = True
+
+    worker = threading.Thread(target=restart)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and "refused" not in seen:
+            try:
+                httpx.get(r.url + "/health", timeout=1)
+            except httpx.ConnectError:
+                seen["refused"] = time.monotonic()
+            time.sleep(0.05)
+        assert "refused" in seen and "back" not in seen
+    finally:
+        worker.join(timeout=20)
+    assert seen.get("back") is True
+    assert httpx.get(r.url + "/health").status_code == 200
+    with pytest.raises(httpx.HTTPStatusError):
+        resp = httpx.post(
+            sim_fleet.control + f"/replicas/{REPLICA}/restart", json={"down_s": -1}, timeout=5
+        )
+        resp.raise_for_status()

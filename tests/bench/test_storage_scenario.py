@@ -20,7 +20,13 @@ import pytest
 
 from kvroute.bench import routing_bench
 from kvroute.bench.sim.fleet import SimFleet
-from kvroute.bench.storage_scenario import SCENARIO_PRESETS, run_arm, scenario_targets
+from kvroute.bench.storage_scenario import (
+    QUESTION,
+    SCENARIO_PRESETS,
+    run_arm,
+    scenario_targets,
+    warmup_workload,
+)
 from kvroute.bench.workloads import BUILDERS, TextSource
 from kvroute.bench.workloads.runner import RequestRecord
 from kvroute.deploy.router_process import RouterProcess
@@ -41,6 +47,21 @@ def test_hot_docs_is_skewed_and_sized_as_asked() -> None:
     assert starts == sorted(starts) and 400 / starts[-1] == pytest.approx(8.0, rel=0.25)
     with pytest.raises(ValueError, match="rate"):
         BUILDERS["hot_docs"](TextSource(1), rate=0)
+
+
+def test_the_warmup_reads_each_document_once_with_a_question_of_its_own() -> None:
+    w = BUILDERS["hot_docs"](TextSource(1), seed=1, documents=5, requests=200, skew=1.0)
+    warm = warmup_workload(w, rate=4.0)
+    docs = [s.turns[0].content.split(QUESTION)[0] for s in w.sessions]
+    first_use = list(dict.fromkeys(docs))
+    assert len(first_use) == 5
+    assert [s.turns[0].content.split(QUESTION)[0] for s in warm.sessions] == first_use
+    measured_questions = {s.turns[0].content for s in w.sessions}
+    assert not measured_questions & {s.turns[0].content for s in warm.sessions}
+    assert [s.start_s for s in warm.sessions] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert all(s.id.startswith("warmup-") for s in warm.sessions)
+    assert SCENARIO_PRESETS["full"]["warmup"] is True
+    assert _args("--scenario", "shared_storage", "--scenario-cold").scenario_cold is True
 
 
 @pytest.mark.timeout(150)
@@ -86,9 +107,8 @@ def test_quick_shared_storage_arm_mechanics(tmp_path: Path) -> None:
     added = row["scale_up"]["replica"]
     assert added in view["attached"] and len(view["attached"]) == preset["replicas"] + 1
 
-    # The added replica hits within its first requests. (Its very first one misses: the
-    # domain is written by demotion only, and every prompt's hot first block never leaves a
-    # busy replica's device, so a cold replica computes it once; docs/benchmarks.md.)
+    # The added replica hits within its first requests (the domain is written through: a
+    # document computed anywhere is a load for it; docs/benchmarks.md).
     assert row["scale_up"]["requests"] >= 2
     assert row["scale_up"]["first_hit_request"] is not None
     assert row["scale_up"]["first_hit_request"] <= 3
