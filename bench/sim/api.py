@@ -200,7 +200,9 @@ class Handlers:
     # --- endpoints ----------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=200 if self.r.faults.healthy else 503)
+        # A dying engine answers 503 while its server still stands, as vLLM's /health does
+        # once the engine is dead (the router's probe of a 500 tells a dead engine so).
+        return Response(status_code=200 if self.r.faults.healthy and self.r.alive else 503)
 
     async def models(self, request: Request) -> Response:
         return json_response(
