@@ -111,6 +111,22 @@ def _peer(fleet: Fleet, tokenizer: LocalTokenizer, **changes: Any) -> Iterator[S
         yield router
 
 
+@contextlib.contextmanager
+def _slow_pair(
+    tokenizer: LocalTokenizer, *, peer_load_interval_s: float
+) -> Iterator[tuple[Fleet, ServerThread]]:
+    """Two replicas that take 3 s to prefill behind router A (least loaded), and router B,
+    A's peer, polling A's load every ``peer_load_interval_s`` (0: off)."""
+    slow = ReplicaFaults(prefill_delay_s=3.0)
+    with (
+        make_fleet(
+            tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
+        ) as fleet,
+        _peer(fleet, tokenizer, peers=[fleet.url], peer_load_interval_s=peer_load_interval_s) as b,
+    ):
+        yield fleet, b
+
+
 def _stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/index/stats", headers=AUTH, timeout=5).json()
 
@@ -141,13 +157,7 @@ def _hold(fleet: Fleet, n: int) -> list[concurrent.futures.Future[int]]:
 def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
     local_tokenizer: LocalTokenizer,
 ) -> None:
-    slow = ReplicaFaults(prefill_delay_s=3.0)
-    with (
-        make_fleet(
-            local_tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
-        ) as fleet,
-        _peer(fleet, local_tokenizer, peers=[fleet.url], peer_load_interval_s=0.05) as b,
-    ):
+    with _slow_pair(local_tokenizer, peer_load_interval_s=0.05) as (fleet, b):
         futures = _hold(fleet, 3)
         in_flight = {}
 
@@ -191,13 +201,7 @@ def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
 
 def test_without_shared_load_the_peer_is_blind_to_them(local_tokenizer: LocalTokenizer) -> None:
     """The same setup with polling off: what the test above asserts is the peer load's doing."""
-    slow = ReplicaFaults(prefill_delay_s=3.0)
-    with (
-        make_fleet(
-            local_tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
-        ) as fleet,
-        _peer(fleet, local_tokenizer, peers=[fleet.url], peer_load_interval_s=0) as b,
-    ):
+    with _slow_pair(local_tokenizer, peer_load_interval_s=0) as (fleet, b):
         futures = _hold(fleet, 3)
         wait_until(
             lambda: (
