@@ -27,7 +27,7 @@ from kvroute.indexer.wire import (
     encode_batch,
 )
 from tests.indexer.test_index import ehash
-from tests.indexer.test_subscriber import wait_for
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -128,12 +128,12 @@ def test_vllm_publisher_stream_and_replay_are_indexed(tmp_path: Path) -> None:
         time.sleep(0.3)
         subscriber.add_source(EventSource("r1", endpoint, replay, topic))
         # Joining replays them at once, before vLLM publishes anything more.
-        wait_for(lambda: subscriber.feed_stats()["r1"].batches == 2)
+        wait_until(lambda: subscriber.feed_stats()["r1"].batches == 2)
         assert subscriber.freshness("r1")[0] is Freshness.LIVE
         time.sleep(0.3)
         for events in batches[2:]:
             publisher.publish(kv.KVEventBatch(ts=time.time(), events=events))
-        wait_for(lambda: subscriber.feed_stats()["r1"].batches == 4)
+        wait_until(lambda: subscriber.feed_stats()["r1"].batches == 4)
         stats = subscriber.feed_stats()["r1"]
         assert stats.events_rejected == 0 and stats.malformed_messages == 0, stats
         assert stats.events_applied == 5 and stats.replays == 1
@@ -163,7 +163,7 @@ def test_joining_a_vllm_publisher_that_published_nothing_is_live(tmp_path: Path)
     subscriber = EventSubscriber(InMemoryPrefixIndex(), replay_timeout_s=3.0)
     try:
         subscriber.add_source(EventSource("r1", endpoint, replay, topic))
-        wait_for(lambda: subscriber.freshness("r1")[0] is Freshness.LIVE)
+        wait_until(lambda: subscriber.freshness("r1")[0] is Freshness.LIVE)
         stats = subscriber.feed_stats()["r1"]
         assert stats.replays == 1 and stats.replay_failures == 0 and stats.batches == 0
     finally:
