@@ -25,6 +25,9 @@ from tests.router.servers import ServerThread, wait_until
 
 KEY = "sk-peer-load-test"
 AUTH = {"authorization": f"Bearer {KEY}"}
+# How long the slow replicas hold a request before its first token: every check on the held
+# requests must fit in it, on a loaded CI machine too.
+HOLD_S = 8.0
 
 
 # --- the answer ---------------------------------------------------------------------------
@@ -115,9 +118,9 @@ def _peer(fleet: Fleet, tokenizer: LocalTokenizer, **changes: Any) -> Iterator[S
 def _slow_pair(
     tokenizer: LocalTokenizer, *, peer_load_interval_s: float
 ) -> Iterator[tuple[Fleet, ServerThread]]:
-    """Two replicas that take 3 s to prefill behind router A (least loaded), and router B,
+    """Two replicas that take HOLD_S to prefill behind router A (least loaded), and router B,
     A's peer, polling A's load every ``peer_load_interval_s`` (0: off)."""
-    slow = ReplicaFaults(prefill_delay_s=3.0)
+    slow = ReplicaFaults(prefill_delay_s=HOLD_S)
     with (
         make_fleet(
             tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
@@ -132,7 +135,7 @@ def _stats(url: str) -> dict[str, Any]:
 
 
 def _hold(fleet: Fleet, n: int) -> list[concurrent.futures.Future[int]]:
-    """``n`` streamed completions through the first router, each held ~3 s by its replica's
+    """``n`` streamed completions through the first router, each held HOLD_S by its replica's
     slow prefill; returns their futures (status codes)."""
     pool = concurrent.futures.ThreadPoolExecutor(n)
 
@@ -248,7 +251,7 @@ def test_peer_load_needs_the_key_and_a_wrong_key_is_reported(
 def test_a_router_listed_among_its_own_peers_ignores_itself(
     local_tokenizer: LocalTokenizer,
 ) -> None:
-    slow = ReplicaFaults(prefill_delay_s=3.0)
+    slow = ReplicaFaults(prefill_delay_s=HOLD_S)
     with make_fleet(local_tokenizer, n=1, faults=[slow], api_keys=[KEY]) as fleet:
         service = fleet.service
         service.peer_urls = lambda: [fleet.url]
