@@ -138,15 +138,13 @@ class PeerLoad:
     def apply(self, replicas: Iterable[Replica]) -> None:
         """Set each replica's ``peer_in_flight`` to the sum of the fresh peers' counts."""
         now = self._clock()
-        fresh = [
-            p
-            for p in self.peers.values()
-            if p.received_at is not None
-            and now - p.received_at <= self.stale_after_s
-            and p.router != self.router_id
-        ]
+        peers = self.peers.values()
+        fresh = [p for p in peers if self._fresh(p, now) and p.router != self.router_id]
         for replica in replicas:
             replica.peer_in_flight = sum(p.in_flight.get(replica.name, 0) for p in fresh)
+
+    def _fresh(self, report: PeerReport, now: float) -> bool:
+        return report.received_at is not None and now - report.received_at <= self.stale_after_s
 
     def to_dict(self) -> dict[str, Any]:
         """``/index/stats``' ``peer_load``: each peer's state (never its counts' history)."""
@@ -159,8 +157,7 @@ class PeerLoad:
                     "router": p.router,
                     "self": p.router == self.router_id,
                     "age_s": None if p.received_at is None else round(now - p.received_at, 3),
-                    "fresh": p.received_at is not None
-                    and now - p.received_at <= self.stale_after_s,
+                    "fresh": self._fresh(p, now),
                     "in_flight": sum(p.in_flight.values()),
                     "polls": p.polls,
                     "failures": p.failures,
