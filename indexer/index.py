@@ -159,6 +159,7 @@ class ApplyResult:
     blocks_stored: int = 0
     blocks_removed: int = 0
     cleared: int = 0
+    device_cleared: int = 0  # AllBlocksCleared of the device tier: the prefix cache reset
     ignored: int = 0
     unresolved: int = 0
     partial_blocks: int = 0
@@ -170,6 +171,7 @@ class ApplyResult:
         self.blocks_stored += other.blocks_stored
         self.blocks_removed += other.blocks_removed
         self.cleared += other.cleared
+        self.device_cleared += other.device_cleared
         self.ignored += other.ignored
         self.unresolved += other.unresolved
         self.partial_blocks += other.partial_blocks
@@ -656,6 +658,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                         self._clear_class(state, int(tier))
                         if tier is Medium.GPU:
                             state.groups = {}
+                            result.device_cleared += 1
                         result.cleared += 1
                     else:
                         result.rejected.append(f"not an event: {type(event).__name__}")

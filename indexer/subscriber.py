@@ -181,6 +181,7 @@ class FeedStats:
     replay_failures: int = 0
     resets: int = 0
     clears: int = 0
+    device_clears: int = 0  # AllBlocksCleared of the device tier (vLLM's prefix cache reset)
     moot_batches: int = 0
     throttles: int = 0
     throttled_messages: int = 0
@@ -214,6 +215,7 @@ class FeedStats:
             "replay_failures": self.replay_failures,
             "resets": self.resets,
             "clears": self.clears,
+            "device_clears": self.device_clears,
             "moot_batches": self.moot_batches,
             "throttles": self.throttles,
             "throttled_messages": self.throttled_messages,
@@ -696,6 +698,7 @@ class ReplicaFeed:
             self.stats.rejected_reasons[reason] += 1
         self.stats.blocks_stored += result.blocks_stored
         self.stats.blocks_removed += result.blocks_removed
+        self.stats.device_clears += result.device_cleared
         self.stats.unresolved_blocks += result.unresolved
         self.stats.partial_blocks += result.partial_blocks
         self.stats.unconfirmed_blocks += result.unconfirmed_blocks

@@ -165,7 +165,10 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     async def peer_load() -> Response:
         """What this router is proxying to each replica now, for its peers' queue view
         (router/peer_load.py)."""
-        return JSONResponse(load_body(service.peer_load.router_id, service.registry))
+        registry = service.registry
+        service.router.sample_stored_blocks()
+        unstored = service.router.unstored.snapshot(r.name for r in registry)
+        return JSONResponse(load_body(service.peer_load.router_id, registry, unstored))
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:

@@ -146,6 +146,9 @@ class CostSettings:
     # what every router sees alike, so several routers agree (router/placement.py).
     placement_half_life_s: float = 30.0
     placement_slack: float = 0.0
+    # Blocks sent to a replica to compute count toward its stored rate until its feed
+    # announces them, for at most this long (a failed or retried request stores nothing).
+    placement_unstored_max_age_s: float = 10.0
     # How much of a match held only in tiers whose publisher never announces removals
     # (LMCache, llm-d's FS backend) we believe: those entries are aged out by a timer, not by
     # the publisher, and may be gone before they expire.
@@ -189,6 +192,8 @@ class CostSettings:
             raise ConfigError("cost.queue_learn_weight must be in (0, 1]")
         if self.placement_half_life_s <= 0:
             raise ConfigError("cost.placement_half_life_s must be > 0")
+        if self.placement_unstored_max_age_s <= 0:
+            raise ConfigError("cost.placement_unstored_max_age_s must be > 0")
         if self.queue_learn_half_life_s <= 0:
             raise ConfigError("cost.queue_learn_half_life_s must be > 0")
         if self.queue_s_per_request_max < self.queue_s_per_request:

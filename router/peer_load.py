@@ -10,8 +10,11 @@ behind requests it never counted (router/queue_model.py). Measured: two routers'
 was 5-15% (chat) and 40-60% (shared_prefix) worse than one router's on the same fleet.
 
 Protocol: ``GET /peer/load`` (behind the API key, like every non-monitoring path) answers
-``{"router": ID, "replicas": {name: in_flight}}``: the requests this router is proxying to
-each replica right now. Each router polls its peers (``--peer`` and the routers discovery
+``{"router": ID, "replicas": {name: in_flight}, "unstored_blocks": {name: blocks}}``: the
+requests this router is proxying to each replica right now, and the blocks it sent each
+replica to compute that the replica's feed has not announced yet (router/placement.py:
+new prefixes are balanced on them; ``unstored_blocks`` is optional, an older router omits
+it). Each router polls its peers (``--peer`` and the routers discovery
 found, the warm-start list) every ``peer_load_interval_s`` and adds their counts to its own
 (``Replica.peer_in_flight``); every request to a replica passes through some router, so the
 sum is the replica's queue without the scrape's delay. A peer that stops answering counts
@@ -28,7 +31,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +39,14 @@ import httpx
 
 from kvroute.router.replicas import Replica
 
-__all__ = ["PeerLoad", "PeerReport", "load_body", "parse_load"]
+__all__ = ["PeerAnswer", "PeerLoad", "PeerReport", "load_body", "parse_load"]
 
 log = logging.getLogger(__name__)
 
 # Bounds on what one peer may report: a forged or broken answer cannot make a replica look
 # busier than this many requests per peer, nor name more replicas than a fleet has.
 MAX_IN_FLIGHT = 1_000_000
+MAX_UNSTORED_BLOCKS = 1_000_000_000
 MAX_REPLICAS = 100_000
 
 
@@ -50,29 +54,56 @@ class PeerLoadError(ValueError):
     """Why a peer's answer was not used."""
 
 
-def load_body(router_id: str, replicas: Iterable[Replica]) -> dict[str, Any]:
+def load_body(
+    router_id: str, replicas: Iterable[Replica], unstored: Mapping[str, int] | None = None
+) -> dict[str, Any]:
     """This router's ``GET /peer/load`` answer."""
-    return {"router": router_id, "replicas": {r.name: r.in_flight for r in replicas}}
+    body: dict[str, Any] = {
+        "router": router_id,
+        "replicas": {r.name: r.in_flight for r in replicas},
+    }
+    if unstored is not None:
+        body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
+    return body
 
 
-def parse_load(body: object) -> tuple[str, dict[str, int]]:
-    """A peer's answer as (its router id, in flight by replica name); PeerLoadError if it
-    is not one."""
+@dataclass(frozen=True, slots=True)
+class PeerAnswer:
+    """A peer's ``GET /peer/load`` answer, checked."""
+
+    router: str
+    in_flight: dict[str, int]
+    unstored_blocks: dict[str, int] = field(default_factory=dict)
+
+
+def _counts(value: object, what: str, limit: int) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise PeerLoadError(f"'{what}' is not an object")
+    if len(value) > MAX_REPLICAS:
+        raise PeerLoadError(f"more than {MAX_REPLICAS} replicas")
+    out: dict[str, int] = {}
+    for name, n in value.items():
+        if isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n):
+            raise PeerLoadError(f"replica {name!r}: {what} count is not a number")
+        if n < 0 or n > limit:
+            raise PeerLoadError(f"replica {name!r}: {what} count {n} out of range")
+        out[str(name)] = int(n)
+    return out
+
+
+def parse_load(body: object) -> PeerAnswer:
+    """A peer's answer; PeerLoadError if it is not one."""
     if not isinstance(body, dict):
         raise PeerLoadError("not a JSON object")
     router, replicas = body.get("router"), body.get("replicas")
     if not isinstance(router, str) or not router or not isinstance(replicas, dict):
         raise PeerLoadError("needs 'router' (a string) and 'replicas' (an object)")
-    if len(replicas) > MAX_REPLICAS:
-        raise PeerLoadError(f"more than {MAX_REPLICAS} replicas")
-    out: dict[str, int] = {}
-    for name, n in replicas.items():
-        if isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n):
-            raise PeerLoadError(f"replica {name!r}: in-flight count is not a number")
-        if n < 0 or n > MAX_IN_FLIGHT:
-            raise PeerLoadError(f"replica {name!r}: in-flight count {n} out of range")
-        out[str(name)] = int(n)
-    return router, out
+    unstored = body.get("unstored_blocks")
+    return PeerAnswer(
+        router,
+        _counts(replicas, "in-flight", MAX_IN_FLIGHT),
+        {} if unstored is None else _counts(unstored, "unstored_blocks", MAX_UNSTORED_BLOCKS),
+    )
 
 
 @dataclass(slots=True)
@@ -81,6 +112,7 @@ class PeerReport:
 
     router: str | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
+    unstored_blocks: dict[str, int] = field(default_factory=dict)
     received_at: float | None = None
     error: str | None = None
     polls: int = 0
@@ -123,7 +155,7 @@ class PeerLoad:
             )
             if resp.status_code != 200:
                 raise PeerLoadError(f"answered {resp.status_code}")
-            router, in_flight = parse_load(resp.json())
+            answer = parse_load(resp.json())
         except (httpx.HTTPError, ValueError) as exc:  # JSON errors are ValueErrors too
             report.failures += 1
             if report.error is None:
@@ -132,16 +164,21 @@ class PeerLoad:
             return
         if report.error is not None:
             log.info("peer load: %s answers again", url)
-        report.router, report.in_flight, report.error = router, in_flight, None
+        report.router, report.in_flight = answer.router, answer.in_flight
+        report.unstored_blocks, report.error = answer.unstored_blocks, None
         report.received_at = self._clock()
 
     def apply(self, replicas: Iterable[Replica]) -> None:
-        """Set each replica's ``peer_in_flight`` to the sum of the fresh peers' counts."""
+        """Set each replica's ``peer_in_flight`` and ``peer_unstored_blocks`` to the sums of
+        the fresh peers' counts."""
         now = self._clock()
         peers = self.peers.values()
         fresh = [p for p in peers if self._fresh(p, now) and p.router != self.router_id]
         for replica in replicas:
             replica.peer_in_flight = sum(p.in_flight.get(replica.name, 0) for p in fresh)
+            replica.peer_unstored_blocks = sum(
+                p.unstored_blocks.get(replica.name, 0) for p in fresh
+            )
 
     def _fresh(self, report: PeerReport, now: float) -> bool:
         return report.received_at is not None and now - report.received_at <= self.stale_after_s
@@ -159,6 +196,7 @@ class PeerLoad:
                     "age_s": None if p.received_at is None else round(now - p.received_at, 3),
                     "fresh": self._fresh(p, now),
                     "in_flight": sum(p.in_flight.values()),
+                    "unstored_blocks": sum(p.unstored_blocks.values()),
                     "polls": p.polls,
                     "failures": p.failures,
                     "error": p.error,

@@ -13,7 +13,13 @@ sees alike:
 - how many blocks each replica stored lately, from its KV event feed, which every router
   subscribes to (``StoredRate``): a replica that took a new prefix stores all of its blocks,
   one that serves returning users stores their new turns, so the rate is the prefill work
-  each replica took on, early in a run mostly the new prefixes it was given.
+  each replica took on, early in a run mostly the new prefixes it was given;
+- the blocks the routers sent each replica to compute that its feed has not announced yet
+  (``UnstoredBlocks``: this router's own, plus its peers' from ``GET /peer/load``). A
+  prefix's blocks are announced only once its prefill is done; without this, new prefixes
+  arriving within one prefill of each other (22 of 31 gaps between the first requests of 32
+  groups were under 0.3 s in the full shared_prefix preset) saw the same rates and were
+  spread like balls into bins, 2 to 6 groups per replica instead of 4.
 
 ``pick_new`` is bounded-load rendezvous hashing: among the replicas within the cost bound
 (the near-equals), those whose stored rate is at most ``(1 + slack)`` x the near-equals'
@@ -30,7 +36,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -38,7 +45,7 @@ import xxhash
 if TYPE_CHECKING:  # policies.py imports this module
     from kvroute.router.policies import ReplicaView
 
-__all__ = ["StoredRate", "pick_new", "rendezvous"]
+__all__ = ["StoredRate", "UnstoredBlocks", "pick_new", "rendezvous"]
 
 
 def rendezvous(affinity: bytes, name: str) -> int:
@@ -65,7 +72,10 @@ class StoredRate:
     Counts are sampled when the router decides, not per event: the decay makes the two
     agree up to the time between decisions. A replica first seen starts at zero (a router
     that joins late, replaying the fleet's history, does not take that history as a burst);
-    a count that goes down (a new feed after a restart) is taken as a fresh start."""
+    a count that goes down (a new feed after a restart) is taken as a fresh start, and so is
+    a reset of the replica's prefix cache (its feed's count of device-tier clears went up):
+    the work it stored before is no longer in its cache, and counting it would steer new
+    prefixes away from a replica that holds less than the others."""
 
     __slots__ = ("_clock", "_decay", "_state", "half_life_s")
 
@@ -75,29 +85,95 @@ class StoredRate:
         self.half_life_s = half_life_s
         self._decay = math.log(2.0) / half_life_s
         self._clock = clock
-        # name -> (last cumulative count, decayed blocks, at)
-        self._state: dict[str, tuple[int, float, float]] = {}
+        # name -> (last cumulative count, cache resets seen, decayed blocks, at)
+        self._state: dict[str, tuple[int, int, float, float]] = {}
 
-    def update(self, counts: Mapping[str, int]) -> None:
-        """Take each replica's cumulative stored-block count as of now."""
+    def update(
+        self, counts: Mapping[str, int], resets: Mapping[str, int] | None = None
+    ) -> dict[str, int]:
+        """Take each replica's cumulative stored-block count (and count of prefix-cache
+        resets) as of now; returns the blocks each one stored since the last sample (none
+        for a replica first seen)."""
         now = self._clock()
+        added_by: dict[str, int] = {}
         for name, count in counts.items():
+            reset = resets.get(name, 0) if resets else 0
             prev = self._state.get(name)
             if prev is None:
-                self._state[name] = (count, 0.0, now)
+                self._state[name] = (count, reset, 0.0, now)
                 continue
-            last, value, at = prev
+            last, last_reset, value, at = prev
             added = count - last if count >= last else count
-            self._state[name] = (count, value * math.exp(-self._decay * (now - at)) + added, now)
+            if added:
+                added_by[name] = added
+            if reset != last_reset:  # the cache was reset: what it stored before is gone
+                value = 0.0
+            else:
+                value *= math.exp(-self._decay * (now - at))
+            self._state[name] = (count, reset, value + added, now)
+        return added_by
 
-    def rate(self, name: str) -> float:
+    def rate(self, name: str, unstored: int = 0) -> float:
         """Blocks per second: the decayed count times the decay constant (a steady stream of
-        r blocks per second converges to r)."""
+        r blocks per second converges to r). ``unstored`` blocks (sent, not yet announced)
+        count as stored just now."""
         entry = self._state.get(name)
         if entry is None:
-            return 0.0
-        _, value, at = entry
-        return value * math.exp(-self._decay * (self._clock() - at)) * self._decay
+            return unstored * self._decay
+        _, _, value, at = entry
+        return (value * math.exp(-self._decay * (self._clock() - at)) + unstored) * self._decay
 
     def forget(self, name: str) -> None:
         self._state.pop(name, None)
+
+
+class UnstoredBlocks:
+    """Blocks this router sent each replica to compute that the replica's feed has not
+    announced as stored yet: the prefill work in progress, which ``StoredRate`` sees only
+    when it is done.
+
+    Each request adds its expected uncached blocks when it is sent (``add``); blocks the
+    feed announces settle the oldest entries first (``settle``), whoever computed them, so
+    the count never stays above what is truly outstanding for long. An entry older than
+    ``max_age_s`` is dropped: a request that failed, was retried elsewhere, or hit a cache
+    the index did not know about stores nothing, and must not weigh on its replica."""
+
+    __slots__ = ("_clock", "_sent", "max_age_s")
+
+    def __init__(self, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_age_s <= 0:
+            raise ValueError("max_age_s must be > 0")
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._sent: dict[str, deque[list[float]]] = {}  # name -> [[sent_at, blocks], ...]
+
+    def add(self, name: str, blocks: int) -> None:
+        if blocks > 0:
+            self._sent.setdefault(name, deque()).append([self._clock(), float(blocks)])
+
+    def settle(self, stored: Mapping[str, int]) -> None:
+        """``stored[name]`` blocks were announced since the last call."""
+        for name, count in stored.items():
+            queue = self._sent.get(name)
+            while queue and count > 0:
+                take = min(count, queue[0][1])
+                queue[0][1] -= take
+                count -= take
+                if queue[0][1] <= 0:
+                    queue.popleft()
+
+    def blocks(self, name: str) -> int:
+        queue = self._sent.get(name)
+        if not queue:
+            return 0
+        oldest = self._clock() - self.max_age_s
+        while queue and queue[0][0] < oldest:
+            queue.popleft()
+        return int(sum(blocks for _, blocks in queue))
+
+    def snapshot(self, names: Iterable[str]) -> dict[str, int]:
+        """Outstanding blocks by replica, for ``GET /peer/load``."""
+        return {name: self.blocks(name) for name in names}
+
+    def forget(self, name: str) -> None:
+        self._sent.pop(name, None)

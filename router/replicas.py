@@ -121,8 +121,10 @@ class Replica:
     last_check: float | None = None
     ejections: int = 0
     in_flight: int = 0
-    # What peer routers are proxying to it, as of their last answer (router/peer_load.py).
+    # What peer routers are proxying to it, and the blocks they sent it to compute that its
+    # feed has not announced yet, as of their last answer (router/peer_load.py).
     peer_in_flight: int = 0
+    peer_unstored_blocks: int = 0
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0

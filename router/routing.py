@@ -21,7 +21,7 @@ from kvroute.router.config import RouterSettings
 from kvroute.router.decision_log import DecisionLog
 from kvroute.router.hints import BurstHints
 from kvroute.router.lru import LRU
-from kvroute.router.placement import StoredRate
+from kvroute.router.placement import StoredRate, UnstoredBlocks
 from kvroute.router.policies import Policy, ReplicaView, RouteContext
 from kvroute.router.queue_model import LearnedQueueDelay
 from kvroute.router.replicas import Replica
@@ -138,8 +138,10 @@ class Router:
         # evicted everywhere (KvroutePolicy). Router-local, like the hints; a prefix this
         # router never saw is placed by a rule every router computes alike (placement.py).
         self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
-        # Blocks each replica stored lately, from the event feeds every router reads.
+        # Blocks each replica stored lately, from the event feeds every router reads, and
+        # those this router sent it to compute that its feed has not announced yet.
         self.stored_rate = StoredRate(settings.cost.placement_half_life_s)
+        self.unstored = UnstoredBlocks(settings.cost.placement_unstored_max_age_s)
         c = settings.cost
         self.queue_delay = (
             LearnedQueueDelay(
@@ -175,14 +177,24 @@ class Router:
             for prompt in req.batch
         ]
 
-    def _update_stored_rate(self) -> None:
-        """Sample every feed's cumulative stored-block count (all streams of a replica)."""
-        if self.subscriber is None:
+    def sample_stored_blocks(self) -> None:
+        """Sample every feed's cumulative stored-block count (all streams of a replica), and
+        settle the blocks in progress they announce. Before each decision, and before this
+        router reports its blocks in progress (``GET /peer/load``, ``/index/stats``)."""
+        if not self.policy.uses_homes or self.subscriber is None:
             return
         counts: dict[str, int] = {}
+        resets: dict[str, int] = {}
         for (replica, _), stats in self.subscriber.all_feed_stats().items():
             counts[replica] = counts.get(replica, 0) + stats.blocks_stored
-        self.stored_rate.update(counts)
+            resets[replica] = resets.get(replica, 0) + stats.device_clears
+        self.unstored.settle(self.stored_rate.update(counts, resets))
+
+    def _placement_rate(self, replica: Replica) -> float:
+        """``StoredRate`` with the blocks in progress on ``replica`` (sent by this router or,
+        as of their last answer, by its peers) counted as stored now."""
+        unstored = self.unstored.blocks(replica.name) + replica.peer_unstored_blocks
+        return self.stored_rate.rate(replica.name, unstored)
 
     def _freshness(self, replica: Replica) -> tuple[str | None, str | None]:
         if replica.config.events is None or self.subscriber is None:
@@ -207,8 +219,7 @@ class Router:
         tokens = prompts[0] if prompts else None
         lora = req.model if any(r.is_lora(req.model) for r in candidates) else None
         views: dict[str, ReplicaView] = {}
-        if self.policy.uses_homes:
-            self._update_stored_rate()
+        self.sample_stored_blocks()
         for r in candidates:
             fresh, why = self._freshness(r)
             views[r.name] = ReplicaView(
@@ -221,7 +232,7 @@ class Router:
                 queue_s_per_request=None
                 if self.queue_delay is None
                 else self.queue_delay.per_request_s(r.name),
-                stored_rate=self.stored_rate.rate(r.name) if self.policy.uses_homes else 0.0,
+                stored_rate=self._placement_rate(r) if self.policy.uses_homes else 0.0,
                 block_size=self.index.block_size(r.name),
                 freshness=fresh,
                 freshness_reason=why,
@@ -342,6 +353,10 @@ class Router:
         if self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
         bs = view.block_size or self.settings.default_block_size
+        if self.policy.uses_homes and decision.prompt_tokens:
+            self.unstored.add(
+                replica.name, (decision.prompt_tokens - view.predicted_cached_tokens) // bs
+            )
         keys = decision.keys.get(bs)
         if keys:
             self.hints.record(replica.name, keys)
@@ -366,6 +381,7 @@ class Router:
         self.hints.forget(replica)
         self.history.forget(replica)
         self.stored_rate.forget(replica)
+        self.unstored.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)
 

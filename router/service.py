@@ -575,6 +575,7 @@ class RouterService:
 
     def stats(self) -> dict[str, Any]:
         index = collect_stats(self.index, self.subscriber).to_dict()
+        self.router.sample_stored_blocks()
         accuracy = self.accuracy.to_dict()
         replicas: dict[str, Any] = {}
         for r in self.registry:
@@ -593,6 +594,10 @@ class RouterService:
             entry["load"] = {
                 "in_flight": r.in_flight,
                 "peer_in_flight": r.peer_in_flight,
+                # Blocks sent to it to compute, not announced yet: new prefixes are
+                # balanced on them (router/placement.py).
+                "unstored_blocks": self.router.unstored.blocks(r.name),
+                "peer_unstored_blocks": r.peer_unstored_blocks,
                 "running": r.running,
                 "waiting": r.waiting,
                 "kv_cache_usage": r.kv_usage,

@@ -25,6 +25,9 @@ class ReplicaFaults:
     fail_status: int | None = None
     # Extra seconds (wall clock) between admission and the first token: a slow prefill.
     prefill_delay_s: float = 0.0
+    # Extra seconds (wall clock) before a request reaches the scheduler: its blocks are
+    # computed, stored and announced on the event feed that much later.
+    admit_delay_s: float = 0.0
     # A streamed answer's connection breaks after this many chunks, as when vLLM crashes.
     die_after_chunks: int | None = None
     # False: GET /health answers 503, as vLLM does when its engine is dead.

@@ -324,6 +324,8 @@ class SimReplica:
         """
         if self.config.error_rate > 0 and self.rng.random() < self.config.error_rate:
             raise InjectedError("injected failure (simulated engine error)")
+        if self.faults.admit_delay_s:
+            await asyncio.sleep(self.faults.admit_delay_s)
         bs = self.config.block_size
         extra = request_extra_keys(len(prompt) // bs, cache_salt=cache_salt, lora_name=lora_name)
         req = SimRequest(

@@ -32,6 +32,8 @@ BLOCK = 32
 CHUNK = 128
 MAX_LEN = 2048
 DOMAIN = "e2e-shared"
+BUSY_MODEL = "tiny-on-a"  # a second served name of replica A only
+BUSY = 8  # requests held on A to make it the busier replica
 
 
 def _complete(rep: Any, prompt: str) -> tuple[list[str], list[float], int]:
@@ -76,7 +78,8 @@ class Domain:
 
 @pytest.fixture(scope="module")
 def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
-    """Replicas A and B (one core each) on one storage domain directory."""
+    """Replicas A and B (one core each) on one storage domain directory; A also answers to
+    ``BUSY_MODEL``."""
     from kvroute.deploy.processes import free_port
     from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
@@ -92,7 +95,7 @@ def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
         "storage_domain": DOMAIN,
     }
 
-    def spec(name: str, core: str) -> Any:
+    def spec(name: str, core: str, extra_args: list[str]) -> Any:
         return VllmReplicaSpec(
             model=model,
             name=name,
@@ -103,10 +106,12 @@ def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
             cpu_bind=core,
             kv_events_endpoint=f"tcp://*:{free_port()}",
             kv_transfer_config=kvroute_connector_config(conn),
+            extra_args=extra_args,
         )
 
-    a: Any = VllmReplica(spec("test-shared-a", "0"))
-    b: Any = VllmReplica(spec("test-shared-b", "1"))
+    # A also serves the model as BUSY_MODEL: requests for that name can only go to A.
+    a: Any = VllmReplica(spec("test-shared-a", "0", ["--served-model-name", "tiny", BUSY_MODEL]))
+    b: Any = VllmReplica(spec("test-shared-b", "1", []))
     a.start(wait=False)
     b.start(wait=False)
     try:
@@ -195,14 +200,9 @@ def _wait(what: str, probe: Any, timeout: float = 30.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
-def test_the_router_credits_the_domain_and_sees_the_evictor_trim_it(domain: Domain) -> None:
-    from kvroute.connector.storage_gc import StorageEvictor
-    from kvroute.deploy.router_process import RouterProcess
-    from kvroute.indexer.publisher import EventPublisher
-
-    a, b, shared = domain.a, domain.b, domain.shared
-    pub = EventPublisher("tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0")
-    settings = {
+def _router_settings(domain: Domain, evictor_feed: Any, **extra: Any) -> dict[str, Any]:
+    """kvroute in front of A and B, both attached to the domain, with its evictor's feed."""
+    return {
         "replicas": [
             {
                 "url": r.url,
@@ -210,18 +210,32 @@ def test_the_router_credits_the_domain_and_sees_the_evictor_trim_it(domain: Doma
                 "name": r.spec.name,
                 "storage_domain": DOMAIN,
             }
-            for r in (a, b)
+            for r in (domain.a, domain.b)
         ],
         "storage_domains": [
-            {"name": DOMAIN, "events": pub.endpoint, "replay": pub.replay_endpoint}
+            {
+                "name": DOMAIN,
+                "events": evictor_feed.endpoint,
+                "replay": evictor_feed.replay_endpoint,
+            }
         ],
         "tokenizer": str(domain.model),
         "tokenizer_mode": "local",
         "default_block_size": BLOCK,
         "health_interval_s": 0.5,
+        **extra,
     }
+
+
+def test_the_router_credits_the_domain_and_sees_the_evictor_trim_it(domain: Domain) -> None:
+    from kvroute.connector.storage_gc import StorageEvictor
+    from kvroute.deploy.router_process import RouterProcess
+    from kvroute.indexer.publisher import EventPublisher
+
+    a, b, shared = domain.a, domain.b, domain.shared
+    pub = EventPublisher("tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0")
     try:
-        with RouterProcess(settings) as router:
+        with RouterProcess(_router_settings(domain, pub)) as router:
             prompt = text(31, 420)
             ids = a.post("/tokenize", {"model": "tiny", "prompt": prompt})["tokens"]
             n_chunks = (len(ids) - 1) // CHUNK
@@ -262,3 +276,107 @@ def test_the_router_credits_the_domain_and_sees_the_evictor_trim_it(domain: Doma
             )
     finally:
         pub.close()
+
+
+def _replica_load(router: Any, name: str) -> dict[str, Any]:
+    stats = httpx.get(router.url + "/index/stats", timeout=30).json()
+    return dict(stats["replicas"][name]["load"])
+
+
+def test_kvroute_sends_a_prefix_held_by_busy_a_to_b_through_the_domain(domain: Domain) -> None:
+    """The issue's whole path: A computed a long prompt; A is then busy with requests only
+    it can serve; kvroute sends the prompt to B, which loads A's chunks from the domain
+    and answers exactly as A did cold."""
+    import threading
+
+    from kvroute.deploy.router_process import RouterProcess
+    from kvroute.indexer.publisher import EventPublisher
+
+    a, b = domain.a, domain.b
+    prompt = text(41, 420)
+    ids = a.post("/tokenize", {"model": "tiny", "prompt": prompt})["tokens"]
+    n_chunks = (len(ids) - 1) // CHUNK
+    ref_tokens, ref_lp, ref_cached = _complete(a, prompt)  # cold on A: the reference
+    assert ref_cached == 0
+
+    pub = EventPublisher("tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0")
+    # A starved core answers /health slowly: generous probes, so the test sees routing by
+    # load, not an ejection.
+    settings = _router_settings(domain, pub, health_timeout_s=30.0)
+    stop = threading.Event()
+    try:
+        with RouterProcess(settings) as router:
+            _wait(
+                "A's chunks credited to the domain",
+                lambda: _domain_blocks(router) >= n_chunks * CHUNK // BLOCK,
+                timeout=60,
+            )
+            _wait("A's busy model name known", lambda: _models_of(router, BUSY_MODEL), 60)
+
+            # A gets BUSY long generations it alone serves (token-id prompts: the router
+            # has nothing to tokenize). They stream, so closing them frees A at the end.
+            def hold(seed: int) -> None:
+                body = {
+                    "model": BUSY_MODEL,
+                    "prompt": [(seed * 31 + i) % 800 + 10 for i in range(64)],
+                    "max_tokens": 1500,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                try:
+                    with httpx.stream(
+                        "POST", router.url + "/v1/completions", json=body, timeout=300
+                    ) as resp:
+                        for _ in resp.iter_bytes():
+                            if stop.is_set():
+                                return
+                except httpx.HTTPError:
+                    pass
+
+            holders = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(BUSY)]
+            for t in holders:
+                t.start()
+            _wait(
+                f"{BUSY} requests in flight on A",
+                lambda: _replica_load(router, a.spec.name)["in_flight"] >= BUSY,
+                timeout=120,
+            )
+            assert _replica_load(router, b.spec.name)["in_flight"] == 0
+
+            # Both hold the prompt (A on its own tiers, B through the domain); A is busy.
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12}
+            decision = httpx.post(router.url + "/debug/route", json=body, timeout=60).json()
+            views = {v["name"]: v for v in decision["replicas"]}
+            assert views[a.spec.name]["match_tokens"] >= n_chunks * CHUNK, views
+            assert views[b.spec.name]["match_tokens"] >= n_chunks * CHUNK, views
+            assert views[b.spec.name]["storage_domain"] == DOMAIN
+
+            before = source_hits(b)
+            resp = httpx.post(
+                router.url + "/v1/completions",
+                json={**body, "temperature": 0, "logprobs": 1, "ignore_eos": True},
+                timeout=120,
+            )
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvroute-replica"] == b.spec.name, decision
+            out = resp.json()
+            cached = int(
+                (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            )
+            d = delta(source_hits(b), before)
+            assert cached >= n_chunks * CHUNK
+            assert d["disk"] >= n_chunks * CHUNK and d["device"] == 0, d
+            lp = out["choices"][0]["logprobs"]
+            assert (lp["tokens"], lp["token_logprobs"]) == (ref_tokens, ref_lp)
+            assert _replica_load(router, a.spec.name)["in_flight"] >= BUSY  # still busy
+            health = httpx.get(router.url + "/index/stats", timeout=30).json()["replicas"]
+            assert health[a.spec.name]["health"]["healthy"], health[a.spec.name]["health"]
+            stop.set()
+    finally:
+        stop.set()
+        pub.close()
+
+
+def _models_of(router: Any, model: str) -> bool:
+    out = httpx.get(router.url + "/v1/models", timeout=30).json()
+    return any(m.get("id") == model for m in out.get("data", []))

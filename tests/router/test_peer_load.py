@@ -16,7 +16,14 @@ import pytest
 from kvroute.bench.sim.faults import ReplicaFaults
 from kvroute.router.app import create_app
 from kvroute.router.config import ConfigError, ReplicaConfig, RouterSettings
-from kvroute.router.peer_load import PeerLoad, PeerLoadError, PeerReport, load_body, parse_load
+from kvroute.router.peer_load import (
+    PeerAnswer,
+    PeerLoad,
+    PeerLoadError,
+    PeerReport,
+    load_body,
+    parse_load,
+)
 from kvroute.router.replicas import Replica
 from kvroute.router.tokenization import LocalTokenizer
 from tests.router.fleet import Fleet, make_fleet
@@ -39,7 +46,10 @@ def test_a_peers_answer_round_trips() -> None:
     ]
     replicas[1].in_flight = 7
     body = load_body("router-a", replicas)
-    assert parse_load(body) == ("router-a", {"r0": 0, "r1": 7})
+    assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7})
+    body = load_body("router-a", replicas, {"r0": 0, "r1": 125})
+    assert body["unstored_blocks"] == {"r1": 125}  # zeros are left out
+    assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7}, {"r1": 125})
 
 
 @pytest.mark.parametrize(
@@ -58,6 +68,11 @@ def test_a_peers_answer_round_trips() -> None:
         {"router": "a", "replicas": {"r0": math.nan}},
         {"router": "a", "replicas": {"r0": math.inf}},
         {"router": "a", "replicas": {"r0": 10**9}},
+        {"router": "a", "replicas": {}, "unstored_blocks": []},
+        {"router": "a", "replicas": {}, "unstored_blocks": {"r0": -5}},
+        {"router": "a", "replicas": {}, "unstored_blocks": {"r0": "125"}},
+        {"router": "a", "replicas": {}, "unstored_blocks": {"r0": math.inf}},
+        {"router": "a", "replicas": {}, "unstored_blocks": {"r0": 10**12}},
     ],
 )
 def test_a_malformed_or_forged_answer_is_refused(body: Any) -> None:
@@ -76,9 +91,15 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
         ("http://b", "router-b", {"r0": 3, "unknown": 50}),
         ("http://self", "me", {"r0": 100}),  # a discovery list that includes this router
     ]:
-        load.peers[url] = PeerReport(router=router, in_flight=counts, received_at=clock())
+        load.peers[url] = PeerReport(
+            router=router,
+            in_flight=counts,
+            unstored_blocks={name: 10 * n for name, n in counts.items()},
+            received_at=clock(),
+        )
     load.apply(replicas)
     assert [r.peer_in_flight for r in replicas] == [5, 1]
+    assert [r.peer_unstored_blocks for r in replicas] == [50, 10]
     replicas[0].in_flight = 1
     assert replicas[0].pending == 6  # ours plus the peers'
     clock.t += 0.5
@@ -89,6 +110,7 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
     clock.t += 1.0
     load.apply(replicas)
     assert [r.peer_in_flight for r in replicas] == [0, 0]
+    assert [r.peer_unstored_blocks for r in replicas] == [0, 0]
     stats = load.to_dict()["peers"]
     assert stats["http://self"]["self"] is True
     assert stats["http://a"]["fresh"] is False
@@ -225,9 +247,9 @@ def test_peer_load_needs_the_key_and_a_wrong_key_is_reported(
         assert httpx.get(f"{fleet.url}/peer/load", timeout=5).status_code == 401
         ok = httpx.get(f"{fleet.url}/peer/load", headers=AUTH, timeout=5)
         assert ok.status_code == 200
-        router, counts = parse_load(ok.json())
-        assert counts == {"r0": 0}
-        assert router == fleet.service.peer_load.router_id
+        answer = parse_load(ok.json())
+        assert answer.in_flight == {"r0": 0} and answer.unstored_blocks == {}
+        assert answer.router == fleet.service.peer_load.router_id
         # A peer holding another key: its polls are refused, counted and shown, never used.
         with _peer(
             fleet,
