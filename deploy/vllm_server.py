@@ -70,6 +70,10 @@ class VllmReplicaSpec:
     kv_events_topic: str | None = None
     kv_transfer_config: dict[str, Any] | None = None
     cpu_bind: str | None = "0"  # VLLM_CPU_OMP_THREADS_BIND; None leaves vLLM's default
+    # The cores every process of the replica may run on (API server, engine core, workers),
+    # set before vLLM starts; None: wherever the scheduler puts them. ``cpu_bind`` pins only
+    # the worker's compute threads: a busy engine core and API server still take a core.
+    cpus: tuple[int, ...] | None = None
     cpu_kvcache_space_gib: int = 1  # vLLM parses an int
     python_hash_seed: str | None = "0"
     enable_prompt_tokens_details: bool = True
@@ -202,7 +206,7 @@ class VllmReplica(RunsChild):
         if not self.port:
             self.port = free_port(self.spec.host)
         (Path(self.spec.state_dir) / "vllm_cache").mkdir(parents=True, exist_ok=True)
-        self.process.start(self.command(), env=self.env())
+        self.process.start(self.command(), env=self.env(), cpus=self.spec.cpus)
         if wait:
             try:
                 self.wait_ready(timeout)

@@ -8,7 +8,9 @@ B restarted is warm at once: its first request of each prompt is a storage hit.
 
 With the kvroute router in front (both replicas attached to the domain, the domain's
 evictor feed subscribed): B is credited A's chunks, and when ``kvroute storage gc`` trims
-the domain the router's index drops those blocks.
+the domain the router's index drops those blocks. And while A is busy (requests only A
+serves, kept in flight through the router), the router sends a prompt A computed to B,
+which loads A's chunks from the domain and answers with A's cold tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ CHUNK = 128
 MAX_LEN = 2048
 DOMAIN = "e2e-shared"
 BUSY_MODEL = "tiny-on-a"  # a second served name of replica A only
-BUSY = 8  # requests held on A to make it the busier replica
+BUSY = 6  # requests kept in flight on A to make it the busier replica
 
 
 def _complete(rep: Any, prompt: str) -> tuple[list[str], list[float], int]:
@@ -78,8 +80,8 @@ class Domain:
 
 @pytest.fixture(scope="module")
 def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
-    """Replicas A and B (one core each) on one storage domain directory; A also answers to
-    ``BUSY_MODEL``."""
+    """Replicas A and B (one core each, every process of each) on one storage domain
+    directory; A also answers to ``BUSY_MODEL``."""
     from kvroute.deploy.processes import free_port
     from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
@@ -104,6 +106,7 @@ def domain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Domain]:
             block_size=BLOCK,
             num_gpu_blocks_override=72,
             cpu_bind=core,
+            cpus=(int(core),),  # its API server and engine core too: a busy A leaves B a core
             kv_events_endpoint=f"tcp://*:{free_port()}",
             kv_transfer_config=kvroute_connector_config(conn),
             extra_args=extra_args,
@@ -296,51 +299,55 @@ def test_kvroute_sends_a_prefix_held_by_busy_a_to_b_through_the_domain(domain: D
     prompt = text(41, 420)
     ids = a.post("/tokenize", {"model": "tiny", "prompt": prompt})["tokens"]
     n_chunks = (len(ids) - 1) // CHUNK
-    ref_tokens, ref_lp, ref_cached = _complete(a, prompt)  # cold on A: the reference
-    assert ref_cached == 0
 
     pub = EventPublisher("tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0")
-    # A starved core answers /health slowly: generous probes, so the test sees routing by
-    # load, not an ejection.
-    settings = _router_settings(domain, pub, health_timeout_s=30.0)
+    # A's API server shares a saturated core: it accepts and answers /health slowly.
+    # Generous timeouts, so the test sees routing by load, not an ejection.
+    settings = _router_settings(domain, pub, health_timeout_s=30.0, connect_timeout_s=30.0)
     stop = threading.Event()
     try:
         with RouterProcess(settings) as router:
+            before = _domain_blocks(router)
+            ref_tokens, ref_lp, ref_cached = _complete(a, prompt)  # cold on A: the reference
+            assert ref_cached == 0
             _wait(
                 "A's chunks credited to the domain",
-                lambda: _domain_blocks(router) >= n_chunks * CHUNK // BLOCK,
+                lambda: _domain_blocks(router) >= before + n_chunks * CHUNK // BLOCK,
                 timeout=60,
             )
             _wait("A's busy model name known", lambda: _models_of(router, BUSY_MODEL), 60)
 
             # A gets BUSY long generations it alone serves (token-id prompts: the router
-            # has nothing to tokenize). They stream, so closing them frees A at the end.
+            # has nothing to tokenize), each sent again as soon as it ends (the tiny model
+            # decodes ~2,000 tokens in seconds), until the test releases them. Not streamed:
+            # the router relays no token chunks meanwhile, on a machine with two cores.
             def hold(seed: int) -> None:
                 body = {
                     "model": BUSY_MODEL,
                     "prompt": [(seed * 31 + i) % 800 + 10 for i in range(64)],
-                    "max_tokens": 1500,
+                    "max_tokens": MAX_LEN - 128,
                     "ignore_eos": True,
-                    "stream": True,
                 }
-                try:
-                    with httpx.stream(
-                        "POST", router.url + "/v1/completions", json=body, timeout=300
-                    ) as resp:
-                        for _ in resp.iter_bytes():
-                            if stop.is_set():
-                                return
-                except httpx.HTTPError:
-                    pass
+                while not stop.is_set():
+                    try:
+                        resp = httpx.post(router.url + "/v1/completions", json=body, timeout=300)
+                    except httpx.HTTPError as exc:
+                        answers.append(repr(exc))
+                        return
+                    if resp.status_code != 200:
+                        answers.append(f"{resp.status_code}: {resp.text[:300]}")
+                        return
 
+            answers: list[str] = []  # what a held request got, if it ended early
             holders = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(BUSY)]
             for t in holders:
                 t.start()
             _wait(
                 f"{BUSY} requests in flight on A",
-                lambda: _replica_load(router, a.spec.name)["in_flight"] >= BUSY,
+                lambda: _replica_load(router, a.spec.name)["in_flight"] >= BUSY or answers,
                 timeout=120,
             )
+            assert not answers, answers
             assert _replica_load(router, b.spec.name)["in_flight"] == 0
 
             # Both hold the prompt (A on its own tiers, B through the domain); A is busy.
