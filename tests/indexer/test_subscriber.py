@@ -33,7 +33,7 @@ from kvroute.indexer.wire import (
     encode_batch,
     encode_frames,
 )
-from tests.indexer.builders import DOC, DOCS, operation, removed, stored
+from tests.indexer.builders import BS, DOC, DOCS, operation, removed, stored
 from tests.waiting import wait_until
 
 TOPIC = "kv@127.0.0.1:8000@tiny"
@@ -666,7 +666,10 @@ def test_an_oversized_message_costs_its_publisher_only(index: InMemoryPrefixInde
             connect(sub, fine, "r2")
             time.sleep(0.4)
             huge = list(range(100_000, 100_000 + 40_000))  # ~160 KiB of token ids
-            big.publish([stored(huge, 0, len(huge) // 4)])
+            # Never decoded, so its hashes need not chain (builders.stored would hash each
+            # block's whole prefix: minutes of the test's own time for 10,000 blocks).
+            n = len(huge) // BS
+            big.publish([BlockStored(list(range(1, n + 1)), None, huge, BS, medium=Medium.GPU)])
             fine.publish([stored(DOC, 0, 4)])
             wait_until(lambda: blocks(index, "r2") == 4)
             assert index.lookup(huge).get("r1") is None or index.lookup(huge)["r1"].blocks == 0
