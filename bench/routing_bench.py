@@ -208,6 +208,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "session and turn)",
     )
     parser.add_argument(
+        "--idle-routers",
+        type=int,
+        default=0,
+        help="more router processes that subscribe to every feed and poll their peers like "
+        "the others but get no request: with --routers 1 --idle-routers N-1, a baseline "
+        "that runs as many router processes (their CPU beside the simulator) as --routers N",
+    )
+    parser.add_argument(
         "--router-option",
         action="append",
         default=[],
@@ -555,6 +563,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"unknown workloads or policies: {unknown}")
     if args.routers < 1:
         raise ValueError("--routers must be >= 1")
+    if args.idle_routers < 0:
+        raise ValueError("--idle-routers must be >= 0")
     config = _fleet_config(args, preset)
     # The preset's deadline is wall time at its own clock: a slower clock needs longer.
     deadline = args.deadline_s or preset["deadline_s"] * (
@@ -585,9 +595,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _apply_router_options(settings, args.router_option)
                 routers = [
                     stack.enter_context(RouterProcess(peer_settings))
-                    for peer_settings in _peer_router_settings(settings, args.routers)
+                    for peer_settings in _peer_router_settings(
+                        settings, args.routers + args.idle_routers
+                    )
                 ]
-                urls = [r.url for r in routers]
+                # The first --routers take the traffic; the idle ones only cost their CPU.
+                urls = [r.url for r in routers[: args.routers]]
+                idle_urls = [r.url for r in routers[args.routers :]]
                 seen: dict[str, float] = {}
                 seen_volume: dict[str, int] = {}
                 for w in workloads:
@@ -613,6 +627,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     reasons = _decision_reasons(urls)
                     row["routers"] = len(urls)
+                    row["idle_routers"] = len(idle_urls)
+                    # Cumulative over the policy's workloads: an idle router never decides.
+                    row["idle_router_decisions"] = sum(_decision_reasons(idle_urls).values())
                     row["sizes"] = sizes_by_workload[w]
                     if args.records:
                         request_lines += _request_lines(
@@ -655,6 +672,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload_sizes": sizes_by_workload,
         "rate_scale": args.rate_scale,
         "routers": args.routers,
+        "idle_routers": args.idle_routers,
         "preset": args.preset,
         "json": str(out / "routing.json"),
         "plots": plots,

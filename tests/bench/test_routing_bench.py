@@ -171,21 +171,25 @@ def test_two_routers_share_the_traffic(tmp_path: Path) -> None:
     """The HA path: two router processes, requests spread by session and turn, each router's
     decision counts read and summed. round_robin, because a 3-second quick run is too short
     to judge routing quality across routers (the full preset's four-router figures are in
-    docs/benchmarks.md)."""
+    docs/benchmarks.md). One more router runs idle (--idle-routers): it follows the feeds and
+    its peers but is sent nothing, and decides nothing."""
     result = _quick_shared_prefix(
         tmp_path,
         "--policies",
         "round_robin",
         "--routers",
         "2",
+        "--idle-routers",
+        "1",
         "--no-plots",
         "--size",
         "shared_prefix.groups=8",
         "--records",
     )
-    assert result["routers"] == 2
+    assert result["routers"] == 2 and result["idle_routers"] == 1
     (row,) = result["results"]
-    assert row["routers"] == 2
+    assert row["routers"] == 2 and row["idle_routers"] == 1
+    assert row["idle_router_decisions"] == 0
     # --size: 8 groups of the preset's 4 questions each.
     assert row["sizes"]["groups"] == 8 and row["requests"] == 32
     assert result["workload_sizes"]["shared_prefix"]["groups"] == 8
