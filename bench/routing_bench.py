@@ -593,12 +593,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.ExitStack() as stack:
                 settings = _router_settings(fleet, policy, config)
                 _apply_router_options(settings, args.router_option)
-                routers = [
-                    stack.enter_context(RouterProcess(peer_settings))
-                    for peer_settings in _peer_router_settings(
-                        settings, args.routers + args.idle_routers
-                    )
-                ]
+                # All started first, then waited for: they load and join the feeds together.
+                routers = []
+                for peer_settings in _peer_router_settings(
+                    settings, args.routers + args.idle_routers
+                ):
+                    router = RouterProcess(peer_settings)
+                    stack.callback(router.stop)
+                    routers.append(router.start(wait=False))
+                for router in routers:
+                    router.wait_ready()
                 # The first --routers take the traffic; the idle ones only cost their CPU.
                 urls = [r.url for r in routers[: args.routers]]
                 idle_urls = [r.url for r in routers[args.routers :]]

@@ -2,7 +2,7 @@
 
 A real router process (uvicorn, as ``kvroute serve`` runs it) in front of four simulated
 replicas (bench/sim: vLLM's HTTP API and event stream), on loopback only, for
-``KVROUTE_SOAK_S`` seconds of traffic (40 by default; 300 is the long run), then it stops by
+``KVROUTE_SOAK_S`` seconds of traffic (30 by default; 300 is the long run), then it stops by
 itself. Meanwhile:
 - closed-loop clients send chat turns over shared prefixes, streaming and not;
 - replicas are killed (connections dropped, device and CPU caches lost) and restarted;
@@ -34,7 +34,7 @@ from kvroute.bench.sim.latency import LatencyModel
 from kvroute.deploy.router_process import RouterProcess
 from kvroute.indexer.wire import BlockStored, Medium, encode_batch
 
-SOAK_S = float(os.environ.get("KVROUTE_SOAK_S", "40"))
+SOAK_S = float(os.environ.get("KVROUTE_SOAK_S", "30"))
 MODEL = "kvroute-sim"
 CLIENTS = 12
 
