@@ -16,10 +16,11 @@ sees alike:
   each replica took on, early in a run mostly the new prefixes it was given;
 - the blocks the routers sent each replica to compute that its feed has not announced yet
   (``UnstoredBlocks``: this router's own, plus its peers' from ``GET /peer/load``). A
-  prefix's blocks are announced only once its prefill is done; without this, new prefixes
-  arriving within one prefill of each other (22 of 31 gaps between the first requests of 32
-  groups were under 0.3 s in the full shared_prefix preset) saw the same rates and were
-  spread like balls into bins, 2 to 6 groups per replica instead of 4.
+  prefix's blocks are announced only once its prefill is done. The cost bound already keeps
+  a replica busy with a long prefill out of the near-equals, except when every replica is
+  busy: then new prefixes arriving within one prefill of each other saw the same rates and
+  were spread by rendezvous alone (2, 2, 4, 4 homes for 12 prefixes on 4 replicas in
+  tests/router/test_ha_placement.py; 3 each with it).
 
 ``pick_new`` is bounded-load rendezvous hashing: among the replicas within the cost bound
 (the near-equals), those whose stored rate is at most ``(1 + slack)`` x the near-equals'
