@@ -23,10 +23,13 @@ do not depend on the machine:
   gather of scattered blocks + one D2H copy per chunk, on the copy stream, until its
   event completed) and load (one H2D copy per chunk + scatter) of a FlashAttention-layout
   KV cache vs one plain pinned-memory copy of the same bytes in each direction, as
-  ratios, with the device name. Without a CUDA device: ``"cuda": "unavailable"``.
+  ratios, with the device name and the block kernel used (``block_kernels``: the
+  one-launch Triton kernel by default, the per-layer kernels' ratios beside it).
+  Without a CUDA device: ``"cuda": "unavailable"``.
 
-Result keys: ``cpu_tier_vs_baseline`` and ``disk_tier_vs_baseline`` (the lower of the
-store and load ratios), ``cpu_hit_ttft_speedup``, ``cuda``, plus the raw figures.
+Result keys: ``cpu_tier_vs_baseline``, ``disk_tier_vs_baseline`` and
+``cuda_tier_vs_pinned_copy`` (each the lower of the store and load ratios),
+``cpu_hit_ttft_speedup``, ``cuda``, plus the raw figures.
 """
 
 from __future__ import annotations
@@ -377,11 +380,13 @@ def _device_tiers(
     *,
     pin: bool,
     copier: Callable[[PagedKV], Copier] | None = None,
+    block_kernel: str = "auto",
 ) -> dict[str, Any]:
     """Store/load of our executor on ``device`` vs plain pinned copies of the same bytes.
 
     ``sync`` waits for the device; ``copier`` overrides the platform's copier (tests run
-    this on CPU with a fake device)."""
+    this on CPU with a fake device); ``block_kernel`` is the connector's
+    ``cuda_block_kernel``."""
     bs, bpc, n = args.block_size, args.chunk_tokens // args.block_size, args.chunks
     num_blocks = 2 * n * bpc + 8
     gen = torch.Generator().manual_seed(0)
@@ -405,6 +410,7 @@ def _device_tiers(
         identity=IDENTITY,
         pin_memory=pin,
         copier=copier(paged) if copier is not None else None,
+        block_kernel=block_kernel,
     )
     dev_buf = torch.empty(total, dtype=torch.uint8, device=device)
     host_buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
@@ -454,7 +460,9 @@ def _device_tiers(
         assert all(torch.equal(t.index_select(1, idx_s), t.index_select(1, idx_d)) for t in layers)
     finally:
         ex.close()
-    out = {
+    mover = getattr(ex.copier, "mover", None)
+    out: dict[str, Any] = {
+        "block_kernel": getattr(mover, "name", None),
         "chunk_bytes": chunk_bytes,
         "bytes_per_measurement": total,
         "d2h_pinned_copy_gbps": _gbps(total, min(d2h_base)),
@@ -468,12 +476,76 @@ def _device_tiers(
 
 
 def _cuda_tiers(args: argparse.Namespace) -> dict[str, Any]:
-    """The CUDA section: needs torch with CUDA only (no vLLM)."""
+    """The CUDA section: needs torch with CUDA only (no vLLM). The connector's default
+    block kernel, and the per-layer kernels beside it when the default is another."""
     if not torch.cuda.is_available():
         return {"cuda": "unavailable"}
     device = torch.device("cuda", torch.cuda.current_device())
     res = _device_tiers(args, device, torch.cuda.synchronize, pin=True)
+    kernels = [res["block_kernel"]]
+    if res["block_kernel"] != "per_layer":
+        alt = _device_tiers(
+            args, device, torch.cuda.synchronize, pin=True, block_kernel="per_layer"
+        )
+        res["per_layer"] = {k: alt[k] for k in _RATIOS}
+        kernels.append("per_layer")
+    res["store_breakdown"] = {k: _store_breakdown(args, device, k) for k in kernels}
     return {"cuda": {"device": torch.cuda.get_device_name(device), **res}}
+
+
+def _store_breakdown(args: argparse.Namespace, device: torch.device, kernel: str) -> dict:
+    """Where a step's stores spend their time (copier only, no planner): host time to
+    issue them, issue to the last chunk's ``done``, and the device time of the gathers
+    alone and of the D2H copies alone (CUDA events). Issue time above the copies' device
+    time means the host, not PCIe, sets the pace."""
+    from kvroute.connector.copiers import StoreItem, make_copier
+
+    bs, bpc, n = args.block_size, args.chunk_tokens // args.block_size, args.chunks
+    num_blocks = n * bpc + 8
+    shape = (2, num_blocks, bs, args.kv_heads, args.head_size)
+    layers = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(args.layers)]
+    paged = PagedKV(layers, num_blocks)
+    copier = make_copier(paged, bpc, block_kernel=kernel)
+    slots = torch.empty((n, *paged.chunk_shape(bpc)), dtype=paged.dtype, pin_memory=True)
+    ids = torch.randperm(n * bpc, generator=torch.Generator().manual_seed(1)).view(n, bpc)
+    items = [StoreItem(ids[i].tolist(), i, slots[i]) for i in range(n)]
+    issue, total = [], []
+    for rep in range(args.repeats + 2):  # two warm-ups
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dones = copier.store_many(items)
+        t1 = time.perf_counter()
+        dones[-1].synchronize()
+        if rep >= 2:
+            issue.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+    buf = torch.empty(paged.chunk_shape(bpc), dtype=paged.dtype, device=device)
+    index = [ids[i].to(device) for i in range(n)]
+    mover = copier.mover  # type: ignore[attr-defined]
+
+    def device_ms(fn: Callable[[int], None]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            start.record()
+            for i in range(n):
+                fn(i)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        return best
+
+    return {
+        "chunks": n,
+        "store_issue_ms": round(min(issue) * 1e3, 3),
+        "store_total_ms": round(min(total) * 1e3, 3),
+        "gathers_device_ms": round(device_ms(lambda i: mover.gather(index[i], buf)), 3),
+        "d2h_device_ms": round(device_ms(lambda i: slots[i].copy_(buf, non_blocking=True)), 3),
+    }
+
+
+_RATIOS = ("d2h_store_gbps", "h2d_load_gbps", "store_vs_pinned_copy", "load_vs_pinned_copy")
 
 
 # ---------------------------------------------------------------------------- TTFT
@@ -627,10 +699,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["cpu_hit_ttft_speedup"] = None
         else:
             result.update(_vllm_ttft(args, base))
+        if isinstance(result.get("cuda"), dict):
+            cuda = result["cuda"]
+            result["cuda_tier_vs_pinned_copy"] = min(
+                cuda["store_vs_pinned_copy"], cuda["load_vs_pinned_copy"]
+            )
         targets = {
             "cpu_tier_vs_baseline": 0.7,
             "disk_tier_vs_baseline": 0.7,
             "cpu_hit_ttft_speedup": 5.0,
+            "cuda_tier_vs_pinned_copy": 0.7,
         }
         result["targets"] = targets
         result["targets_met"] = {

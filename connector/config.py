@@ -15,6 +15,7 @@ from typing import Any
 GIB = 1 << 30
 
 DISK_POLICIES = ("write_through", "demote")
+CUDA_BLOCK_KERNELS = ("auto", "triton", "per_layer")
 _DOMAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -52,6 +53,10 @@ class ConnectorConfig:
     # replica then finds every chunk any of them wrote, live; an external evictor
     # (``kvroute storage gc``) bounds the directory. None: a private directory.
     storage_domain: str | None = None
+    # How a CUDA worker moves a chunk's blocks between the KV cache and its staging
+    # buffer: "auto" (one Triton launch for all layers where the layout allows, else one
+    # kernel per layer), "triton" (fail at start if it cannot), "per_layer".
+    cuda_block_kernel: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -75,6 +80,8 @@ class ConnectorConfig:
             raise ValueError(f"disk_policy must be one of {DISK_POLICIES}")
         if self.disk_read_threads < 1 or self.disk_write_threads < 1:
             raise ValueError("disk_read_threads and disk_write_threads must be >= 1")
+        if self.cuda_block_kernel not in CUDA_BLOCK_KERNELS:
+            raise ValueError(f"cuda_block_kernel must be one of {CUDA_BLOCK_KERNELS}")
         if self.storage_domain is not None:
             if not self.disk_dir:
                 raise ValueError("storage_domain needs disk_dir (the shared directory)")

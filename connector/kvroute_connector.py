@@ -390,6 +390,7 @@ class KVRouteConnector(KVConnectorBase_V1):
                 prefault=self.cfg.prefault_cpu_pool,
                 disk_read_threads=self.cfg.disk_read_threads,
                 disk_write_threads=self.cfg.disk_write_threads,
+                block_kernel=self.cfg.cuda_block_kernel,
             )
         return self._executor
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from kvroute.connector.copiers import Copier, make_copier
+from kvroute.connector.copiers import Copier, LoadItem, StoreItem, make_copier
 from kvroute.connector.copy_ledger import Fence, PendingStore, StoreLedger
 from kvroute.connector.cpu_tier import CpuPool
 from kvroute.connector.disk_format import ChunkFileError, read_chunk_file, read_chunk_into
@@ -75,6 +76,7 @@ class WorkerExecutor:
         disk_read_threads: int = 2,
         disk_write_threads: int = 1,
         copier: Copier | None = None,
+        block_kernel: str = "auto",
     ) -> None:
         self.paged = paged
         self.bpc = blocks_per_chunk
@@ -83,7 +85,11 @@ class WorkerExecutor:
         # What this rank's headers carry and what its reads must find.
         self.file_identity = rank_identity(identity, self.rank)
         self.chunk_shape = paged.chunk_shape(blocks_per_chunk)
-        self.copier = copier if copier is not None else make_copier(paged, blocks_per_chunk)
+        self.copier = (
+            copier
+            if copier is not None
+            else make_copier(paged, blocks_per_chunk, block_kernel=block_kernel)
+        )
         # Pinned host buffers (RAM pool, disk staging) when copies are asynchronous.
         self._pin = pin_memory
         self.pool = CpuPool(
@@ -137,10 +143,7 @@ class WorkerExecutor:
                 buf,
                 on_written=lambda b=buf: self._free_staging(b),
             )
-        for op in plan.cpu_loads:
-            self._load_from_cpu(op)
-        if plan.cpu_loads:
-            self.copier.loads_issued()
+        self._load_from_cpu(plan.cpu_loads)
         after = self.copier.compute_marker() if plan.disk_loads else None
         for req_id, ops in plan.disk_loads.items():
             # One task per chunk: several reads in flight keep the device busy while
@@ -154,8 +157,9 @@ class WorkerExecutor:
                 fut.add_done_callback(self._forget_future)
 
     def after_forward(self, plan: StepPlan) -> None:
-        for s in plan.stores:
-            fence = self.copier.store(s.block_ids, s.slot, self.pool.slot(s.slot))
+        items = [StoreItem(s.block_ids, s.slot, self.pool.slot(s.slot)) for s in plan.stores]
+        fences = self.copier.store_many(items)
+        for s, fence in zip(plan.stores, fences, strict=True):
             self.pool.mark(s.slot, s.key)
             self._stores.add(PendingStore(s.key, s.slot, fence, s.disk_header))
         self._release_stores()
@@ -194,14 +198,26 @@ class WorkerExecutor:
             self._staging_free.append(buf)
 
     # ------------------------------------------------------------------ loads
-    def _load_from_cpu(self, op: LoadOp) -> None:
-        if self.pool.key_of(op.slot) != op.key:
-            # Never serve a slot that does not hold the chunk we were told about.
-            logger.error("kvroute: RAM slot %d does not hold the expected chunk", op.slot)
-            self._fail_load(op, "slot_mismatch")
+    def _load_from_cpu(self, ops: Sequence[LoadOp]) -> None:
+        good = []
+        for op in ops:
+            if self.pool.key_of(op.slot) != op.key:
+                # Never serve a slot that does not hold the chunk we were told about.
+                logger.error("kvroute: RAM slot %d does not hold the expected chunk", op.slot)
+                self._fail_load(op, "slot_mismatch")
+            else:
+                good.append(op)
+        if not good:
             return
-        self.copier.load(op.slot, self.pool.slot(op.slot), op.block_offset, op.block_ids)
-        self._report(Report(LOADED, op.key, Tier.CPU, req_id=op.req_id))
+        self.copier.load_many(
+            [
+                LoadItem(op.slot, self.pool.slot(op.slot), op.block_offset, op.block_ids)
+                for op in good
+            ]
+        )
+        self.copier.loads_issued()
+        for op in good:
+            self._report(Report(LOADED, op.key, Tier.CPU, req_id=op.req_id))
 
     def _forget_future(self, fut: Future) -> None:
         with self._lock:

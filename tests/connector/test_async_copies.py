@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvroute.connector.copiers import AsyncCopier, SyncCopier, make_copier
+from kvroute.connector.copiers import AsyncCopier, LoadItem, StoreItem, SyncCopier, make_copier
 from kvroute.connector.copy_ledger import DONE, PendingStore, SlotFences, StoreLedger
 from kvroute.connector.disk_tier import unlink_chunk_all_ranks
 from kvroute.connector.identity import RankInfo
@@ -123,6 +123,57 @@ def test_forward_waits_for_gathers_and_loads_only_where_needed() -> None:
     cp.loads_issued()
     last_load = be.events[-1].name
     assert be.waits_of("compute") == [last_load]  # one wait, on the last load
+
+
+class _CountingMover:
+    """The per-layer mover, counting launches and the index each one got."""
+
+    name = "counting"
+
+    def __init__(self, paged) -> None:
+        from kvroute.connector.block_kernels import TorchBlockMover
+
+        self.inner = TorchBlockMover(paged)
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        self.calls.append(("gather", index.tolist()))
+        self.inner.gather(index, out)
+
+    def scatter(self, index: torch.Tensor, src: torch.Tensor) -> None:
+        self.calls.append(("scatter", index.tolist()))
+        self.inner.scatter(index, src)
+
+
+def test_a_steps_stores_share_one_wait_and_one_index_and_stay_exact() -> None:
+    paged = make_paged()
+    be = FakeBackend()
+    mover = _CountingMover(paged)
+    cp = AsyncCopier(paged, BPC, be, mover)
+    slots = torch.empty((3, *paged.chunk_shape(BPC)), dtype=paged.dtype)
+    chunks = [[7, 2], [0, 9], [5, 4]]
+    want = [block_data(paged, c) for c in chunks]
+    dones = cp.store_many([StoreItem(c, i, slots[i]) for i, c in enumerate(chunks)])
+    assert [c for _, c in mover.calls] == chunks  # one launch per chunk, its own blocks
+    assert [e for e in be.log if e[0] == "wait_stream"] == [("wait_stream", "copy1", "compute")]
+    assert [e for e in be.log if e[0] == "use"] == [("use", "copy1", "")]
+    records = [e[2] for e in be.log if e[0] == "record"]
+    gathered = be.waits_of("compute")
+    # the forward waits once, for the last gather; each chunk has its own `done`
+    assert len(gathered) == 1 and records == [
+        *(d.name for d in dones[:2]),
+        gathered[0],
+        dones[2].name,
+    ]
+    mover.calls.clear()
+    be.complete_all()
+    cp.load_many([LoadItem(i, slots[i], 0, [20 + 2 * i, 21 + 2 * i]) for i in range(3)])
+    cp.loads_issued()
+    assert [c for _, c in mover.calls] == [[20, 21], [22, 23], [24, 25]]
+    assert be.waits_of("compute")[-1] == be.events[-1].name  # the last load only
+    for i, w in enumerate(want):
+        for a, b in zip(w, block_data(paged, [20 + 2 * i, 21 + 2 * i]), strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_slot_is_written_only_after_copies_still_reading_it() -> None:

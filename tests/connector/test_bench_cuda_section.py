@@ -35,5 +35,18 @@ def test_the_device_section_compares_our_path_with_plain_copies() -> None:
         copier=lambda paged: AsyncCopier(paged, 2, FakeBackend()),
     )
     assert res["bytes_per_measurement"] == 3 * res["chunk_bytes"]
+    assert res["block_kernel"] == "per_layer"  # the fake device keeps the torch kernels
     for k in ("store_vs_pinned_copy", "load_vs_pinned_copy", "d2h_store_gbps", "h2d_load_gbps"):
         assert res[k] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_cuda_section_compares_both_kernels_and_breaks_stores_down() -> None:
+    cuda = _cuda_tiers(_args())["cuda"]
+    assert cuda["block_kernel"] == "triton"
+    assert set(cuda["per_layer"]) >= {"store_vs_pinned_copy", "load_vs_pinned_copy"}
+    for kernel in ("triton", "per_layer"):
+        b = cuda["store_breakdown"][kernel]
+        assert b["chunks"] == 3
+        assert b["store_total_ms"] >= b["store_issue_ms"] > 0
+        assert b["gathers_device_ms"] > 0 and b["d2h_device_ms"] > 0

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvroute.connector.block_kernels import TorchBlockMover, TritonBlockMover
 from kvroute.connector.copiers import AsyncCopier, make_copier
 from kvroute.connector.disk_scan import scan_layout
 from kvroute.connector.disk_tier import unlink_chunk_all_ranks
@@ -45,11 +46,21 @@ def _chunk_bytes(paged: PagedKV) -> int:
     return paged.num_layers * BPC * paged.block_bytes()
 
 
+KERNELS = ["triton", "per_layer"]
+MOVER = {"triton": TritonBlockMover, "per_layer": TorchBlockMover}
+
+
+def test_auto_picks_the_one_launch_kernel_on_cuda() -> None:
+    copier = make_copier(_cuda_paged(1), BPC)
+    assert isinstance(copier, AsyncCopier) and isinstance(copier.mover, TritonBlockMover)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_dim", [0, 1])
-def test_cuda_round_trip_through_a_pinned_slot_is_exact(block_dim: int) -> None:
+def test_cuda_round_trip_through_a_pinned_slot_is_exact(block_dim: int, kernel: str) -> None:
     paged = _cuda_paged(block_dim)
-    copier = make_copier(paged, BPC)
-    assert isinstance(copier, AsyncCopier)
+    copier = make_copier(paged, BPC, block_kernel=kernel)
+    assert isinstance(copier, AsyncCopier) and isinstance(copier.mover, MOVER[kernel])
     slot = torch.empty(paged.chunk_shape(BPC), dtype=paged.dtype, pin_memory=True)
     want = _blocks(paged, [7, 2])
     done = copier.store([7, 2], 0, slot)
@@ -86,7 +97,14 @@ def test_the_host_does_not_wait_for_a_store_while_the_device_is_busy() -> None:
     ex.close()
 
 
-def test_cuda_store_then_disk_restart_is_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("store_kernel", "load_kernel"), [("triton", "per_layer"), ("per_layer", "triton")]
+)
+def test_cuda_store_then_disk_restart_is_exact(
+    tmp_path: Path, store_kernel: str, load_kernel: str
+) -> None:
+    """A chunk stored with one kernel loads exactly with the other: the bytes on disk
+    do not depend on the kernel (replicas of a storage domain may differ)."""
     paged = _cuda_paged(1)
     nbytes = _chunk_bytes(paged)
     kw = dict(
@@ -96,7 +114,9 @@ def test_cuda_store_then_disk_restart_is_exact(tmp_path: Path) -> None:
         unlink=lambda k: unlink_chunk_all_ranks(tmp_path, [RankInfo()], k),
     )
     p = make_planner(num_slots=4, **kw)
-    ex = make_executor(paged, num_slots=4, disk_dir=tmp_path, pin_memory=True)
+    ex = make_executor(
+        paged, num_slots=4, disk_dir=tmp_path, pin_memory=True, block_kernel=store_kernel
+    )
     tokens = [9100 + i for i in range(2 * CHUNK + 1)]
     hashes = block_hashes(tokens)
     want = _blocks(paged, list(range(2 * BPC)))
@@ -109,7 +129,9 @@ def test_cuda_store_then_disk_restart_is_exact(tmp_path: Path) -> None:
     ex.close()
     p2 = make_planner(num_slots=4, **kw)
     p2.add_disk_entries(scan_layout(tmp_path, IDENTITY, [RankInfo()]))
-    ex2 = make_executor(paged, num_slots=4, disk_dir=tmp_path, pin_memory=True)
+    ex2 = make_executor(
+        paged, num_slots=4, disk_dir=tmp_path, pin_memory=True, block_kernel=load_kernel
+    )
     res = p2.lookup("b", hashes, tokens, len(tokens), 0)
     assert res.num_tokens == 2 * CHUNK and res.is_async
     dst = list(range(40, 40 + 2 * BPC + 1))
