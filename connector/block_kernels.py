@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 # Words the kernel moves: the widest that divides every size and address it touches.
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 _TILE = 1024  # words per program
+# Arguments that vary from launch to launch (the others are fixed per KV cache).
+_VARYING_ARGS = ["buf_off", "n_blocks"]
 
 
 class BlockMover(Protocol):
@@ -73,7 +75,13 @@ def _kernel() -> Callable[..., Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Triton compiles a variant per integer argument that is 1 or divisible by 16, and per
+    # pointer aligned to 16 bytes or not, unless told otherwise. The block count and the
+    # buffer offset vary from step to step, and a compile (~1 s) on the forward path would
+    # stall it: they are not specialized, and ``copiers`` aligns the index slices it
+    # passes to 16 bytes. One variant per direction, compiled when the mover is made
+    # (``TritonBlockMover._warm_up``).
+    @triton.jit(do_not_specialize=_VARYING_ARGS)
     def move_blocks(
         base,  # layer 0's storage, as words
         layer_offs,  # [num_layers] int64: each layer's first word, relative to base
@@ -144,6 +152,18 @@ class TritonBlockMover:
             [(a - base_addr) // self.wsize for a in addrs], dtype=torch.int64, device=l0.device
         )
         self._buf_views: dict[tuple[int, int], torch.Tensor] = {}
+        if paged.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile both directions now, not on the first store or load: block 0 of every
+        layer out to a scratch buffer and back (the same bytes)."""
+        p = self.paged
+        index = torch.zeros(1, dtype=torch.int64, device=p.device)
+        scratch = torch.empty(p.chunk_shape(1), dtype=p.dtype, device=p.device)
+        self.gather(index, scratch)
+        self.scatter(index, scratch)
+        torch.cuda.synchronize(p.device)
 
     def _buffer(self, t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """(word view of ``t``'s storage, first word of ``t``, words between layers)."""

@@ -184,9 +184,9 @@ class AsyncCopier:
         gathered = b.new_event()
         dones = [b.new_event() for _ in items]
         with b.use(s):
-            index = b.index([i for it in items for i in it.block_ids])
+            index, starts = _one_index(b, [it.block_ids for it in items])
             for k, (it, done) in enumerate(zip(items, dones, strict=True)):
-                self.mover.gather(index[k * self.bpc : (k + 1) * self.bpc], self._store_buf)
+                self.mover.gather(index[starts[k] : starts[k] + self.bpc], self._store_buf)
                 if k == len(items) - 1:
                     gathered.record(s)
                 it.dst.copy_(self._store_buf, non_blocking=True)
@@ -213,15 +213,13 @@ class AsyncCopier:
                 s.wait_event(f)  # the store still filling the slot comes first
         dones = [b.new_event() for _ in items]
         with b.use(s):
-            index = b.index([i for it in items for i in it.block_ids])
-            start = 0
-            for it, done in zip(items, dones, strict=True):
+            index, starts = _one_index(b, [it.block_ids for it in items])
+            for it, start, done in zip(items, starts, dones, strict=True):
                 n = len(it.block_ids)
                 # The whole slot in one contiguous copy; only the needed blocks are scattered.
                 self._load_buf.copy_(it.src, non_blocking=True)
                 blocks = self._load_buf[:, it.offset : it.offset + n]
                 self.mover.scatter(index[start : start + n], blocks)
-                start += n
                 done.record(s)
         for it, done in zip(items, dones, strict=True):
             self.fences.read(it.slot, done)
@@ -271,6 +269,20 @@ class AsyncCopier:
             self.mover.scatter(b.index(block_ids), buf[:, offset : offset + n])
             done.record(stream)
         done.synchronize()
+
+
+def _one_index(b: DeviceBackend, groups: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    """One device index for several chunks' block ids, and where each chunk's ids start.
+    Each start is even (16 bytes of int64), so the slices a kernel gets are aligned the
+    same way every step (Triton compiles per pointer alignment: ``block_kernels``)."""
+    flat: list[int] = []
+    starts: list[int] = []
+    for ids in groups:
+        if len(flat) % 2:
+            flat.append(0)
+        starts.append(len(flat))
+        flat.extend(ids)
+    return b.index(flat), starts
 
 
 class CudaBackend:

@@ -156,3 +156,44 @@ def test_a_round_trip_through_the_kernel_is_exact(device: str) -> None:
         a = layer.index_select(1, torch.tensor(src_ids, device=device))
         b = layer.index_select(1, torch.tensor(dst_ids, device=device))
         assert torch.equal(a, b)
+
+
+def _compiled_variants() -> int:
+    kernel = block_kernels._kernel()
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:  # Triton >= 3.2: device -> (kernel cache, ...)
+        return sum(len(c[0]) for c in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+@pytest.mark.skipif(
+    not CUDA, reason="compiles for a CUDA device (the interpreter compiles nothing)"
+)
+def test_the_kernel_compiles_once_per_direction_when_the_copier_is_made() -> None:
+    """A compile on the forward path stalls it for ~1 s: block counts, buffer offsets and
+    index slices vary by step, so they must not make Triton compile new variants."""
+    from kvroute.connector.copiers import LoadItem, StoreItem, make_copier
+
+    bpc = 4
+    paged = _paged((2, 64, 16, 2, 64), 1, torch.bfloat16, "cuda")
+    make_copier(paged, bpc)  # warms up
+    before = _compiled_variants()
+    cp = make_copier(paged, bpc)
+    slots = torch.empty((4, *paged.chunk_shape(bpc)), dtype=torch.bfloat16, pin_memory=True)
+    stores = [StoreItem([4 * i + j for j in range(bpc)], i, slots[i]) for i in range(3)]
+    cp.store_many(stores)[-1].synchronize()
+    # loads of 1, 3, 4 and 2 blocks at various offsets: index slices start anywhere
+    loads = [(0, 0, [40]), (1, 1, [41, 42, 43]), (2, 0, [44, 45, 46, 47]), (0, 2, [48, 49])]
+    cp.load_many([LoadItem(slot, slots[slot], off, ids) for slot, off, ids in loads])
+    cp.loads_issued()
+    torch.cuda.synchronize()
+    assert _compiled_variants() == before
+    # and the mover alone, with fresh aligned index tensors of 1 and 16 blocks
+    m = TritonBlockMover(paged)
+    buf = torch.empty(paged.chunk_shape(16), dtype=torch.bfloat16, device="cuda")
+    for n, offset in ((1, 0), (16, 0), (5, 7)):
+        idx = torch.arange(10, 10 + n, device="cuda")
+        m.gather(idx, buf[:, offset : offset + n])
+        m.scatter(idx, buf[:, offset : offset + n])
+    torch.cuda.synchronize()
+    assert _compiled_variants() == before
