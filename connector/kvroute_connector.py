@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvroute.connector.block_kernels import block_mover
 from kvroute.connector.config import ConnectorConfig
 from kvroute.connector.cpu_tier import num_slots_for
 from kvroute.connector.disk_scan import scan_layout
@@ -372,6 +373,10 @@ class KVRouteConnector(KVConnectorBase_V1):
                 got,
                 self.chunk_bytes,
             )
+        if self._paged.device.type == "cuda":
+            # Compile the block kernel now rather than in the first step, and fail at start
+            # when cuda_block_kernel="triton" cannot be used. The copier made later reuses it.
+            block_mover(self._paged, self.cfg.cuda_block_kernel)
 
     def _ensure_executor(self, meta: KVRouteMetadata) -> WorkerExecutor:
         if self._executor is None:
