@@ -29,9 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvroute.connector.block_kernels import block_mover
 from kvroute.connector.config import ConnectorConfig
-from kvroute.connector.cpu_tier import num_slots_for
+from kvroute.connector.copiers import Copier, make_copier
+from kvroute.connector.cpu_tier import CpuPool, num_slots_for
 from kvroute.connector.disk_scan import scan_layout
 from kvroute.connector.disk_tier import tier_directory, unlink_chunk_all_ranks
 from kvroute.connector.events import KVRouteReports, to_vllm_event
@@ -150,6 +150,8 @@ class KVRouteConnector(KVConnectorBase_V1):
         self._planner: Planner | None = None
         self._executor: WorkerExecutor | None = None
         self._paged: PagedKV | None = None
+        self._pool: CpuPool | None = None
+        self._copier: Copier | None = None
         self._requests: dict[str, Request] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config)
@@ -373,10 +375,28 @@ class KVRouteConnector(KVConnectorBase_V1):
                 got,
                 self.chunk_bytes,
             )
-        if self._paged.device.type == "cuda":
-            # Compile the block kernel now rather than in the first step, and fail at start
-            # when cuda_block_kernel="triton" cannot be used. The copier made later reuses it.
-            block_mover(self._paged, self.cfg.cuda_block_kernel)
+        # What costs time is made now, at start, not in the first step that serves a
+        # request: the RAM pool (pinned on CUDA: cudaHostAlloc of cpu_gib, seconds for
+        # tens of GiB, plus page faults on CPU) and the copier (on CUDA its block kernel
+        # is compiled; cuda_block_kernel="triton" fails here when it cannot be used).
+        # The executor, made in the first step, needs the scheduler's layout identity.
+        pin = self.cfg.pin_memory and torch.cuda.is_available()
+        chunk_shape = self._paged.chunk_shape(self.bpc)
+        self._pool = CpuPool(
+            self.num_slots,
+            chunk_shape,
+            self._paged.dtype,
+            pin_memory=pin,
+            prefault=self.cfg.prefault_cpu_pool,
+        )
+        self._copier = make_copier(self._paged, self.bpc, block_kernel=self.cfg.cuda_block_kernel)
+        logger.info(
+            "kvroute: worker RAM pool of %d slots (%.2f GiB%s) and %s copier ready",
+            self.num_slots,
+            self.num_slots * self._pool.chunk_bytes / (1 << 30),
+            ", pinned" if pin else "",
+            type(self._copier).__name__,
+        )
 
     def _ensure_executor(self, meta: KVRouteMetadata) -> WorkerExecutor:
         if self._executor is None:
@@ -395,7 +415,8 @@ class KVRouteConnector(KVConnectorBase_V1):
                 prefault=self.cfg.prefault_cpu_pool,
                 disk_read_threads=self.cfg.disk_read_threads,
                 disk_write_threads=self.cfg.disk_write_threads,
-                block_kernel=self.cfg.cuda_block_kernel,
+                copier=self._copier,
+                pool=self._pool,
             )
         return self._executor
 

@@ -77,6 +77,7 @@ class WorkerExecutor:
         disk_write_threads: int = 1,
         copier: Copier | None = None,
         block_kernel: str = "auto",
+        pool: CpuPool | None = None,
     ) -> None:
         self.paged = paged
         self.bpc = blocks_per_chunk
@@ -92,8 +93,15 @@ class WorkerExecutor:
         )
         # Pinned host buffers (RAM pool, disk staging) when copies are asynchronous.
         self._pin = pin_memory
-        self.pool = CpuPool(
-            num_slots, self.chunk_shape, paged.dtype, pin_memory=pin_memory, prefault=prefault
+        if pool is not None and (pool.num_slots, pool.chunk_shape) != (num_slots, self.chunk_shape):
+            raise ValueError("the given RAM pool does not match the slots and chunk shape")
+        # A pool made at start (the connector's register_kv_caches), else one made here.
+        self.pool = (
+            pool
+            if pool is not None
+            else CpuPool(
+                num_slots, self.chunk_shape, paged.dtype, pin_memory=pin_memory, prefault=prefault
+            )
         )
         self.disk_dir = disk_dir
         self.rank_dir = rank_directory(disk_dir, self.rank) if disk_dir is not None else None

@@ -129,6 +129,12 @@ def _wait_events(col: EventCollector, pred, timeout: float = 20.0) -> list[Any]:
 def test_ram_then_disk_hits_are_exact_and_published(replica: Any) -> None:
     from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
+    # The worker's RAM pool and copier are made at start, not in the first request's step.
+    log = replica.process.log_path.read_text(errors="replace")
+    this_start = log[log.rindex("==== start") :]
+    assert "worker RAM pool of" in this_start
+    assert this_start.index("worker RAM pool of") < this_start.index("Starting vLLM server")
+
     col = EventCollector(replica.events_endpoint)
     time.sleep(1.0)  # slow joiner: let the SUB connect before the first publish
     try:

@@ -229,3 +229,24 @@ def test_disk_write_queue_bound_drops_instead_of_blocking(
     assert len(p.disk) == 1
     assert p.stats.disk_write_failures == 2
     ex.close()
+
+
+def test_the_executor_uses_a_ram_pool_made_at_start_and_refuses_a_mismatched_one() -> None:
+    from kvroute.connector.cpu_tier import CpuPool
+
+    paged = make_paged()
+    shape = paged.chunk_shape(BPC)
+    pool = CpuPool(4, shape, paged.dtype)
+    p = make_planner(num_slots=4, payload_bytes=_chunk_bytes(paged))
+    ex = make_executor(paged, num_slots=4, pool=pool)
+    assert ex.pool is pool
+    tokens, hashes = _prompt(5, 1)
+    want = block_data(paged, [0, 1])
+    p.on_scheduled("a", [0, 1], hashes, tokens, len(tokens))
+    step(p, ex)
+    slot = next(i for i in range(4) if pool.key_of(i) is not None)
+    for li, w in enumerate(want):
+        assert torch.equal(pool.slot(slot)[li], w.movedim(paged.block_dim, 0))
+    ex.close()
+    with pytest.raises(ValueError, match="does not match"):
+        make_executor(paged, num_slots=8, pool=pool)
