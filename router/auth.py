@@ -26,7 +26,7 @@ from typing import Any
 
 from kvroute.router.errors import error_response
 
-__all__ = ["OPEN_PATHS", "ApiKeyMiddleware", "ReplicaAuth", "bearer_matches"]
+__all__ = ["OPEN_PATHS", "ApiKeyMiddleware", "ReplicaAuth", "bearer_matches", "key_digests"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -46,6 +46,11 @@ REFUSED_MESSAGE = (
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def key_digests(keys: Iterable[str]) -> tuple[bytes, ...]:
+    """What ``bearer_matches`` compares against: the keys' digests, computed once."""
+    return tuple(_digest(k) for k in keys)
 
 
 def bearer_matches(authorization: bytes | None, digests: Iterable[bytes]) -> bool:
@@ -69,7 +74,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, keys: Iterable[str], *, protect_metrics: bool = False) -> None:
         self.app = app
-        self.digests = tuple(_digest(k) for k in keys)
+        self.digests = key_digests(keys)
         self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | _MONITORING_PATHS
 
     def allows(self, scope: Scope) -> bool:

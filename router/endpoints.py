@@ -167,12 +167,8 @@ class ProxyEndpoint:
         parsed: ParsedRequest,
     ) -> None:
         service = self.service
-        candidates = service.unsaturated(service.candidates(parsed.model), parsed.model)
-        started = time.perf_counter()
         session = _header(scope, service.settings.session_header.encode())
-        decision = await service.router.decide(parsed, candidates, session)
-        service.metrics.decision_time.observe(time.perf_counter() - started)
-        service.metrics.decisions.labels(decision.policy, decision.reason).inc()
+        decision = await service.decide(parsed, session)
         await self._forward(
             scope, receive, send, raw, request_id, decision.ranked, parsed.stream, decision
         )
@@ -182,10 +178,7 @@ class ProxyEndpoint:
     ) -> None:
         """/tokenize and /detokenize: any healthy replica serving the model, least loaded."""
         service = self.service
-        body = decode_json(raw, service.limits)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RouterError(400, "'model' must be a string", param="model")
+        model = passthrough_model(decode_json(raw, service.limits))
         pool = service.candidates(model) if model else self._healthy()
         ranked = sorted(pool, key=lambda r: r.pending)
         await self._forward(scope, receive, send, raw, request_id, ranked, False, None)
@@ -197,23 +190,20 @@ class ProxyEndpoint:
         completion; without one, by load."""
         service = self.service
         body = decode_json(raw, service.limits)
-        parsed = PROMPT_PARSERS[self.kind](body, service.limits)
         stream = bool(body.get("stream") is True)
         previous = body.get("previous_response_id") if self.kind == "responses" else None
         if isinstance(previous, str) and previous:
+            PROMPT_PARSERS[self.kind](body, service.limits)  # 400 on a bad body, as always
             ranked, probe = self._holder_first(previous, _str(body.get("model")))
             await self._forward(
                 scope, receive, send, raw, request_id, ranked, stream, None, probe_404=probe
             )
             return
-        model = (parsed.model if parsed is not None else _str(body.get("model"))) or (
-            self._default_model()
-        )
-        if parsed is None or not model:
+        parsed, model = prompted_request(service, self.kind, body)
+        if parsed is None:
             ranked = sorted(self._pool(model), key=lambda r: r.pending)
             await self._forward(scope, receive, send, raw, request_id, ranked, stream, None)
             return
-        parsed.model = model
         await self._routed(scope, receive, send, raw, request_id, parsed)
 
     async def _stored(
@@ -231,39 +221,19 @@ class ProxyEndpoint:
     ) -> None:
         """Any other path: the body passes untouched (JSON or not); a JSON body naming a
         model the fleet knows narrows the replicas to those serving it."""
-        model = None
-        if raw[:1] in (b"{", b" ", b"\n", b"\t", b"\r"):
-            with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-                body = _decode(raw)
-                if isinstance(body, dict):
-                    model = _str(body.get("model"))
-        ranked = sorted(self._pool(model), key=lambda r: r.pending)
+        ranked = sorted(self._pool(json_model(raw)), key=lambda r: r.pending)
         await self._forward(scope, receive, send, raw, request_id, ranked, False, None)
 
     # --- candidates -----------------------------------------------------------------------
 
     def _healthy(self) -> list[Replica]:
-        healthy = self.service.registry.healthy()
-        if not healthy:
-            raise RouterError(
-                503,
-                "no healthy replica is available",
-                headers={"retry-after": str(self.service.settings.retry_after_s)},
-            )
-        return healthy
+        return self.service.healthy_or_503()
 
     def _pool(self, model: str | None) -> list[Replica]:
-        """Replicas serving ``model`` when the fleet knows it; else every healthy one (the
-        replica is the judge of a model the router has not seen)."""
-        if model and model in self.service.registry.known_models():
-            return self.service.candidates(model)
-        return self._healthy()
+        return self.service.pool(model)
 
     def _default_model(self) -> str | None:
-        """vLLM's default when a body names no model: the one model the fleet serves."""
-        known = self.service.registry.known_models(self.service.registry.healthy())
-        bases = [m for m, card in known.items() if not card.get("parent")]
-        return bases[0] if len(bases) == 1 else None
+        return self.service.default_model()
 
     def _holder_first(self, response_id: str, model: str | None) -> tuple[list[Replica], bool]:
         """The replica holding ``response_id`` alone when known and healthy; otherwise every
@@ -458,6 +428,58 @@ class _SendTracker:
     async def __call__(self, message: MutableMapping[str, Any]) -> None:
         self.started = True
         await self.send(message)
+
+
+def routing_input(
+    service: RouterService, kind: str, raw: bytes
+) -> tuple[ParsedRequest | None, str | None]:
+    """What routing reads in a body of ``kind``, exactly as the proxied endpoints read it:
+    the request to rank by its prompt (None: it goes by load) and the model that names the
+    candidates. A body routing cannot read is a RouterError (400 in OpenAI's schema). The
+    endpoint picker (router/epp.py) reads bodies through this, so both doors agree."""
+    if kind in ("completion", "chat"):
+        parsed = parse_body(raw, kind, service.limits)  # type: ignore[arg-type]
+        return parsed, parsed.model
+    if kind in PROMPT_PARSERS:
+        return prompted_request(service, kind, decode_json(raw, service.limits))
+    if kind in ("tokenize", "detokenize"):
+        return None, passthrough_model(decode_json(raw, service.limits))
+    return None, json_model(raw)
+
+
+def prompted_request(
+    service: RouterService, kind: str, body: dict[str, Any]
+) -> tuple[ParsedRequest | None, str | None]:
+    """A body of a kind kvroute.router.prompts reads: its prompt as a request to rank (None
+    when it holds no prompt the router can read, or no model can be told), and its model
+    (vLLM's default, the fleet's one model, when it names none)."""
+    parsed = PROMPT_PARSERS[kind](body, service.limits)
+    model = (parsed.model if parsed is not None else _str(body.get("model"))) or (
+        service.default_model()
+    )
+    if parsed is None or not model:
+        return None, model
+    parsed.model = model
+    return parsed, model
+
+
+def passthrough_model(body: dict[str, Any]) -> str | None:
+    """/tokenize and /detokenize: the optional ``model`` (400 when it is not a string)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RouterError(400, "'model' must be a string", param="model")
+    return model or None
+
+
+def json_model(raw: bytes) -> str | None:
+    """The ``model`` a body of a path the router does not parse names, when it is a JSON
+    object naming one (anything else, multipart included, passes untouched: None)."""
+    if raw[:1] in (b"{", b" ", b"\n", b"\t", b"\r"):
+        with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            body = _decode(raw)
+            if isinstance(body, dict):
+                return _str(body.get("model"))
+    return None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,8 +36,8 @@ from kvroute.router.periodic import PeriodicTask
 from kvroute.router.policies import make_policy
 from kvroute.router.proxy import Forwarder
 from kvroute.router.replicas import Replica, ReplicaRegistry
-from kvroute.router.requests import RequestLimits
-from kvroute.router.routing import Router
+from kvroute.router.requests import ParsedRequest, RequestLimits
+from kvroute.router.routing import Decision, Router
 from kvroute.router.token_check import LiveCheck
 from kvroute.router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
 from kvroute.router.upstream import UpstreamClient
@@ -523,6 +524,31 @@ class RouterService:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
+    def healthy_or_503(self) -> list[Replica]:
+        """Every healthy replica; 503 with Retry-After in OpenAI's schema when none is."""
+        healthy = self.registry.healthy()
+        if not healthy:
+            raise RouterError(
+                503,
+                "no healthy replica is available",
+                headers={"retry-after": str(self.settings.retry_after_s)},
+            )
+        return healthy
+
+    def pool(self, model: str | None) -> list[Replica]:
+        """Where a request routed by load may go: the replicas serving ``model`` when the
+        fleet knows it; else every healthy one (the replica is the judge of a model the
+        router has not seen)."""
+        if model and model in self.registry.known_models():
+            return self.candidates(model)
+        return self.healthy_or_503()
+
+    def default_model(self) -> str | None:
+        """vLLM's default when a body names no model: the one model the fleet serves."""
+        known = self.registry.known_models(self.registry.healthy())
+        bases = [m for m, card in known.items() if not card.get("parent")]
+        return bases[0] if len(bases) == 1 else None
+
     def unsaturated(self, candidates: list[Replica], model: str) -> list[Replica]:
         """The candidates with room under ``max_pending_per_replica`` (all when it is 0);
         503 with Retry-After when none has: vLLM queues without bound, so the router must
@@ -538,6 +564,26 @@ class RouterService:
             f"every replica serving `{model}` has {limit} or more requests pending; retry later",
             headers={"retry-after": str(self.settings.retry_after_s)},
         )
+
+    async def decide(
+        self,
+        parsed: ParsedRequest,
+        session: str | None,
+        narrow: Callable[[list[Replica]], list[Replica]] | None = None,
+    ) -> Decision:
+        """Rank the replicas for a parsed request: the one decision path of the proxied
+        endpoints and the endpoint picker (router/epp.py), so both pick alike. ``narrow``
+        keeps the replicas a caller may use (the gateway's subset hint; it raises when none
+        is left). 404/503 in OpenAI's schema when no candidate remains."""
+        candidates = self.candidates(parsed.model)
+        if narrow is not None:
+            candidates = narrow(candidates)
+        candidates = self.unsaturated(candidates, parsed.model)
+        started = time.perf_counter()
+        decision = await self.router.decide(parsed, candidates, session)
+        self.metrics.decision_time.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(decision.policy, decision.reason).inc()
+        return decision
 
     def tokenize_url(self, model: str) -> str | None:
         pool = self.registry.candidates(model) or self.registry.healthy()
