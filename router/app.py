@@ -51,9 +51,17 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         readiness.start()
         await service.start()
+        epp = None
         try:
+            if settings.epp_port is not None:
+                # Imported only here: grpcio and xds-protos are needed only for the picker.
+                from kvroute.router.epp import start_epp
+
+                epp = await start_epp(service, settings.host, settings.epp_port)
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             await service.stop()
 
     app = FastAPI(title="kvroute router", lifespan=lifespan, docs_url=None, redoc_url=None)

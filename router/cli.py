@@ -115,6 +115,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=d.host)
     server.add_argument("--port", type=int, default=d.port)
+    server.add_argument(
+        "--epp-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve as a Gateway API Inference Extension endpoint picker: Envoy's "
+        "ext_proc gRPC on this port of --host (plaintext, or TLS with --epp-tls-cert and "
+        "--epp-tls-key), for an InferencePool's "
+        "endpointPickerRef; the gateway forwards the traffic. Meant for the gateway only "
+        "(restrict it with a NetworkPolicy); with --api-key each request's Authorization "
+        "is checked like on HTTP. Needs the xds-protos package. Default: off",
+    )
+    server.add_argument(
+        "--epp-tls-cert",
+        metavar="PEM",
+        help="serve the endpoint picker over TLS with this certificate (chain), as the "
+        "Inference Extension's own picker does by default; with --epp-tls-key",
+    )
+    server.add_argument("--epp-tls-key", metavar="PEM", help="the --epp-tls-cert's private key")
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")
     keys = parser.add_argument_group(
@@ -387,6 +406,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         tokenizer_render=not args.no_tokenizer_render,
         host=args.host,
         port=args.port,
+        epp_port=args.epp_port,
+        epp_tls_cert=args.epp_tls_cert,
+        epp_tls_key=args.epp_tls_key,
         connect_timeout_s=args.connect_timeout_s,
         read_timeout_s=args.read_timeout_s,
         max_attempts=args.max_attempts,
@@ -432,6 +454,13 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    has = importlib.util.find_spec
+    if settings.epp_port is not None and (has("grpc") is None or has("envoy") is None):
+        print(
+            "kvroute serve: --epp-port needs grpcio and xds-protos (pip install xds-protos)",
+            file=sys.stderr,
+        )
+        return 2
     if settings.k8s_discovery is not None:
         from kvroute.router.k8s_discovery import load_kube_config
 
@@ -440,7 +469,6 @@ def main(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"kvroute serve: {exc}", file=sys.stderr)
             return 2
-    has = importlib.util.find_spec
     uvicorn.run(
         create_app(settings),
         host=settings.host,

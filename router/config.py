@@ -266,6 +266,12 @@ class RouterSettings:
     tokenizer_mode: Literal["local", "remote"] = "local"
     host: str = "127.0.0.1"
     port: int = 8000
+    # The Gateway API Inference Extension endpoint picker (router/epp.py): Envoy's ext_proc
+    # gRPC protocol on this port of ``host``, in the HTTP app's process and loop (None: off).
+    epp_port: int | None = None
+    # Serve it over TLS with this certificate chain and key (PEM files); None: plaintext.
+    epp_tls_cert: str | None = None
+    epp_tls_key: str | None = None
     # Proxying
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
@@ -395,6 +401,17 @@ class RouterSettings:
             raise ConfigError("max_pending_per_replica must be >= 0 (0: no bound)")
         if self.max_in_flight < 1:
             raise ConfigError("max_in_flight must be >= 1")
+        if self.epp_port is not None and (
+            isinstance(self.epp_port, bool)
+            or not isinstance(self.epp_port, int)
+            or not 1 <= self.epp_port <= 65535
+            or self.epp_port == self.port
+        ):
+            raise ConfigError("epp_port must be a port in [1, 65535] other than the HTTP port")
+        if (self.epp_tls_cert is None) != (self.epp_tls_key is None):
+            raise ConfigError("epp_tls_cert and epp_tls_key go together (--epp-tls-cert/-key)")
+        if self.epp_tls_cert is not None and self.epp_port is None:
+            raise ConfigError("epp_tls_cert needs epp_port (--epp-port)")
         for peer in self.peers:
             parts = urlsplit(peer)
             if parts.scheme not in ("http", "https") or not parts.netloc:

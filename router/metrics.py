@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["ENDPOINTS", "OUTCOMES", "RouterMetrics"]
+__all__ = ["ENDPOINTS", "EPP_OUTCOMES", "OUTCOMES", "RouterMetrics"]
 
 ENDPOINTS = (
     "completions",
@@ -41,6 +41,12 @@ OUTCOMES = (
     "unavailable",  # no healthy replica / every attempt failed before the first byte
     "midstream_error",  # the stream broke after it started
     "cancelled",  # the client went away
+    "router_error",  # a bug in the router (answered 500)
+)
+EPP_OUTCOMES = (
+    "picked",  # an endpoint went back to the gateway
+    "client_error",  # refused: 400/401/404/413
+    "unavailable",  # no replica could take it (503), the subset hint's included
     "router_error",  # a bug in the router (answered 500)
 )
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -171,6 +177,14 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # The endpoint picker (router/epp.py): requests the gateway asked about, by outcome
+        # (picked, or refused with an ImmediateResponse: EPP_OUTCOMES).
+        self.epp_requests = Counter(
+            "kvroute_epp_requests",
+            "Endpoint-picker (ext_proc) requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
         # Pre-bind the children used on every request (label lookup is not free).
         self._requests = {(e, o): self.requests.labels(e, o) for e in ENDPOINTS for o in OUTCOMES}
         self._latency = {e: self.upstream_latency.labels(e) for e in ENDPOINTS}
@@ -180,6 +194,10 @@ class RouterMetrics:
 
     def request(self, endpoint: str, outcome: str) -> None:
         self._requests[endpoint, outcome].inc()
+
+    def epp_request(self, endpoint: str, outcome: str) -> None:
+        """An endpoint-picker request ended its request phase: ``outcome`` in EPP_OUTCOMES."""
+        self.epp_requests.labels(endpoint, outcome).inc()
 
     def latency(self, endpoint: str, seconds: float) -> None:
         self._latency[endpoint].observe(seconds)
