@@ -57,7 +57,9 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
                 # Imported only here: grpcio and xds-protos are needed only for the picker.
                 from kvroute.router.epp import start_epp
 
-                epp = await start_epp(service, settings.host, settings.epp_port)
+                epp = await start_epp(
+                    service, settings.host, settings.epp_port, lambda: readiness.check()[0]
+                )
             yield
         finally:
             if epp is not None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -501,13 +501,84 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             exchange.close()
 
 
+# grpc.health.v1 (the gRPC Health Checking Protocol, which the Endpoint Picker Protocol asks
+# of a picker), built here from its two messages: the generated module ships in a separate
+# package (grpcio-health-checking) that kvroute would need for nothing else.
+_HEALTH_SERVICE = "grpc.health.v1.Health"
+_SERVING, _NOT_SERVING = 1, 2
+
+
+def _health_messages() -> tuple[type[Any], type[Any]]:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="kvroute/grpc_health_v1.proto", package="grpc.health.v1", syntax="proto3"
+    )
+    request = proto.message_type.add(name="HealthCheckRequest")
+    request.field.add(name="service", number=1, type=9, label=1)  # string
+    response = proto.message_type.add(name="HealthCheckResponse")
+    status = response.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")):
+        status.value.add(name=name, number=number)
+    response.field.add(
+        name="status",
+        number=1,
+        type=14,  # enum
+        label=1,
+        type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return (
+        message_factory.GetMessageClass(
+            pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")
+        ),
+        message_factory.GetMessageClass(
+            pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse")
+        ),
+    )
+
+
+def _health_handler(ready: Callable[[], bool]) -> grpc.GenericRpcHandler:
+    """``Check`` as the protocol names its services: ``liveness`` (and ``""``, the server)
+    SERVING while the process answers; ``readiness`` and the ext_proc service SERVING when
+    ``ready()`` (the router's ``GET /ready``), else NOT_SERVING; any other, NOT_FOUND."""
+    request_type, response_type = _health_messages()
+    picker = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.service in ("", "liveness"):
+            return response_type(status=_SERVING)
+        if request.service in ("readiness", picker):
+            return response_type(status=_SERVING if ready() else _NOT_SERVING)
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+
+    return grpc.method_handlers_generic_handler(
+        _HEALTH_SERVICE,
+        {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                check,
+                request_deserializer=request_type.FromString,
+                response_serializer=response_type.SerializeToString,
+            )
+        },
+    )
+
+
 class EppServer:
     """The picker's gRPC server, on the HTTP app's event loop (started by its lifespan).
     Plaintext, or TLS with ``epp_tls_cert``/``epp_tls_key`` (the Inference Extension's own
     picker serves TLS by default, and gateways set up for it may dial TLS)."""
 
-    def __init__(self, service: RouterService, host: str, port: int) -> None:
+    def __init__(
+        self,
+        service: RouterService,
+        host: str,
+        port: int,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         self.service = service
+        self.ready = ready or (lambda: bool(service.registry.healthy()))
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.server: grpc.aio.Server | None = None
 
@@ -518,6 +589,7 @@ class EppServer:
         limit = settings.max_body_bytes + (1 << 20)
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
         pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.service), server)
+        server.add_generic_rpc_handlers((_health_handler(self.ready),))
         if settings.epp_tls_cert and settings.epp_tls_key:
             with open(settings.epp_tls_key, "rb") as key, open(settings.epp_tls_cert, "rb") as cert:
                 credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
@@ -535,8 +607,11 @@ class EppServer:
             self.server = None
 
 
-async def start_epp(service: RouterService, host: str, port: int) -> EppServer:
-    """Start the endpoint picker beside the HTTP app (kvroute.router.app's lifespan)."""
-    server = EppServer(service, host, port)
+async def start_epp(
+    service: RouterService, host: str, port: int, ready: Callable[[], bool] | None = None
+) -> EppServer:
+    """Start the endpoint picker beside the HTTP app (kvroute.router.app's lifespan);
+    ``ready``: what its gRPC health service calls readiness (default: a healthy replica)."""
+    server = EppServer(service, host, port, ready)
     await server.start()
     return server

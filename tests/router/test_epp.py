@@ -417,6 +417,31 @@ def test_bad_input_gets_an_immediate_response(
     assert _run(setup, lambda s: _pick(s, _chat("after a bad one"))) in setup.endpoints.values()
 
 
+def _health(setup: Setup, service: str) -> bytes | grpc.StatusCode:
+    """grpc.health.v1.Health/Check, its messages written by hand: the wire bytes of the
+    answer (``08 01``: SERVING, ``08 02``: NOT_SERVING), or the call's error code."""
+
+    async def check() -> bytes | grpc.StatusCode:
+        async with grpc.aio.insecure_channel(setup.epp) as channel:
+            call = channel.unary_unary("/grpc.health.v1.Health/Check")
+            request = b"\x0a" + bytes([len(service)]) + service.encode() if service else b""
+            try:
+                return await asyncio.wait_for(call(request), 10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+    return asyncio.run(check())
+
+
+SERVING, NOT_SERVING = b"\x08\x01", b"\x08\x02"
+
+
+def test_the_grpc_health_service(setup: Setup) -> None:
+    for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert _health(setup, service) == SERVING, service
+    assert _health(setup, "no.such.Service") == grpc.StatusCode.NOT_FOUND
+
+
 def _self_signed(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key, as PEM files."""
     x509 = pytest.importorskip("cryptography.x509")
@@ -500,6 +525,8 @@ def test_no_healthy_replica_is_a_503(setup: Setup) -> None:
         await stream.ends()
 
     _run(setup, refused)
+    assert _health(setup, "readiness") == NOT_SERVING
+    assert _health(setup, "liveness") == SERVING
 
 
 @pytest.mark.parametrize(
