@@ -75,6 +75,7 @@ __all__ = [
     "SUBSET_NAMESPACE",
     "EndpointPicker",
     "EppServer",
+    "destination_mutation",
     "replica_endpoint",
 ]
 
@@ -202,6 +203,26 @@ def _body_chunks(raw: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]
         )
         for i, piece in enumerate(pieces)
     ]
+
+
+def destination_mutation(
+    replica: Replica, endpoint: str, auth: ReplicaAuth, content_length: int | None = None
+) -> pb.HeaderMutation:
+    """The pick as a header mutation, plus what kvroute's proxy would have changed in the
+    forwarded request: a data-parallel rank's pin (``X-data-parallel-rank``), and the
+    replicas' ``Authorization`` (router/auth.py: the router's key is never forwarded; the
+    replica key, when set, replaces it)."""
+    headers = [_header_option(DESTINATION_HEADER, endpoint)]
+    if replica.config.dp_rank is not None:
+        headers.append(_header_option(DP_RANK_HEADER.decode(), str(replica.config.dp_rank)))
+    if content_length is not None:
+        headers.append(_header_option("content-length", str(content_length)))
+    remove: list[str] = []
+    if auth.header is not None:
+        headers.append(_header_option("authorization", auth.header.decode("latin-1")))
+    elif auth.drop_client:
+        remove.append("authorization")
+    return pb.HeaderMutation(set_headers=headers, remove_headers=remove)
 
 
 @dataclass(slots=True)
@@ -393,28 +414,12 @@ class _Exchange:
         service.metrics.epp_request(ENDPOINT_LABELS[kind], "picked")
         return pb.HeadersResponse(
             response=pb.CommonResponse(
-                header_mutation=self._mutation(replica, endpoint, content_length),
+                header_mutation=destination_mutation(
+                    replica, endpoint, self.picker.replica_auth, content_length
+                ),
                 clear_route_cache=True,
             )
         )
-
-    def _mutation(
-        self, replica: Replica, endpoint: str, content_length: int | None
-    ) -> pb.HeaderMutation:
-        """The pick, plus what kvroute's proxy would have changed in the forwarded request:
-        a data-parallel rank's pin, and the replicas' ``Authorization`` (router/auth.py)."""
-        auth = self.picker.replica_auth
-        headers = [_header_option(DESTINATION_HEADER, endpoint)]
-        if replica.config.dp_rank is not None:
-            headers.append(_header_option(DP_RANK_HEADER.decode(), str(replica.config.dp_rank)))
-        if content_length is not None:
-            headers.append(_header_option("content-length", str(content_length)))
-        remove: list[str] = []
-        if auth.header is not None:
-            headers.append(_header_option("authorization", auth.header.decode("latin-1")))
-        elif auth.drop_client:
-            remove.append("authorization")
-        return pb.HeaderMutation(set_headers=headers, remove_headers=remove)
 
     def _metadata(self) -> dict[str, Any]:
         assert self.pick is not None

@@ -544,3 +544,50 @@ def test_the_epp_settings_are_checked(fields: dict[str, Any]) -> None:
 
     with pytest.raises(ConfigError):
         RouterSettings(**fields)
+
+
+# --- pieces, without a server -------------------------------------------------------------
+
+
+def test_endpoints_subset_hints_and_the_mutation() -> None:
+    from kvroute.router.auth import ReplicaAuth
+    from kvroute.router.config import ReplicaConfig
+    from kvroute.router.epp import _subset, destination_mutation, replica_endpoint
+    from kvroute.router.replicas import Replica
+
+    def endpoint(url: str) -> str:
+        return replica_endpoint(Replica(ReplicaConfig(url=url)))
+
+    assert endpoint("http://10.0.0.7:8000") == "10.0.0.7:8000"
+    assert endpoint("http://10.0.0.7") == "10.0.0.7:80"
+    assert endpoint("http://[fd00::7]:8000/") == "[fd00::7]:8000"
+
+    assert _subset(_headers(subset=None)) is None
+    assert _subset(_headers(subset=["10.0.0.7:8000", " [FD00::7]:8000"])) == {
+        "10.0.0.7:8000",
+        "[fd00::7]:8000",
+    }
+    lenient = _headers()
+    hint = lenient.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+    hint.fields[
+        "x-gateway-destination-endpoint-subset"
+    ].string_value = "10.0.0.7:8000,10.0.0.8:8000"
+    assert _subset(lenient) == {"10.0.0.7:8000", "10.0.0.8:8000"}
+
+    rank = Replica(ReplicaConfig(url="http://10.0.0.7:8000", name="big#dp1", dp_rank=1))
+    keys = ReplicaAuth.of(["sk-router"], "sk-replica")
+    mutation = destination_mutation(rank, "10.0.0.7:8000", keys, 42)
+    set_headers = {h.header.key: h.header.raw_value for h in mutation.set_headers}
+    assert set_headers == {
+        "x-gateway-destination-endpoint": b"10.0.0.7:8000",
+        "x-data-parallel-rank": b"1",
+        "content-length": b"42",
+        "authorization": b"Bearer sk-replica",
+    }
+    assert list(mutation.remove_headers) == []
+    plain = destination_mutation(rank, "10.0.0.7:8000", ReplicaAuth.of([], None))
+    assert [h.header.key for h in plain.set_headers] == [
+        "x-gateway-destination-endpoint",
+        "x-data-parallel-rank",
+    ]
+    assert list(plain.remove_headers) == []
