@@ -37,7 +37,8 @@ Extension documents) the headers answer waits for the whole body, then the body 
 back as streamed chunks, as the reference picker does. With ``BUFFERED`` Envoy waits for an
 answer to the headers before it sends the body, so the headers pass unchanged and the pick
 rides on the body's answer (header mutation and metadata). ``NONE``: no body ever comes,
-the request goes by load.
+the request goes by load. The response's body is handed back chunk by chunk in
+``FULL_DUPLEX_STREAMED`` (or without an announcement) and simply acknowledged otherwise.
 """
 
 from __future__ import annotations
@@ -250,8 +251,9 @@ class _Exchange:
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
         self.service = picker.service
-        self.duplex_request = True  # until Envoy says otherwise (module docstring)
-        self.duplex_response = False
+        # Until Envoy says otherwise (module docstring): the Inference Extension's modes.
+        self.duplex_request = True
+        self.duplex_response = True
         self.no_body = False
         self.headers: dict[str, str] = {}
         self.subset: set[str] | None = None

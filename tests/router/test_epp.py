@@ -311,8 +311,8 @@ def test_a_body_streamed_in_chunks_and_a_buffered_body(setup: Setup) -> None:
     raw = json.dumps(body).encode()
     expected = setup.debug_route(body)["chosen"]
 
-    async def chunked(stream: Stream) -> None:
-        await stream.send(_headers(mode=DUPLEX))
+    async def chunked(stream: Stream, mode: int | None) -> None:
+        await stream.send(_headers(mode=mode))
         third = len(raw) // 3
         await stream.send(_body(raw[:third], False), _body(raw[third : 2 * third], False))
         await stream.send(_body(raw[2 * third :], True))
@@ -341,7 +341,8 @@ def test_a_body_streamed_in_chunks_and_a_buffered_body(setup: Setup) -> None:
         endpoint, metadata, _, _ = _destination(answer)
         assert endpoint == metadata == setup.endpoints[expected]
 
-    _run(setup, chunked)
+    _run(setup, lambda s: chunked(s, DUPLEX))
+    _run(setup, lambda s: chunked(s, None))  # no protocol_config: the Inference Extension's
     _run(setup, buffered)
 
 
