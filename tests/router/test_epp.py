@@ -586,6 +586,9 @@ def test_endpoints_subset_hints_and_the_mutation() -> None:
         "authorization": b"Bearer sk-replica",
     }
     assert list(mutation.remove_headers) == []
+    # A client's own x-gateway-destination-endpoint is replaced, never kept beside the pick.
+    overwrite = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    assert {h.append_action for h in mutation.set_headers} == {overwrite}
     plain = destination_mutation(rank, "10.0.0.7:8000", ReplicaAuth.of([], None))
     assert [h.header.key for h in plain.set_headers] == [
         "x-gateway-destination-endpoint",
