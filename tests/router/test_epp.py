@@ -26,21 +26,20 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# grpcio and xds-protos are base dependencies (pyproject.toml): a missing one is a broken
+# install and fails here, never a skip.
+import grpc
 import httpx
 import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-grpc = pytest.importorskip("grpc")
-pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
-
-from envoy.config.core.v3 import base_pb2 as core  # noqa: E402
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: E402
-
-from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig  # noqa: E402
-from kvroute.bench.sim.latency import LatencyModel  # noqa: E402
-from kvroute.deploy.processes import free_port  # noqa: E402
-from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess  # noqa: E402
+from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.deploy.processes import free_port
+from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess
 
 KEY = "sk-epp-test"
 AUTH = f"Bearer {KEY}"
@@ -445,7 +444,7 @@ def test_the_grpc_health_service(setup: Setup) -> None:
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key, as PEM files."""
-    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography import x509  # the test extra (pyproject.toml)
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
