@@ -16,7 +16,9 @@ Design points:
   byte-identical files and block hashes line up across machines.
 * The build is idempotent: a ``kvroute_build.json`` stamp records the parameters, and a
   directory already built with the same parameters is left untouched (vLLM replicas may be
-  serving it).
+  serving it). Builders of one directory take turns (a lock file beside it): a second
+  process that asks while the first builds (two test workers, two ``kvroute up``) waits and
+  then finds the build done.
 * ``weights=False`` writes everything but ``model.safetensors``: the simulator and the router
   only tokenize, and that build needs neither torch nor safetensors (a base install has none).
 * Random weights are scaled so that next-token distributions are peaked: greedy decoding is
@@ -27,11 +29,13 @@ Design points:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -210,8 +214,9 @@ def build_tiny_model(
 
     Idempotent: when ``out_dir`` already holds a build with the same parameters nothing is
     written. Otherwise the model is built in a temporary sibling directory and swapped in,
-    so a concurrent reader never sees half a model. ``weights=False`` builds the tokenizer
-    and config only (no torch needed).
+    so a concurrent reader never sees half a model; concurrent builders of ``out_dir`` take
+    turns, and the later ones find it built. ``weights=False`` builds the tokenizer and
+    config only (no torch needed).
     """
     out_dir = Path(out_dir).resolve()
     params = TinyModelParams(
@@ -233,6 +238,27 @@ def build_tiny_model(
         return out_dir
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _builder_lock(out_dir):
+        if not _is_built(out_dir, params):  # else another process built it while we waited
+            _build(out_dir, params)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _builder_lock(out_dir: Path) -> Iterator[None]:
+    """Hold the exclusive lock of ``out_dir``'s builders (``.NAME.lock`` beside it)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: builds stay atomic, just not serialized
+        yield
+        return
+    with open(out_dir.parent / f".{out_dir.name}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
+def _build(out_dir: Path, params: TinyModelParams) -> None:
+    """Build in a temporary sibling directory and swap it in."""
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     os.chmod(tmp, 0o755)
     try:
@@ -305,7 +331,6 @@ def build_tiny_model(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def model_digest(model_dir: Path) -> str:

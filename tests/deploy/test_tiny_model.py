@@ -1,11 +1,13 @@
-"""The tiny model build: tokenizer-only builds (what a base install can do) and the stamp."""
+"""The tiny model build: tokenizer-only builds (what a base install can do), the stamp, and
+builders in several processes at once (the suite's xdist workers share the state dir)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
-from kvroute.deploy.tiny_model import BUILD_STAMP, build_tiny_model
+from kvroute.deploy.tiny_model import BUILD_STAMP, build_tiny_model, model_digest
 
 SMALL = {"max_model_len": 512, "num_layers": 1, "hidden_size": 64}
 
@@ -41,3 +43,18 @@ def test_a_stamp_from_before_the_weights_knob_still_counts_as_a_full_build(
     mtime = stamp_path.stat().st_mtime_ns
     assert build_tiny_model(full, **SMALL) == full
     assert stamp_path.stat().st_mtime_ns == mtime
+
+
+def _build_tokenizer_only(out: str) -> tuple[int, str]:
+    built = build_tiny_model(Path(out), weights=False, **SMALL)
+    return built.stat().st_ino, model_digest(built)
+
+
+def test_builders_in_several_processes_at_once_build_it_once(tmp_path: Path) -> None:
+    """Each caller gets the same directory, built once: a later builder waited and found it
+    built, it did not swap in its own copy under a process already reading the first."""
+    out = tmp_path / "shared" / "tok"
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        got = pool.map(_build_tokenizer_only, [str(out)] * 3)
+    assert set(got) == {(out.stat().st_ino, model_digest(out))}, got
+    assert {p.name for p in out.parent.iterdir()} == {"tok", ".tok.lock"}  # nothing half-built
