@@ -3,6 +3,8 @@ refusals that must come before any process starts."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,8 +96,14 @@ def test_ipc_sockets_fall_back_to_a_short_directory_when_the_state_dir_is_deep(
     fleet.stop()
     assert not path.parent.exists()  # the temporary directory goes with the fleet
 
-    shallow = fleet_at(tmp_path)
-    assert shallow.ipc_endpoint("x.events") == f"ipc://{tmp_path.resolve() / 'run' / 'x.events'}"
+    # A short state dir keeps its sockets in its own run/ (not tmp_path: under pytest-xdist
+    # it is one folder deeper, and already too deep).
+    short = Path(tempfile.mkdtemp(prefix="kvr-"))
+    try:
+        shallow = fleet_at(short)
+        assert shallow.ipc_endpoint("x.events") == f"ipc://{short.resolve() / 'run' / 'x.events'}"
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_two_fleets_cannot_share_a_state_dir(tmp_path: Path) -> None:
