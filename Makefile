@@ -41,13 +41,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two xdist workers: the real-vLLM tests run one after the other on one of them, the rest
+# beside them (tests/xdist_groups.py). `make test PYTEST_XDIST=` runs it in one process.
+PYTEST_XDIST ?= -n 2 --dist loadgroup
+
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	KVROUTE_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider
+	KVROUTE_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_XDIST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not vllm" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not vllm" -p no:cacheprovider $(PYTEST_XDIST)
 
 # The demo prints each router's dashboard URL; `make demo DEMO_ARGS=--keep` keeps it up.
 demo: $(STAMP)

@@ -116,6 +116,7 @@ def test_percentile_nearest_rank() -> None:
     assert math.isnan(routing_bench.percentile([], 50))
 
 
+@pytest.mark.solo  # kvroute's TTFT against round robin's: with nothing else on the cores
 @pytest.mark.timeout(240)
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     result = _quick_shared_prefix(tmp_path, "--policies", "round_robin,kvroute")

@@ -733,6 +733,7 @@ def test_a_flooding_publisher_is_cleared_dropped_and_rebuilt_once_it_slows() -> 
     assert blocks(index, "r") == 3 and feed.expected == seq + 1 and feed.stats.replays == 0
 
 
+@pytest.mark.solo  # the flood must outpace the budget 10x: with nothing else on the cores
 def test_a_flood_costs_its_own_feed_only(index: InMemoryPrefixIndex) -> None:
     """Real sockets: one publisher sends 10x its budget, the other is applied in full, and
     the flooder's feed comes back once it sends at a normal rate again."""
