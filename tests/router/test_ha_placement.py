@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
+import pytest
 
 from kvroute.bench.sim.faults import ReplicaFaults
 from kvroute.router.app import create_app
@@ -42,6 +43,7 @@ def _stored(url: str) -> dict[str, int]:
     return {name: r["feed"]["blocks_stored"] for name, r in replicas.items()}
 
 
+@pytest.mark.solo  # both routers' time-decayed stored rates agree to 1%: nothing else running
 def test_two_routers_place_new_prefixes_on_the_same_replicas(local_tokenizer) -> None:
     """Router A serves three new prefixes (their blocks land on the replicas A chose, and
     both routers read them from the event feeds); then both routers are asked where 24
