@@ -109,12 +109,7 @@ class LocalFleet:
 
     def endpoints(self) -> list[ReplicaEndpoint]:
         if self.sim is not None:
-            return [
-                ReplicaEndpoint(
-                    name=r.name, url=r.url, events=r.events, replay=r.replay, topic=r.topic
-                )
-                for r in self.sim.replicas
-            ]
+            return self.sim.endpoints()
         return [
             ReplicaEndpoint(
                 name=r.spec.name,

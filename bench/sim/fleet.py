@@ -42,6 +42,7 @@ from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.replica import SimReplicaConfig
 from kvroute.bench.sim.storage import WRITE_POLICIES
 from kvroute.deploy.processes import ChildProcess, RunsChild, child_env, free_port
+from kvroute.deploy.router_process import ReplicaEndpoint
 
 API_KEY_ENV = "KVROUTE_SIM_API_KEY"
 
@@ -627,6 +628,13 @@ class SimFleet(RunsChild):
             **({"replica_api_key": self.config.api_key} if self.config.api_key else {}),
             **overrides,
         }
+
+    def endpoints(self) -> list[ReplicaEndpoint]:
+        """The replicas as ``RouterProcess`` takes them (URL, event and replay sockets, topic)."""
+        return [
+            ReplicaEndpoint(name=r.name, url=r.url, events=r.events, replay=r.replay, topic=r.topic)
+            for r in self.replicas
+        ]
 
     @staticmethod
     def replica_entry(r: FleetReplica) -> dict[str, Any]:

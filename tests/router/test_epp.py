@@ -39,7 +39,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.deploy.processes import free_port
-from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess
+from kvroute.deploy.router_process import RouterProcess
 
 KEY = "sk-epp-test"
 AUTH = f"Bearer {KEY}"
@@ -84,12 +84,9 @@ def setup() -> Iterator[Setup]:
     )
     with SimFleet(config) as fleet:
         epp_port = free_port("127.0.0.1")
-        replicas = [
-            ReplicaEndpoint(r.name, r.url, r.events, r.replay, r.topic) for r in fleet.replicas
-        ]
         router = RouterProcess(
             name="router-epp",
-            replicas=replicas,
+            replicas=fleet.endpoints(),
             tokenizer=fleet.model_dir,
             api_key=KEY,
             extra_args=[
@@ -483,12 +480,9 @@ def test_tls_and_a_router_without_keys(setup: Setup, tmp_path: Path) -> None:
     client's Authorization is left for the replicas, as the HTTP proxy leaves it."""
     cert, key = _self_signed(tmp_path)
     port = free_port("127.0.0.1")
-    replicas = [
-        ReplicaEndpoint(r.name, r.url, r.events, r.replay, r.topic) for r in setup.fleet.replicas
-    ]
     router = RouterProcess(
         name="router-epp-tls",
-        replicas=replicas,
+        replicas=setup.fleet.endpoints(),
         tokenizer=setup.fleet.model_dir,
         extra_args=[
             *("--epp-port", str(port), "--epp-tls-cert", str(cert), "--epp-tls-key", str(key)),
