@@ -133,14 +133,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
 
     @app.get("/v1/models")
     async def models() -> Response:
-        healthy = service.registry.healthy()
-        cards = service.registry.known_models(healthy)
-        if not healthy:
-            raise RouterError(
-                503,
-                "no healthy replica is available",
-                headers={"retry-after": str(settings.retry_after_s)},
-            )
+        cards = service.registry.known_models(service.healthy_or_503())
         return JSONResponse({"object": "list", "data": list(cards.values())})
 
     @app.get("/metrics")

@@ -500,9 +500,8 @@ class RouterService:
         found = self.registry.candidates(model)
         if found:
             return found
+        self.healthy_or_503()
         retry = {"retry-after": str(self.settings.retry_after_s)}
-        if not self.registry.healthy():
-            raise RouterError(503, "no healthy replica is available", headers=retry)
         if model not in self.registry.known_models():
             self._refresh_models_soon()
             raise RouterError(404, f"The model `{model}` does not exist.", param="model")
