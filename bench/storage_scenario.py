@@ -66,14 +66,16 @@ SCENARIO_PRESETS: dict[str, dict[str, Any]] = {
         "shared_storage_blocks": 160,  # half the hot set: the evictor runs
         "time_scale": 0.5,
         "scale_up_at_s": 4.0,
-        "restart_at_s": 8.0,
+        # Early enough that ~40 requests follow the restart: with a few the restarted replica's
+        # share could be one request for a document the half-size domain had evicted.
+        "restart_at_s": 6.0,
         "restart_down_s": 1.0,
         "warmup": False,
         "deadline_s": 40.0,
         "sizes": dict(
             documents=5,
             document_tokens=1000,
-            requests=48,
+            requests=64,
             question_tokens=30,
             answer_tokens=8,
             rate=4.0,

@@ -72,6 +72,8 @@ class GcPass:
     young_temp_files: int = 0
     unknown_files: int = 0
     vanished: int = 0
+    # Removed chunks written again before their removal was published: not announced.
+    rewritten: int = 0
     errors: int = 0
     events_published: int = 0
     duration_s: float = 0.0
@@ -319,7 +321,7 @@ class StorageEvictor:
         heap = self._scan(report, self._clock())
         total = report.bytes_before
         if total > self.max_bytes:
-            events: list[Event] = []
+            removals: list[tuple[BlockRemoved, list[Path]]] = []
             for files in self._oldest_chunks(heap, report):
                 if total <= self.target_bytes:
                     break
@@ -338,16 +340,32 @@ class StorageEvictor:
                     log.warning("storage gc: removed %s: header unreadable", next(iter(files)))
                     continue
                 report.removed_chunks += 1
-                events.append(BlockRemoved(hashes, Medium.STORAGE))
-                if len(events) >= _EVENTS_PER_BATCH:
-                    report.events_published += self._publish(events)
-                    events = []
-            report.events_published += self._publish(events)
+                removals.append((BlockRemoved(hashes, Medium.STORAGE), list(files)))
+                if len(removals) >= _EVENTS_PER_BATCH:
+                    self._publish_removals(removals, report)
+                    removals = []
+            self._publish_removals(removals, report)
         report.bytes_after = total
         report.duration_s = round(time.monotonic() - start, 4)
         if report.unknown_files:
             log.info("storage gc: %d files that are not chunks left alone", report.unknown_files)
         return report
+
+    def _publish_removals(
+        self, removals: list[tuple[BlockRemoved, list[Path]]], report: GcPass
+    ) -> None:
+        """Publish the removals of chunks still gone. A chunk whose every removed file exists
+        again was written again since (the same key is the same content): its writer may
+        have announced the store already, and a removal reaching a router after that store
+        (the writer's stream and ours are not ordered with each other) would take a chunk
+        the domain holds out of its index. Not announcing it leaves the index right."""
+        events: list[Event] = []
+        for event, paths in removals:
+            if all(path.exists() for path in paths):
+                report.rewritten += 1
+                continue
+            events.append(event)
+        report.events_published += self._publish(events)
 
     def _publish(self, events: list[Event]) -> int:
         if not events or self.publisher is None:

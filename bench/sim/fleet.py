@@ -297,6 +297,8 @@ async def serve_fleet(
                 "writes": domain.writes,
                 "reads": domain.reads,
                 "evictions": domain.evictions,
+                "removals_announced": domain.removals_announced,
+                "rewritten": domain.rewritten,
                 "batches_published": domain.publisher.seq if domain.publisher else 0,
                 "hashes": sorted(domain.hashes()),
             }

@@ -72,12 +72,18 @@ class SharedStorageDomain:
         # leave their last local tier.
         self.write_through = writes == "through"
         self._blocks: OrderedDict[bytes, StoredBlock] = OrderedDict()
-        self._removed: list[int] = []
+        # Evicted, not announced yet: announced at the next ``flush`` unless written again.
+        self._removed: list[StoredBlock] = []
         # The evictor's stream; set by the fleet once its sockets are bound.
         self.publisher: EventPublisher | None = None
         self.writes = 0
         self.reads = 0
         self.evictions = 0
+        # Blocks announced as removed, and evictions not announced: a replica wrote the block
+        # again before the announcement (``kvroute storage gc`` checks the same), or it was
+        # evicted twice.
+        self.removals_announced = 0
+        self.rewritten = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -109,7 +115,7 @@ class SharedStorageDomain:
             return False
         while len(self._blocks) >= self.capacity:
             _, victim = self._blocks.popitem(last=False)
-            self._removed.append(victim.hash)
+            self._removed.append(victim)
             self.evictions += 1
         self._blocks[block.digest] = block
         self.writes += 1
@@ -118,7 +124,7 @@ class SharedStorageDomain:
     def clear(self) -> int:
         """Delete every block (each announced as removed); returns how many."""
         n = len(self._blocks)
-        self._removed.extend(b.hash for b in self._blocks.values())
+        self._removed.extend(self._blocks.values())
         self._blocks.clear()
         self.evictions += n
         return n
@@ -152,10 +158,17 @@ class SharedStorageDomain:
         ]
 
     def take_events(self) -> list[Event]:
-        """The evictor's pending removals as one event (empty when there are none)."""
-        if not self._removed:
+        """The evictor's pending removals as one event (empty when there are none). A block
+        written again since its eviction is not announced: the writer may have announced
+        its store already, and a removal arriving after it would take the block out of a
+        router's index while the domain holds it."""
+        pending, self._removed = self._removed, []
+        # (a block evicted, written again and evicted again is announced once)
+        removed = list(dict.fromkeys(b.hash for b in pending if b.digest not in self._blocks))
+        self.rewritten += len(pending) - len(removed)
+        self.removals_announced += len(removed)
+        if not removed:
             return []
-        removed, self._removed = self._removed, []
         return [BlockRemoved(block_hashes=removed, medium=Medium.STORAGE)]
 
     def flush(self) -> None:

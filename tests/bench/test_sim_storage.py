@@ -198,6 +198,28 @@ def test_the_evictor_announces_its_removals_on_its_own_stream() -> None:
     assert domain.take_events() == []
 
 
+def test_a_block_written_again_before_the_announcement_is_not_announced_removed() -> None:
+    """The evictor's removal of a block a replica wrote again meanwhile would reach a router
+    after the writer's store (streams are not ordered with each other) and take the block out
+    of its index while the domain holds it: it is not announced (kvroute storage gc checks
+    the same before publishing)."""
+    domain = SharedStorageDomain("d", 2)
+
+    def block(n: int) -> StoredBlock:
+        return StoredBlock(
+            digest=bytes([n]), hash=n, parent_hash=None, tokens=(n,), extra=None, lora_name=None
+        )
+
+    assert domain.put(block(1)) and domain.put(block(2))
+    assert domain.put(block(3))  # evicts 1
+    assert domain.put(block(1))  # evicts 2; 1 is back before the evictor announced it
+    assert domain.put(block(4))  # evicts 3
+    (removed,) = domain.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [2, 3]
+    assert (domain.evictions, domain.removals_announced, domain.rewritten) == (3, 2, 1)
+    assert sorted(domain.hashes()) == [1, 4]
+
+
 def test_restart_keeps_the_domain_and_the_evictor_announces_it_parents_first() -> None:
     domain = SharedStorageDomain("d", 64)
     cache = TieredPrefixCache(BS, gpu_blocks=4, shared=domain)

@@ -70,16 +70,21 @@ def test_quick_shared_storage_arm_mechanics(tmp_path: Path) -> None:
     seen: dict[str, Any] = {}
 
     def inspect(fleet: SimFleet, router: RouterProcess, records: list[RequestRecord]) -> None:
-        domain = fleet.storage_contents()
         # The router's index converges on the domain's contents: stores from every attached
-        # replica, removals from the evictor's own stream.
+        # replica, removals from the evictor's own stream. The last requests' events may still
+        # be on their way (two streams are not ordered with each other): wait until both agree.
         deadline = time.monotonic() + 15
         while True:
+            domain = fleet.storage_contents()
             stats = httpx.get(router.url + "/index/stats", timeout=5.0).json()
             view = stats["storage_domains"].get(domain["name"], {})
             removed = (view.get("feed") or {}).get("blocks_removed", 0)
             unresolved = (view.get("feed") or {}).get("unresolved_blocks", 0)
-            if removed + unresolved == domain["evictions"] or time.monotonic() > deadline:
+            converged = (
+                removed + unresolved == domain["removals_announced"]
+                and abs(view.get("blocks", 0) - domain["blocks"]) <= 0.1 * domain["blocks"]
+            )
+            if converged or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         seen.update(domain=domain, view=view, fleet_stats=fleet.stats())
@@ -100,9 +105,14 @@ def test_quick_shared_storage_arm_mechanics(tmp_path: Path) -> None:
     # overtook the store it undoes: two streams are not ordered with each other), and the
     # index holds what the domain holds, up to such races.
     assert domain["evictions"] > 0 and domain["batches_published"] > 0, domain
+    # (an eviction is announced, or not because the block was written again before it was)
+    assert 0 < domain["removals_announced"] <= domain["evictions"] - domain["rewritten"], domain
     feed = view["feed"]
     assert feed["blocks_removed"] > 0
-    assert feed["blocks_removed"] + feed["unresolved_blocks"] == domain["evictions"], feed
+    assert feed["blocks_removed"] + feed["unresolved_blocks"] == domain["removals_announced"], (
+        feed,
+        domain,
+    )
     assert abs(view["blocks"] - domain["blocks"]) <= 0.1 * domain["blocks"], (view, domain)
     added = row["scale_up"]["replica"]
     assert added in view["attached"] and len(view["attached"]) == preset["replicas"] + 1
@@ -119,7 +129,8 @@ def test_quick_shared_storage_arm_mechanics(tmp_path: Path) -> None:
 
     # The restarted replica lost device and CPU but not the domain: it hits again.
     restart = row["restart"]
-    assert restart["requests_after"] >= 1 and restart["first_hit_request_after"] is not None
+    assert restart["requests_after"] >= 3, restart
+    assert restart["first_hit_request_after"] is not None, restart
 
 
 def test_scenario_targets_compare_shared_with_private() -> None:

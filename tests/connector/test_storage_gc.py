@@ -187,6 +187,30 @@ def test_a_router_joining_late_replays_the_removals(
     assert subscriber.feed_stats()[DOMAIN].replays == 1
 
 
+def test_a_chunk_written_again_before_its_removal_is_published_stays_in_the_index(
+    domain: Domain, publisher: EventPublisher, subscriber: EventSubscriber
+) -> None:
+    """A replica misses a chunk right after the evictor deleted it, computes it again and
+    writes and announces it before the evictor's pass publishes: the removal, published
+    after that store, would take a chunk the domain holds out of the router's index."""
+    size = chunk_bytes(domain)
+    for i in range(3):
+        domain.write(doc(i), age_s=100 - 10 * i)
+    subscribe(subscriber, publisher)
+
+    class Rewritten(StorageEvictor):
+        def _publish_removals(self, removals, report):  # type: ignore[no-untyped-def]
+            domain.write(doc(0), age_s=0)  # its store reaches the index first
+            super()._publish_removals(removals, report)
+
+    evictor = Rewritten(domain.root, int(1.5 * size), low_watermark=1.0, publisher=publisher)
+    report = evictor.run_pass()
+    assert (report.removed_chunks, report.rewritten, report.events_published) == (2, 1, 1)
+    wait_until(lambda: domain.cached(doc(1)) == 0)
+    assert domain.cached(doc(0)) == BPC and domain.cached(doc(2)) == BPC
+    assert len(domain.files()) == 4  # doc 0 (written again) and doc 2, two ranks each
+
+
 def test_the_budget_holds_and_only_the_oldest_go(domain: Domain) -> None:
     for i in range(30):
         domain.write(doc(i), age_s=1000 - i)
