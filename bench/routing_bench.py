@@ -18,10 +18,11 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that runs as many router processes (their CPU beside the simulator) as --routers N",
     )
     parser.add_argument(
+        "--fleet-cpus",
+        type=cpu_list,
+        default=None,
+        metavar="LIST",
+        help="cores the simulated fleet and this process (the clients) run on, e.g. 0 or 0-3 "
+        "(default: any); with --router-cpus, the routers do not share cores with the fleet, "
+        "as on separate machines",
+    )
+    parser.add_argument(
+        "--router-cpus",
+        type=cpu_list,
+        default=None,
+        metavar="LIST",
+        help="cores the router processes run on, e.g. 1 or 4-7 (default: any)",
+    )
+    parser.add_argument(
         "--router-option",
         action="append",
         default=[],
@@ -282,6 +299,53 @@ def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> SimFleetC
         seed=args.seed,
         latency=LatencyModel(time_scale=pick("time_scale"), **BENCH_LATENCY),
     )
+
+
+def cpu_list(text: str) -> list[int]:
+    """``0,2-3`` -> [0, 2, 3]: the cores named, each one this process may run on."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list (like 0,2-3): {text!r}") from None
+    allowed = set(os.sched_getaffinity(0))
+    if not cores or not cores <= allowed:
+        raise argparse.ArgumentTypeError(
+            f"CPU list {text!r} names cores this process cannot use (it may use {sorted(allowed)})"
+        )
+    return sorted(cores)
+
+
+@contextlib.contextmanager
+def _pinned(cpus: list[int] | None) -> Iterator[None]:
+    """This process on ``cpus`` (None: unchanged) while the block runs."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _affinity(pid: int | None) -> list[int] | None:
+    try:
+        return None if pid is None else sorted(os.sched_getaffinity(pid))
+    except OSError:  # exited meanwhile
+        return None
 
 
 def _peer_router_settings(settings: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -576,7 +640,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     request_lines: list[str] = []
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    with SimFleet(config) as fleet:
+    # The clients (this process) run beside the fleet.
+    with _pinned(args.fleet_cpus), SimFleet(config, cpus=args.fleet_cpus) as fleet:
+        # The cores each process may run on, read back from the kernel.
+        cpus: dict[str, Any] = {
+            "fleet": _affinity(fleet.process.pid),
+            "clients": _affinity(os.getpid()),
+            "routers": [],
+        }
         tokenizer = SimTokenizer(Path(fleet.model_dir))
         text = TextSource(args.seed, count_tokens=lambda s: len(tokenizer.encode(s)))
         built = {}
@@ -598,11 +669,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for peer_settings in _peer_router_settings(
                     settings, args.routers + args.idle_routers
                 ):
-                    router = RouterProcess(peer_settings)
+                    router = RouterProcess(peer_settings, cpus=args.router_cpus)
                     stack.callback(router.stop)
                     routers.append(router.start(wait=False))
                 for router in routers:
                     router.wait_ready()
+                    cpus["routers"].append(_affinity(router.process.pid))
                 # The first --routers take the traffic; the idle ones only cost their CPU.
                 urls = [r.url for r in routers[: args.routers]]
                 idle_urls = [r.url for r in routers[args.routers :]]
@@ -615,6 +687,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.3)
                     for router in routers:
                         router.wait_feeds_settled()
+                    cpu_before = [_cpu_seconds(r.process.pid) for r in routers]
                     records, wall, client_lag = asyncio.run(
                         _run_measured(
                             run_workload(
@@ -640,6 +713,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             w, policy, records, config.latency.time_scale
                         )
                     row["loop_lag_ms"] = {"fleet": fleet.loop_lag(), "client": client_lag}
+                    # CPU seconds each router process used during the run (taking traffic
+                    # first, then the idle ones): what sharing load and the feeds cost them.
+                    row["router_cpu_s"] = [
+                        None if a is None or b is None else round(b - a, 2)
+                        for a, b in zip(
+                            cpu_before, (_cpu_seconds(r.process.pid) for r in routers), strict=True
+                        )
+                    ]
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
                     volume = _feed_volume(urls[0])
@@ -677,6 +758,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate_scale": args.rate_scale,
         "routers": args.routers,
         "idle_routers": args.idle_routers,
+        "cpus": cpus,
         "preset": args.preset,
         "json": str(out / "routing.json"),
         "plots": plots,

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -583,8 +584,10 @@ class SimFleet(RunsChild):
         *,
         start_timeout_s: float = 120.0,
         log_path: Path | None = None,
+        cpus: Collection[int] | None = None,
     ) -> None:
         self.config = config or SimFleetConfig()
+        self.cpus = cpus  # the cores the fleet process may run on (None: any)
         self.start_timeout_s = start_timeout_s
         self.replicas: list[FleetReplica] = []
         self.storage: FleetStorage | None = None
@@ -604,7 +607,7 @@ class SimFleet(RunsChild):
         env.pop(API_KEY_ENV, None)
         if self.config.api_key is not None:
             env[API_KEY_ENV] = self.config.api_key
-        self.process.start(cmd, env=env)
+        self.process.start(cmd, env=env, cpus=self.cpus)
         try:
             info = json.loads(self.process.wait_http(self.control + "/fleet", self.start_timeout_s))
         except BaseException:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
 from kvroute.bench import routing_bench
 from kvroute.bench.workloads.runner import pick_router
+
+CORES = sorted(os.sched_getaffinity(0))
 
 KEYS = {
     "workload",
@@ -50,6 +53,18 @@ def test_unknown_policy_or_workload_is_refused(tmp_path: Path) -> None:
         routing_bench.run(
             _args("--preset", "quick", "--workloads", "nope", "--out-dir", str(tmp_path))
         )
+
+
+def test_cpu_lists_name_cores_this_process_may_use() -> None:
+    assert routing_bench.cpu_list(str(CORES[0])) == [CORES[0]]
+    assert routing_bench.cpu_list(f"{CORES[-1]},{CORES[0]}") == sorted({CORES[0], CORES[-1]})
+    if list(range(CORES[0], CORES[-1] + 1)) == CORES:
+        assert routing_bench.cpu_list(f"{CORES[0]}-{CORES[-1]}") == CORES
+    for bad in ("", "a", "1-x", str(max(CORES) + 1)):
+        with pytest.raises(argparse.ArgumentTypeError):
+            routing_bench.cpu_list(bad)
+    with pytest.raises(SystemExit):  # argparse: a clear usage error, nothing started
+        _args("--router-cpus", "nope")
 
 
 def test_router_count_must_be_positive(tmp_path: Path) -> None:
@@ -186,11 +201,25 @@ def test_two_routers_share_the_traffic(tmp_path: Path) -> None:
         "--size",
         "shared_prefix.groups=8",
         "--records",
+        # The routers on cores of their own, as on separate machines (the last core; the
+        # first for the fleet and the clients: the same core on a one-core machine).
+        "--fleet-cpus",
+        str(CORES[0]),
+        "--router-cpus",
+        str(CORES[-1]),
     )
+    assert result["cpus"] == {
+        "fleet": [CORES[0]],
+        "clients": [CORES[0]],
+        "routers": [[CORES[-1]]] * 3,
+    }
+    assert sorted(os.sched_getaffinity(0)) == CORES  # this process unpinned after the run
     assert result["routers"] == 2 and result["idle_routers"] == 1
     (row,) = result["results"]
     assert row["routers"] == 2 and row["idle_routers"] == 1
     assert row["idle_router_decisions"] == 0
+    # CPU seconds per router process (the two taking traffic, then the idle one).
+    assert len(row["router_cpu_s"]) == 3 and all(c >= 0 for c in row["router_cpu_s"])
     # --size: 8 groups of the preset's 4 questions each.
     assert row["sizes"]["groups"] == 8 and row["requests"] == 32
     assert result["workload_sizes"]["shared_prefix"]["groups"] == 8
