@@ -10,7 +10,9 @@ dashboard's page needs one (kvroute.router.auth).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,7 +30,7 @@ from kvroute.router.dashboard_data import DashboardData
 from kvroute.router.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.errors import RouterError, error_body, error_response
 from kvroute.router.openapi import PROXIED, add_proxied_paths
-from kvroute.router.peer_load import load_body
+from kvroute.router.peer_load import CHECK_S, MAX_WAIT_S, load_body, load_version
 from kvroute.router.peer_snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.proxy import read_body
 from kvroute.router.readiness import Readiness
@@ -165,10 +167,15 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         return StreamingResponse(body, media_type=MEDIA_TYPE)
 
     @app.get("/peer/load")
-    async def peer_load() -> Response:
+    async def peer_load(wait_s: float = 0.0, seen: str | None = None) -> Response:
         """What this router is proxying to each replica now, for its peers' queue view
-        (router/peer_load.py)."""
+        (router/peer_load.py). With ``seen`` (the version of the asker's last answer) and
+        ``wait_s``, held until the counts differ from that version or ``wait_s`` passed."""
         registry = service.registry
+        if seen is not None and wait_s > 0:
+            deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
+            while load_version(registry) == seen and time.monotonic() < deadline:
+                await asyncio.sleep(CHECK_S)
         service.router.sample_stored_blocks()
         unstored = service.router.unstored.snapshot(r.name for r in registry)
         return JSONResponse(load_body(service.peer_load.router_id, registry, unstored))

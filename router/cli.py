@@ -82,8 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer-load-interval-s",
         type=float,
         default=d.peer_load_interval_s,
-        help="poll the peer routers' in-flight requests this often and count them in each "
-        "replica's queue (several routers behind one Service); 0: off",
+        help="share in-flight requests with the peer routers and count theirs in each "
+        "replica's queue (several routers behind one Service): the staleness bound and, with "
+        "--peer-load-mode poll, the poll interval; 0: off",
+    )
+    fleet.add_argument(
+        "--peer-load-mode",
+        choices=["follow", "poll"],
+        default=d.peer_load_mode,
+        help="follow: one held request per peer, answered as soon as its counts change; "
+        "poll: ask every --peer-load-interval-s",
     )
     fleet.add_argument(
         "--stale-clear-after-s",
@@ -389,6 +397,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         peers=list(args.peer),
         peer_timeout_s=args.peer_timeout_s,
         peer_load_interval_s=args.peer_load_interval_s,
+        peer_load_mode=args.peer_load_mode,
         stale_clear_after_s=args.stale_clear_after_s,
         event_max_mib_per_s=args.event_max_mib_per_s,
         index_max_entries=args.index_max_entries,

@@ -316,6 +316,9 @@ class RouterSettings:
     # Shared load (router/peer_load.py): how often the peers' in-flight counts are polled;
     # 0 turns it off (each router then sees only its own requests between scrapes).
     peer_load_interval_s: float = 0.1
+    # "follow": one held request per peer, answered when its counts change (a peer's request
+    # seen within ~10 ms); "poll": ask every peer_load_interval_s (router/peer_load.py).
+    peer_load_mode: str = "follow"
     stale_clear_after_s: float = 30.0
     # Per event stream: a publisher past this many MiB/s of events is cleared and dropped
     # until it slows down (indexer/budget.py); 0 turns the budget off.
@@ -420,6 +423,8 @@ class RouterSettings:
             raise ConfigError("peer_timeout_s must be > 0, peer_snapshot_max_mib >= 1")
         if not 0 <= self.peer_load_interval_s <= 60:
             raise ConfigError("peer_load_interval_s must be in [0, 60] (0: off)")
+        if self.peer_load_mode not in ("follow", "poll"):
+            raise ConfigError(f"peer_load_mode must be follow or poll, got {self.peer_load_mode!r}")
         for key in self.api_keys:
             check_api_key(key, "api key")
         if self.replica_api_key is not None:

@@ -160,6 +160,7 @@ class RouterService:
             api_key=settings.api_keys[0] if settings.api_keys else None,
         )
         self._peer_load_task: PeriodicTask | None = None
+        self._peer_followers: dict[str, asyncio.Task[None]] = {}
         self._peer_client: httpx.AsyncClient | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -210,12 +211,18 @@ class RouterService:
             asyncio.get_running_loop().call_later(SEED_TTL_S + 1, self.warm.drop_stale_seeds)
         self.dp_discovery.start()
         if self.settings.peer_load_interval_s > 0:
-            # Its own small pool: a poll never waits behind proxied traffic or health checks.
+            # Its own pool (one held request per followed peer): a peer's answer never waits
+            # behind proxied traffic or health checks.
             self._peer_client = httpx.AsyncClient(
-                trust_env=False, limits=httpx.Limits(max_connections=16)
+                trust_env=False, limits=httpx.Limits(max_connections=256)
+            )
+            step = (
+                self.follow_peer_load
+                if self.settings.peer_load_mode == "follow"
+                else self.poll_peer_load
             )
             self._peer_load_task = PeriodicTask(
-                "kvroute-peer-load", self.settings.peer_load_interval_s, self.poll_peer_load
+                "kvroute-peer-load", self.settings.peer_load_interval_s, step
             )
             self._peer_load_task.start()
         if self.watcher is not None:
@@ -241,6 +248,7 @@ class RouterService:
         await self.health.stop()
         if self._peer_load_task is not None:
             await self._peer_load_task.stop()
+        await self._stop_peer_followers(list(self._peer_followers))
         if self._peer_client is not None:
             await self._peer_client.aclose()
         if self.watcher is not None:
@@ -487,6 +495,35 @@ class RouterService:
         assert self._peer_client is not None
         await self.peer_load.poll(self._peer_client, await peer_list(self.peer_urls))
         self.peer_load.apply(self.registry)
+
+    async def follow_peer_load(self) -> None:
+        """Keep one follower per listed peer (router/peer_load.py: each applies the sums as
+        its peer answers), and apply them here too, so a peer gone silent stops counting
+        once stale."""
+        assert self._peer_client is not None
+        urls = await peer_list(self.peer_urls)
+        await self._stop_peer_followers([u for u in self._peer_followers if u not in urls])
+        for url in urls:
+            old = self._peer_followers.get(url)
+            if old is not None and old.done():  # ended by a bug, not by us: start it again
+                if not old.cancelled() and old.exception() is not None:
+                    log.error("peer load: following %s failed: %r", url, old.exception())
+                old = None
+            if old is None:
+                self._peer_followers[url] = asyncio.create_task(
+                    self.peer_load.follow(
+                        self._peer_client, url, lambda: self.peer_load.apply(self.registry)
+                    ),
+                    name=f"kvroute-peer-load {url}",
+                )
+        self.peer_load.apply(self.registry)
+
+    async def _stop_peer_followers(self, urls: list[str]) -> None:
+        for url in urls:
+            task = self._peer_followers.pop(url)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.peer_load.forget(url)
 
     def _set_discovered_peers(self, peers: list[str]) -> None:
         self._discovered_peers = list(peers)

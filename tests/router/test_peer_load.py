@@ -4,24 +4,32 @@ second router sees (and routes around) the requests the first one is holding."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from kvroute.bench.sim.faults import ReplicaFaults
 from kvroute.router.app import create_app
 from kvroute.router.config import ConfigError, ReplicaConfig, RouterSettings
 from kvroute.router.peer_load import (
+    MAX_WAIT_S,
     PeerAnswer,
     PeerLoad,
     PeerLoadError,
     PeerReport,
     load_body,
+    load_version,
     parse_load,
 )
 from kvroute.router.replicas import Replica
@@ -46,10 +54,26 @@ def test_a_peers_answer_round_trips() -> None:
     ]
     replicas[1].in_flight = 7
     body = load_body("router-a", replicas)
-    assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7})
+    version = load_version(replicas)
+    assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7}, {}, version)
     body = load_body("router-a", replicas, {"r0": 0, "r1": 125})
     assert body["unstored_blocks"] == {"r1": 125}  # zeros are left out
-    assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7}, {"r1": 125})
+    assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7}, {"r1": 125}, version)
+    # An older router's answer has no version: its follower polls it.
+    del body["version"]
+    assert parse_load(body).version is None
+
+
+def test_the_version_changes_with_the_in_flight_counts() -> None:
+    replicas = [
+        Replica(ReplicaConfig(url=f"http://127.0.0.1:{9000 + i}", name=f"r{i}")) for i in range(2)
+    ]
+    seen = {load_version(replicas)}
+    for r0, r1 in [(1, 0), (0, 1), (1, 1), (0, 0)]:
+        replicas[0].in_flight, replicas[1].in_flight = r0, r1
+        seen.add(load_version(replicas))
+    assert len(seen) == 4  # (0, 0) came back to the first version
+    assert load_version(replicas[:1]) != load_version(replicas)  # a replica gone
 
 
 @pytest.mark.parametrize(
@@ -73,6 +97,9 @@ def test_a_peers_answer_round_trips() -> None:
         {"router": "a", "replicas": {}, "unstored_blocks": {"r0": "125"}},
         {"router": "a", "replicas": {}, "unstored_blocks": {"r0": math.inf}},
         {"router": "a", "replicas": {}, "unstored_blocks": {"r0": 10**12}},
+        {"router": "a", "replicas": {}, "version": 5},
+        {"router": "a", "replicas": {}, "version": ""},
+        {"router": "a", "replicas": {}, "version": "v" * 65},
     ],
 )
 def test_a_malformed_or_forged_answer_is_refused(body: Any) -> None:
@@ -138,16 +165,22 @@ def _peer(fleet: Fleet, tokenizer: LocalTokenizer, **changes: Any) -> Iterator[S
 
 @contextlib.contextmanager
 def _slow_pair(
-    tokenizer: LocalTokenizer, *, peer_load_interval_s: float
+    tokenizer: LocalTokenizer, *, peer_load_interval_s: float, peer_load_mode: str = "follow"
 ) -> Iterator[tuple[Fleet, ServerThread]]:
     """Two replicas that take HOLD_S to prefill behind router A (least loaded), and router B,
-    A's peer, polling A's load every ``peer_load_interval_s`` (0: off)."""
+    A's peer, following (or polling) A's load (``peer_load_interval_s`` 0: off)."""
     slow = ReplicaFaults(prefill_delay_s=HOLD_S)
     with (
         make_fleet(
             tokenizer, n=2, faults=[slow, slow], api_keys=[KEY], policy="least_loaded"
         ) as fleet,
-        _peer(fleet, tokenizer, peers=[fleet.url], peer_load_interval_s=peer_load_interval_s) as b,
+        _peer(
+            fleet,
+            tokenizer,
+            peers=[fleet.url],
+            peer_load_interval_s=peer_load_interval_s,
+            peer_load_mode=peer_load_mode,
+        ) as b,
     ):
         yield fleet, b
 
@@ -179,10 +212,14 @@ def _hold(fleet: Fleet, n: int) -> list[concurrent.futures.Future[int]]:
     return futures
 
 
+@pytest.mark.parametrize("mode", ["follow", "poll"])
 def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
-    local_tokenizer: LocalTokenizer,
+    local_tokenizer: LocalTokenizer, mode: str
 ) -> None:
-    with _slow_pair(local_tokenizer, peer_load_interval_s=0.05) as (fleet, b):
+    with _slow_pair(local_tokenizer, peer_load_interval_s=0.05, peer_load_mode=mode) as (
+        fleet,
+        b,
+    ):
         futures = _hold(fleet, 3)
         in_flight = {}
 
@@ -207,6 +244,8 @@ def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
         peer_load = _stats(b.url)["peer_load"]
         assert peer_load["peers"][fleet.url]["fresh"] is True
         assert peer_load["peers"][fleet.url]["in_flight"] == 3
+        # Followed: A holds B's request until its counts change (A's answers carry a version).
+        assert peer_load["peers"][fleet.url]["followed"] is (mode == "follow")
         # B has sent nothing, yet it puts a new request where A's queue is shorter.
         decision = httpx.post(
             f"{b.url}/debug/route",
@@ -286,3 +325,66 @@ def test_a_router_listed_among_its_own_peers_ignores_itself(
         assert stats["replicas"]["r0"]["load"]["peer_in_flight"] == 0
         assert stats["replicas"]["r0"]["load"]["pending"] == 2  # not 4
         assert [f.result(timeout=30) for f in futures] == [200, 200]
+
+
+def test_a_held_answer_comes_when_the_counts_change(local_tokenizer: LocalTokenizer) -> None:
+    """``GET /peer/load?wait_s=W&seen=V`` on a real router: answered at once when V is not
+    its version, held W when nothing changes, and answered as soon as a request starts."""
+    slow = ReplicaFaults(prefill_delay_s=HOLD_S)
+    with make_fleet(local_tokenizer, n=1, faults=[slow], api_keys=[KEY]) as fleet:
+        url = f"{fleet.url}/peer/load"
+
+        def ask(**params: Any) -> tuple[dict[str, Any], float]:
+            t0 = time.monotonic()
+            resp = httpx.get(url, params=params, headers=AUTH, timeout=15)
+            assert resp.status_code == 200, resp.text
+            return resp.json(), time.monotonic() - t0
+
+        first, _ = ask()
+        assert first["replicas"] == {"r0": 0} and first["version"] == load_version(
+            fleet.service.registry
+        )
+        _, took = ask(wait_s=MAX_WAIT_S, seen="an older version")
+        assert took < MAX_WAIT_S - 1
+        same, took = ask(wait_s=0.5, seen=first["version"])
+        assert took >= 0.45 and same["version"] == first["version"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(ask, wait_s=MAX_WAIT_S, seen=first["version"])
+            time.sleep(0.3)
+            futures = _hold(fleet, 1)
+            changed, took = held.result(timeout=15)
+        assert changed["replicas"] == {"r0": 1} and changed["version"] != first["version"]
+        assert took < MAX_WAIT_S - 0.5
+        assert [f.result(timeout=30) for f in futures] == [200]
+        # Bad parameters: an OpenAI-style 400, nothing held.
+        bad = httpx.get(url, params={"wait_s": "soon"}, headers=AUTH, timeout=5)
+        assert bad.status_code in (400, 422) and "error" in bad.json()
+
+
+def test_a_peer_without_versions_is_polled_not_hammered() -> None:
+    """An older router ignores ``wait_s`` and answers at once, without a version: its
+    follower waits the interval between questions instead of asking in a loop."""
+    asked: list[float] = []
+
+    async def old_router(request: Request) -> JSONResponse:
+        asked.append(time.monotonic())
+        return JSONResponse({"router": "old", "replicas": {"r0": 2}})
+
+    app = Starlette(routes=[Route("/peer/load", old_router)])
+    load = PeerLoad(interval_s=0.1, timeout_s=1.0, router_id="me")
+    answers: list[int] = []
+
+    async def follow_for(url: str, seconds: float) -> None:
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(load.follow(client, url, lambda: answers.append(1)))
+            await asyncio.sleep(seconds)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    with ServerThread(app) as server:
+        asyncio.run(follow_for(server.url, 1.0))
+        report = load.peers[server.url]
+    assert 3 <= len(asked) <= 12  # every 0.1 s for a second, not hundreds
+    assert len(answers) == len(asked) and report.followed is False
+    assert report.in_flight == {"r0": 2} and report.error is None
