@@ -10,7 +10,6 @@ dashboard's page needs one (kvroute.router.auth).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +29,7 @@ from kvroute.router.dashboard_data import DashboardData
 from kvroute.router.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.errors import RouterError, error_body, error_response
 from kvroute.router.openapi import PROXIED, add_proxied_paths
-from kvroute.router.peer_load import CHECK_S, MAX_WAIT_S, load_body, load_version
+from kvroute.router.peer_load import MAX_WAIT_S, load_body, load_version
 from kvroute.router.peer_snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.proxy import read_body
 from kvroute.router.readiness import Readiness
@@ -174,8 +173,11 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         registry = service.registry
         if seen is not None and wait_s > 0:
             deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
-            while load_version(registry) == seen and time.monotonic() < deadline:
-                await asyncio.sleep(CHECK_S)
+            while load_version(registry) == seen:
+                left = deadline - time.monotonic()
+                if not left > 0:  # (a NaN wait_s too)
+                    break
+                await registry.load_signal.wait(left)
         service.router.sample_stored_blocks()
         unstored = service.router.unstored.snapshot(r.name for r in registry)
         return JSONResponse(load_body(service.peer_load.router_id, registry, unstored))

@@ -28,10 +28,12 @@ peer's requests 50 ms late on average, and with four routers three quarters of t
 requests are a peer's: on the chat preset a router's pick queued 12% more prefill tokens
 than the least-loaded replica's than one router alone did (docs/benchmarks.md). So the
 answer carries a ``version`` (a digest of the in-flight counts), and a request with
-``?wait_s=W&seen=V`` is held until the counts differ from version V (checked every
-``CHECK_S``) or W seconds passed. Each router keeps one such request open per peer and asks
-again as soon as it is answered: a peer's request is seen within ~10 ms, and an idle fleet
-costs one answer per peer every ``wait_s``. An answer without a version (an older router,
+``?wait_s=W&seen=V`` is held until the counts differ from version V or W seconds passed
+(woken where the counts change, ``replicas.LoadSignal``: a held request costs nothing
+meanwhile). Each router keeps one such request open per peer and asks again as soon as it
+is answered, at most every ``MIN_ASK_INTERVAL_S``: a peer's request is seen within a round
+trip (10 ms under traffic that changes the counts faster), and an idle fleet costs one
+answer per peer every ``wait_s``. An answer without a version (an older router,
 which ignores the parameters and answers at once) makes the follower poll that peer every
 ``peer_load_interval_s`` instead.
 """
@@ -53,8 +55,8 @@ import httpx
 from kvroute.router.replicas import Replica
 
 __all__ = [
-    "CHECK_S",
     "MAX_WAIT_S",
+    "MIN_ASK_INTERVAL_S",
     "PeerAnswer",
     "PeerLoad",
     "PeerReport",
@@ -70,8 +72,8 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 1_000_000
 MAX_UNSTORED_BLOCKS = 1_000_000_000
 MAX_REPLICAS = 100_000
-# A held ``GET /peer/load`` checks the counts this often, and is held at most this long.
-CHECK_S = 0.01
+# A follower asks one peer at most this often; a held ``GET /peer/load`` waits at most this.
+MIN_ASK_INTERVAL_S = 0.01
 MAX_WAIT_S = 5.0
 _MAX_VERSION_CHARS = 64
 
@@ -202,12 +204,14 @@ class PeerLoad:
     async def follow(
         self, client: httpx.AsyncClient, url: str, on_answer: Callable[[], None]
     ) -> None:
-        """Keep asking ``url`` with the version of its last answer, each time at once: the
-        peer answers when its counts change (or after ``wait_s``). ``on_answer`` runs after
+        """Keep asking ``url`` with the version of its last answer, each time at once (at
+        most once per ``MIN_ASK_INTERVAL_S``): the peer answers when its counts change (or after
+        ``wait_s``). ``on_answer`` runs after
         each answer (the service applies the sums there). Runs until cancelled; on an error,
         or a peer that answers without a version, waits ``interval_s`` before asking again."""
         version: str | None = None
         while True:
+            asked = time.monotonic()
             params: dict[str, Any] = {}
             if version is not None:
                 params = {"wait_s": self.wait_s, "seen": version}
@@ -217,6 +221,10 @@ class PeerLoad:
             version = None if answer is None else answer.version
             if version is None:
                 await asyncio.sleep(self.interval_s)
+            else:
+                # A peer whose counts change on every answer (heavy traffic) is asked at most
+                # once per MIN_ASK_INTERVAL_S, as a held answer is checked: not once per round trip.
+                await asyncio.sleep(max(0.0, asked + MIN_ASK_INTERVAL_S - time.monotonic()))
 
     def forget(self, url: str) -> None:
         """A peer no longer listed (its follower stopped)."""

@@ -17,6 +17,8 @@ own (``engine_gauges``); a page without the label is divided evenly among the ra
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Iterable
@@ -111,6 +113,30 @@ def engine_gauges(
     return {k: v if k == "kv_usage" else v / max(ranks, 1) for k, v in total.items()}
 
 
+class LoadSignal:
+    """Wakes whoever waits for the in-flight counts to change (a held ``GET /peer/load``,
+    router/peer_load.py). Fired exactly where they change (a request begins or ends, a
+    replica comes or goes), so a waiter costs nothing between changes. Used on the router's
+    event loop only."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def changed(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next change, or ``timeout_s``."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+
+
 @dataclass(eq=False, slots=True)
 class Replica:
     config: ReplicaConfig
@@ -136,6 +162,7 @@ class Replica:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     models_at: float | None = None
     removed: bool = False
+    load_signal: LoadSignal | None = None  # its registry's, fired when in_flight changes
 
     @property
     def name(self) -> str:
@@ -163,12 +190,16 @@ class Replica:
         """A request goes out: count it; returns the epoch to give ``end_request``."""
         self.in_flight += 1
         self.sent_since_scrape += 1
+        if self.load_signal is not None:
+            self.load_signal.changed()
         return self.scrape_epoch
 
     def end_request(self, epoch: int) -> None:
         self.in_flight -= 1
         if epoch == self.scrape_epoch and self.sent_since_scrape > 0:
             self.sent_since_scrape -= 1
+        if self.load_signal is not None:
+            self.load_signal.changed()
 
     def set_gauges(self, running: float, waiting: float, kv_usage: float) -> None:
         """A fresh metrics page: it counts every request the replica had by now."""
@@ -213,6 +244,7 @@ class ReplicaRegistry:
         self.unhealthy_after = unhealthy_after
         self.healthy_after = healthy_after
         self._replicas: dict[str, Replica] = {}
+        self.load_signal = LoadSignal()
 
     def __iter__(self):
         return iter(list(self._replicas.values()))
@@ -227,14 +259,16 @@ class ReplicaRegistry:
         return list(self._replicas)
 
     def add(self, config: ReplicaConfig) -> Replica:
-        replica = Replica(config)
+        replica = Replica(config, load_signal=self.load_signal)
         self._replicas[config.key] = replica
+        self.load_signal.changed()
         return replica
 
     def remove(self, name: str) -> Replica | None:
         replica = self._replicas.pop(name, None)
         if replica is not None:
             replica.removed = True
+            self.load_signal.changed()
         return replica
 
     def healthy(self) -> list[Replica]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from kvroute.router.app import create_app
 from kvroute.router.config import ConfigError, ReplicaConfig, RouterSettings
 from kvroute.router.peer_load import (
     MAX_WAIT_S,
+    MIN_ASK_INTERVAL_S,
     PeerAnswer,
     PeerLoad,
     PeerLoadError,
@@ -32,7 +34,7 @@ from kvroute.router.peer_load import (
     load_version,
     parse_load,
 )
-from kvroute.router.replicas import Replica
+from kvroute.router.replicas import Replica, ReplicaRegistry
 from kvroute.router.tokenization import LocalTokenizer
 from tests.router.fleet import Fleet, make_fleet
 from tests.router.manual_clock import ManualClock
@@ -388,3 +390,65 @@ def test_a_peer_without_versions_is_polled_not_hammered() -> None:
     assert 3 <= len(asked) <= 12  # every 0.1 s for a second, not hundreds
     assert len(answers) == len(asked) and report.followed is False
     assert report.in_flight == {"r0": 2} and report.error is None
+
+
+def test_a_peer_whose_counts_always_change_is_asked_at_most_every_check() -> None:
+    """Under heavy traffic a peer's counts differ at every answer, so every question is
+    answered at once: its follower still asks at most once per MIN_ASK_INTERVAL_S."""
+    asked: list[float] = []
+
+    async def busy_router(request: Request) -> JSONResponse:
+        asked.append(time.monotonic())
+        return JSONResponse(
+            {"router": "busy", "version": f"v{len(asked)}", "replicas": {"r0": len(asked)}}
+        )
+
+    app = Starlette(routes=[Route("/peer/load", busy_router)])
+    load = PeerLoad(interval_s=0.1, timeout_s=1.0, router_id="me")
+
+    async def follow_for(url: str, seconds: float) -> None:
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(load.follow(client, url, lambda: None))
+            await asyncio.sleep(seconds)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    with ServerThread(app) as server:
+        asyncio.run(follow_for(server.url, 1.0))
+        report = load.peers[server.url]
+    assert 5 <= len(asked) <= 1.0 / MIN_ASK_INTERVAL_S + 5, len(asked)
+    gaps = [b - a for a, b in itertools.pairwise(asked)]
+    assert min(gaps) >= MIN_ASK_INTERVAL_S * 0.8
+    # (the last question may have been cut short by the cancel)
+    assert report.followed is True and report.in_flight["r0"] >= len(asked) - 1
+
+
+def test_the_load_signal_wakes_a_waiter_where_counts_change() -> None:
+    """What holds a ``GET /peer/load``: woken by a request beginning or ending and by a
+    replica coming or going, never by time alone (but for the waiter's own timeout)."""
+    registry = ReplicaRegistry()
+
+    async def scenario() -> list[str]:
+        woken: list[str] = []
+
+        async def waiter(name: str, timeout_s: float) -> None:
+            t0 = time.monotonic()
+            await registry.load_signal.wait(timeout_s)
+            woken.append(f"{name}:{'change' if time.monotonic() - t0 < timeout_s else 'timeout'}")
+
+        replica = registry.add(ReplicaConfig(url="http://127.0.0.1:9000", name="r0"))
+        for step in (
+            replica.begin_request,
+            lambda: replica.end_request(0),
+            lambda: registry.add(ReplicaConfig(url="http://127.0.0.1:9001", name="r1")),
+            lambda: registry.remove("r1"),
+        ):
+            task = asyncio.create_task(waiter("w", 5.0))
+            await asyncio.sleep(0.05)
+            step()
+            await asyncio.wait_for(task, 2.0)
+        await waiter("idle", 0.05)
+        return woken
+
+    assert asyncio.run(scenario()) == ["w:change"] * 4 + ["idle:timeout"]
