@@ -25,8 +25,9 @@ replicas file, Kubernetes discovery); a name this router does not know is skippe
 
 Followed, not polled (``peer_load_mode="follow"``, the default): a poll every 0.1 s showed a
 peer's requests 50 ms late on average, and with four routers three quarters of the fleet's
-requests are a peer's: on the chat preset a router's pick queued 12% more prefill tokens
-than the least-loaded replica's than one router alone did (docs/benchmarks.md). So the
+requests are a peer's: on the chat preset, four polling routers' picks had 11-14% more
+prefill queued ahead of them than one router's; following, the same as one router's
+(docs/benchmarks.md, "Routers on a core of their own"). So the
 answer carries a ``version`` (a digest of the in-flight counts), and a request with
 ``?wait_s=W&seen=V`` is held until the counts differ from version V or W seconds passed
 (woken where the counts change, ``replicas.LoadSignal``: a held request costs nothing
