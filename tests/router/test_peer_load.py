@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -363,6 +363,29 @@ def test_a_held_answer_comes_when_the_counts_change(local_tokenizer: LocalTokeni
         assert bad.status_code in (400, 422) and "error" in bad.json()
 
 
+def _follow_for(
+    load: PeerLoad,
+    peer: Callable[[Request], Awaitable[JSONResponse]],
+    seconds: float,
+    on_answer: Callable[[], None],
+) -> PeerReport:
+    """Follow a peer served by ``peer`` (GET /peer/load, a real HTTP server) for
+    ``seconds``; returns the follower's report of it."""
+    app = Starlette(routes=[Route("/peer/load", peer)])
+
+    async def follow(url: str) -> None:
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(load.follow(client, url, on_answer))
+            await asyncio.sleep(seconds)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    with ServerThread(app) as server:
+        asyncio.run(follow(server.url))
+        return load.peers[server.url]
+
+
 def test_a_peer_without_versions_is_polled_not_hammered() -> None:
     """An older router ignores ``wait_s`` and answers at once, without a version: its
     follower waits the interval between questions instead of asking in a loop."""
@@ -372,21 +395,9 @@ def test_a_peer_without_versions_is_polled_not_hammered() -> None:
         asked.append(time.monotonic())
         return JSONResponse({"router": "old", "replicas": {"r0": 2}})
 
-    app = Starlette(routes=[Route("/peer/load", old_router)])
     load = PeerLoad(interval_s=0.1, timeout_s=1.0, router_id="me")
     answers: list[int] = []
-
-    async def follow_for(url: str, seconds: float) -> None:
-        async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(load.follow(client, url, lambda: answers.append(1)))
-            await asyncio.sleep(seconds)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    with ServerThread(app) as server:
-        asyncio.run(follow_for(server.url, 1.0))
-        report = load.peers[server.url]
+    report = _follow_for(load, old_router, 1.0, lambda: answers.append(1))
     assert 3 <= len(asked) <= 12  # every 0.1 s for a second, not hundreds
     assert len(answers) == len(asked) and report.followed is False
     assert report.in_flight == {"r0": 2} and report.error is None
@@ -403,20 +414,8 @@ def test_a_peer_whose_counts_always_change_is_asked_at_most_every_check() -> Non
             {"router": "busy", "version": f"v{len(asked)}", "replicas": {"r0": len(asked)}}
         )
 
-    app = Starlette(routes=[Route("/peer/load", busy_router)])
     load = PeerLoad(interval_s=0.1, timeout_s=1.0, router_id="me")
-
-    async def follow_for(url: str, seconds: float) -> None:
-        async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(load.follow(client, url, lambda: None))
-            await asyncio.sleep(seconds)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    with ServerThread(app) as server:
-        asyncio.run(follow_for(server.url, 1.0))
-        report = load.peers[server.url]
+    report = _follow_for(load, busy_router, 1.0, lambda: None)
     assert 5 <= len(asked) <= 1.0 / MIN_ASK_INTERVAL_S + 5, len(asked)
     gaps = [b - a for a, b in itertools.pairwise(asked)]
     assert min(gaps) >= MIN_ASK_INTERVAL_S * 0.8
