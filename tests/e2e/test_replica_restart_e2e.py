@@ -49,8 +49,12 @@ def test_killed_replica_then_restarted_with_its_disk_tier(fleet: LocalFleet) -> 
     prompt = "Restart probe: " + words(400, "restart-prefix")
     storage_before = tiers(fleet, VICTIM).get("STORAGE", 0)
     victim.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1})
-    matched = view_of(fleet, prompt)["match_tokens"]  # all on device for now
-    assert matched > 4 * CHUNK_TOKENS
+    # The reply can reach us before the engine's event batch reaches the router: wait for it.
+    matched = wait_for(
+        "the probe's blocks in the index",
+        lambda: (m := view_of(fleet, prompt)["match_tokens"]) > 4 * CHUNK_TOKENS and m,
+        20,
+    )  # all on device for now
     # Our connector writes every full chunk through to disk: wait until those events landed.
     wanted = storage_before + (matched // CHUNK_TOKENS - 1) * (CHUNK_TOKENS // BLOCK_SIZE)
     # A disk write finishes after its request did, and the worker reports it with the
