@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvroute.bench.pick_quality import queued_prefill_at_pick
 from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
@@ -701,6 +702,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     row = _row(
                         w, policy, records, wall, config.latency.time_scale, tokenizer, config
+                    )
+                    row["queued_prefill_at_pick"] = queued_prefill_at_pick(
+                        records, (r.name for r in fleet.replicas)
                     )
                     reasons = _decision_reasons(urls)
                     row["routers"] = len(urls)

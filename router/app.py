@@ -166,21 +166,40 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         return StreamingResponse(body, media_type=MEDIA_TYPE)
 
     @app.get("/peer/load")
-    async def peer_load(wait_s: float = 0.0, seen: str | None = None) -> Response:
+    async def peer_load(
+        wait_s: float = 0.0, seen: str | None = None, samples_from: int | None = None
+    ) -> Response:
         """What this router is proxying to each replica now, for its peers' queue view
         (router/peer_load.py). With ``seen`` (the version of the asker's last answer) and
-        ``wait_s``, held until the counts differ from that version or ``wait_s`` passed."""
+        ``wait_s``, held until the counts differ from that version or ``wait_s`` passed.
+        With ``samples_from``, the queue samples this router took since then."""
         registry = service.registry
+        learned = service.router.queue_delay
+
+        def version() -> str:
+            return load_version(registry, 0 if learned is None else learned.next_sample)
+
         if seen is not None and wait_s > 0:
             deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
-            while load_version(registry) == seen:
+            while version() == seen:
                 left = deadline - time.monotonic()
                 if not left > 0:  # (a NaN wait_s too)
                     break
                 await registry.load_signal.wait(left)
         service.router.sample_stored_blocks()
         unstored = service.router.unstored.snapshot(r.name for r in registry)
-        return JSONResponse(load_body(service.peer_load.router_id, registry, unstored))
+        samples = None
+        if learned is not None and samples_from is not None:
+            samples = learned.samples_since(samples_from)
+        return JSONResponse(
+            load_body(
+                service.peer_load.router_id,
+                registry,
+                unstored,
+                next_sample=0 if learned is None else learned.next_sample,
+                samples=samples,
+            )
+        )
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:

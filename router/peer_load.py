@@ -37,6 +37,14 @@ trip (10 ms under traffic that changes the counts faster), and an idle fleet cos
 answer per peer every ``wait_s``. An answer without a version (an older router,
 which ignores the parameters and answers at once) makes the follower poll that peer every
 ``peer_load_interval_s`` instead.
+
+Queue samples ride along (router/queue_model.py): each router numbers the first-byte samples
+it takes, and an asker that passes ``samples_from=K`` (the ``next`` of its last answer from
+that peer) gets ``"samples": {"next": N, "values": [[replica, seconds], ...]}``: the peer's
+samples K to N-1 (those still in its log). A new sample changes the ``version`` as well, so
+a held request is answered with it at once. Without ``samples_from`` (a first ask) only
+``next`` comes back: a peer's old samples are not replayed. The asker applies the values to
+its own estimates, so every router learns from every first byte in the fleet.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 1_000_000
 MAX_UNSTORED_BLOCKS = 1_000_000_000
 MAX_REPLICAS = 100_000
+MAX_SAMPLES = 4096  # queue samples in one answer (a peer keeps far fewer: SAMPLE_LOG_MAX)
 # A follower asks one peer at most this often; a held ``GET /peer/load`` waits at most this.
 MIN_ASK_INTERVAL_S = 0.01
 MAX_WAIT_S = 5.0
@@ -83,23 +92,33 @@ class PeerLoadError(ValueError):
     """Why a peer's answer was not used."""
 
 
-def load_version(replicas: Iterable[Replica]) -> str:
-    """A digest of the in-flight counts: it changes whenever one of them does (and when a
-    replica comes or goes). Unstored blocks are not in it: they change with the requests
-    sent, and settle on the next answer."""
+def load_version(replicas: Iterable[Replica], next_sample: int = 0) -> str:
+    """A digest of the in-flight counts and of the number of queue samples taken: it changes
+    whenever a count does, a replica comes or goes, or a sample is taken. Unstored blocks
+    are not in it: they change with the requests sent, and settle on the next answer."""
     counts = ",".join(f"{r.name}={r.in_flight}" for r in replicas)
-    return hashlib.blake2b(counts.encode(), digest_size=8).hexdigest()
+    return hashlib.blake2b(f"{counts};{next_sample}".encode(), digest_size=8).hexdigest()
 
 
 def load_body(
-    router_id: str, replicas: Iterable[Replica], unstored: Mapping[str, int] | None = None
+    router_id: str,
+    replicas: Iterable[Replica],
+    unstored: Mapping[str, int] | None = None,
+    *,
+    next_sample: int = 0,
+    samples: list[tuple[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """This router's ``GET /peer/load`` answer."""
+    """This router's ``GET /peer/load`` answer: ``samples`` are its queue samples from the
+    asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none)."""
     replicas = list(replicas)
     body: dict[str, Any] = {
         "router": router_id,
-        "version": load_version(replicas),
+        "version": load_version(replicas, next_sample),
         "replicas": {r.name: r.in_flight for r in replicas},
+        "samples": {
+            "next": next_sample,
+            "values": [[name, round(v, 6)] for name, v in samples or ()],
+        },
     }
     if unstored is not None:
         body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
@@ -114,6 +133,10 @@ class PeerAnswer:
     in_flight: dict[str, int]
     unstored_blocks: dict[str, int] = field(default_factory=dict)
     version: str | None = None  # None: a peer that cannot hold a request (poll it)
+    # Its queue samples: the number of the next one, and those asked for (None: an older
+    # router that shares none).
+    next_sample: int | None = None
+    samples: list[tuple[str, float]] = field(default_factory=list)
 
 
 def _counts(value: object, what: str, limit: int) -> dict[str, int]:
@@ -144,12 +167,41 @@ def parse_load(body: object) -> PeerAnswer:
         not isinstance(version, str) or not 0 < len(version) <= _MAX_VERSION_CHARS
     ):
         raise PeerLoadError(f"'version' must be a string of 1-{_MAX_VERSION_CHARS} characters")
+    next_sample, samples = _samples(body.get("samples"))
     return PeerAnswer(
         router,
         _counts(replicas, "in-flight", MAX_IN_FLIGHT),
         {} if unstored is None else _counts(unstored, "unstored_blocks", MAX_UNSTORED_BLOCKS),
         version,
+        next_sample,
+        samples,
     )
+
+
+def _samples(value: object) -> tuple[int | None, list[tuple[str, float]]]:
+    if value is None:
+        return None, []
+    if not isinstance(value, dict):
+        raise PeerLoadError("'samples' is not an object")
+    next_sample, values = value.get("next"), value.get("values", [])
+    if isinstance(next_sample, bool) or not isinstance(next_sample, int) or next_sample < 0:
+        raise PeerLoadError("'samples.next' must be an integer >= 0")
+    if not isinstance(values, list) or len(values) > MAX_SAMPLES:
+        raise PeerLoadError(f"'samples.values' must be a list of at most {MAX_SAMPLES}")
+    out: list[tuple[str, float]] = []
+    for item in values:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or isinstance(item[1], bool)
+            or not isinstance(item[1], int | float)
+            or not math.isfinite(item[1])
+            or item[1] < 0
+        ):
+            raise PeerLoadError("a queue sample must be [replica, seconds >= 0]")
+        out.append((item[0], float(item[1])))
+    return next_sample, out
 
 
 @dataclass(slots=True)
@@ -164,6 +216,8 @@ class PeerReport:
     polls: int = 0
     failures: int = 0
     followed: bool = False  # its last answer had a version: it holds requests until a change
+    next_sample: int | None = None  # where its next answer's queue samples start
+    samples_received: int = 0
 
 
 class PeerLoad:
@@ -177,6 +231,7 @@ class PeerLoad:
         api_key: str | None = None,
         router_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_samples: Callable[[list[tuple[str, float]]], None] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -186,6 +241,8 @@ class PeerLoad:
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._clock = clock
         self.peers: dict[str, PeerReport] = {}
+        # Where a peer's queue samples go (the router's LearnedQueueDelay); None: not asked.
+        self.on_samples = on_samples
 
     async def poll(self, client: httpx.AsyncClient, urls: list[str]) -> None:
         """Ask every peer in ``urls`` at once; forget peers no longer listed."""
@@ -242,6 +299,8 @@ class PeerLoad:
     ) -> PeerAnswer | None:
         report = self.peers.setdefault(url, PeerReport())
         report.polls += 1
+        if self.on_samples is not None and report.next_sample is not None:
+            params = {**params, "samples_from": report.next_sample}
         try:
             resp = await client.get(
                 url.rstrip("/") + "/peer/load",
@@ -260,10 +319,18 @@ class PeerLoad:
             return None
         if report.error is not None:
             log.info("peer load: %s answers again", url)
+        same_peer = report.router == answer.router  # not restarted: its sample numbers go on
         report.router, report.in_flight = answer.router, answer.in_flight
         report.unstored_blocks, report.error = answer.unstored_blocks, None
         report.received_at = self._clock()
         report.followed = follow and answer.version is not None
+        asked_samples = "samples_from" in params
+        if asked_samples and same_peer and answer.samples and answer.router != self.router_id:
+            report.samples_received += len(answer.samples)
+            if self.on_samples is not None:
+                self.on_samples(answer.samples)
+        # A restarted peer (a new id) numbers from 0 again: go on from its answer either way.
+        report.next_sample = answer.next_sample
         return answer
 
     def apply(self, replicas: Iterable[Replica]) -> None:
@@ -298,6 +365,7 @@ class PeerLoad:
                     "polls": p.polls,
                     "failures": p.failures,
                     "followed": p.followed,
+                    "queue_samples_received": p.samples_received,
                     "error": p.error,
                 }
                 for url, p in self.peers.items()

@@ -16,16 +16,30 @@ weighted average per replica follows changes in load. Without fresh samples an e
 relaxes back to the configured prior (half-life ``half_life_s``), so a replica that was
 congested once is not shunned forever. Requests sent into an empty queue carry no
 information about queueing and are not samples.
+
+Several routers learn together: behind a load balancer each router sees the first bytes of
+its share of the traffic only, so on its own it would learn from 1/N of the samples, N times
+slower, and each router would price the same queue differently. So every sample a router
+takes is also kept in a short numbered log, and its peers fetch what they have not seen with
+the shared load (router/peer_load.py) and apply it as their own (``observe_shared``): every
+router's estimate follows every first byte in the fleet, as one router's would. Shared
+samples are not logged again (no echo between peers).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["LearnedQueueDelay"]
+__all__ = ["SAMPLE_LOG_MAX", "LearnedQueueDelay"]
+
+# Samples a router keeps for its peers: at the ~100 first bytes per second of a busy router,
+# 10 s of them, far more than a follower (asking every 10 ms) or a poller lags behind.
+SAMPLE_LOG_MAX = 1024
 
 
 @dataclass(slots=True)
@@ -59,6 +73,12 @@ class LearnedQueueDelay:
         self.max_s = max_s
         self._clock = clock
         self._by_replica: dict[str, _Estimate] = {}
+        # This router's own samples, numbered from 0; the log keeps the last of them.
+        self._log: deque[tuple[str, float]] = deque(maxlen=SAMPLE_LOG_MAX)
+        self._log_next = 0
+        self.shared_applied = 0  # samples taken from peers
+        # Called after each own sample (the service wakes held peer-load requests there).
+        self.on_sample: Callable[[], None] | None = None
 
     def _relaxed(self, est: _Estimate, now: float) -> float:
         keep = math.exp(-math.log(2.0) * max(0.0, now - est.at) / self.half_life_s)
@@ -77,6 +97,35 @@ class LearnedQueueDelay:
         if pending < 1.0 or not math.isfinite(first_byte_s) or first_byte_s < 0:
             return
         sample = min(self.max_s, max(0.0, first_byte_s - max(0.0, explained_s)) / pending)
+        self._apply(replica, sample)
+        self._log.append((replica, sample))
+        self._log_next += 1
+        if self.on_sample is not None:
+            self.on_sample()
+
+    def observe_shared(self, replica: str, sample_s: float) -> None:
+        """A sample a peer router took (its ``samples_since``): applied like an own one,
+        never passed on."""
+        if not math.isfinite(sample_s):
+            return
+        self._apply(replica, min(self.max_s, max(0.0, sample_s)))
+        self.shared_applied += 1
+
+    @property
+    def next_sample(self) -> int:
+        """The number the next own sample will get (the count taken so far)."""
+        return self._log_next
+
+    def samples_since(self, first: int) -> list[tuple[str, float]]:
+        """Own samples numbered ``first`` and later, oldest first; those already dropped from
+        the log are skipped (a peer that far behind catches up on the rest)."""
+        start = self._log_next - len(self._log)
+        if first >= self._log_next:
+            return []
+        skip = max(0, first - start)
+        return list(itertools.islice(self._log, skip, None))
+
+    def _apply(self, replica: str, sample: float) -> None:
         now = self._clock()
         est = self._by_replica.get(replica)
         if est is None:

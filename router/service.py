@@ -158,7 +158,10 @@ class RouterService:
             interval_s=settings.peer_load_interval_s,
             timeout_s=max(0.05, min(1.0, 5 * settings.peer_load_interval_s)),
             api_key=settings.api_keys[0] if settings.api_keys else None,
+            on_samples=None if self.router.queue_delay is None else self._apply_peer_samples,
         )
+        if self.router.queue_delay is not None:  # a held /peer/load answers a new sample
+            self.router.queue_delay.on_sample = self.registry.load_signal.changed
         self._peer_load_task: PeriodicTask | None = None
         self._peer_followers: dict[str, asyncio.Task[None]] = {}
         self._peer_client: httpx.AsyncClient | None = None
@@ -490,6 +493,16 @@ class RouterService:
     def _source_name(self) -> str:
         return "discovery" if self.discovery is not None else "replicas file"
 
+    def _apply_peer_samples(self, samples: list[tuple[str, float]]) -> None:
+        """A peer's queue samples (router/queue_model.py), for the replicas this router
+        knows: learned as if its own first bytes had shown them."""
+        learned = self.router.queue_delay
+        if learned is None:
+            return
+        for name, seconds in samples:
+            if self.registry.get(name) is not None:
+                learned.observe_shared(name, seconds)
+
     async def poll_peer_load(self) -> None:
         """One round of shared load: ask the peers, then set every replica's share."""
         assert self._peer_client is not None
@@ -712,4 +725,10 @@ class RouterService:
             "start": self.warm.to_dict(self.subscriber.warm_outcomes()),
             "discovery": None if self.discovery is None else self.discovery.status(),
             "peer_load": self.peer_load.to_dict() if self._peer_load_task is not None else None,
+            "queue_samples": None
+            if self.router.queue_delay is None
+            else {
+                "taken": self.router.queue_delay.next_sample,
+                "from_peers": self.router.queue_delay.shared_applied,
+            },
         }

@@ -157,6 +157,9 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
             lag = r["loop_lag_ms"][side]
             assert lag["samples"] > 0
             assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+        pick = r["queued_prefill_at_pick"]  # the queue behind each pick (bench/pick_quality.py)
+        assert pick["requests"] == r["completed"]
+        assert 0 <= pick["mean_tokens"] and 0 <= pick["over_2000"] <= 1
     rr, kv = rows
     # Each row says why the router placed its requests (its own /metrics, this run only).
     assert rr["route_reasons"] == {"round_robin": rr["requests"]}
