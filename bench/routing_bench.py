@@ -523,6 +523,51 @@ def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
     return out
 
 
+_TIMING_SAMPLES = (
+    "kvroute_decision_seconds_sum",
+    "kvroute_decision_seconds_count",
+    "kvroute_upstream_ttft_seconds_sum",
+    "kvroute_upstream_ttft_seconds_count",
+)
+
+
+def _router_timings(router_urls: list[str]) -> dict[str, float]:
+    """The routers' decision-time and upstream-TTFT histograms (sums and counts, summed over
+    the routers): with the client's TTFT, what the routers themselves added to it."""
+    out = dict.fromkeys(_TIMING_SAMPLES, 0.0)
+    for url in router_urls:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in out:
+                    out[sample.name] += sample.value
+    return out
+
+
+def router_timing_row(
+    before: dict[str, float], after: dict[str, float], client_ttft_mean_s: float, time_scale: float
+) -> dict[str, float | None]:
+    """One run's ``router_timing``: the mean decision time (tokenize, look up, rank) and the
+    mean time from forwarding to the replica's first byte, both as the routers measured them,
+    and the client's mean TTFT minus the latter (ms, wall clock): the router's own share
+    of every request's TTFT (parsing, deciding, proxying, and waiting for a busy core)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in _TIMING_SAMPLES}
+    n_dec, n_up = d["kvroute_decision_seconds_count"], d["kvroute_upstream_ttft_seconds_count"]
+    upstream_ms = 1000 * d["kvroute_upstream_ttft_seconds_sum"] / n_up if n_up else None
+    return {
+        "decision_ms_mean": round(1000 * d["kvroute_decision_seconds_sum"] / n_dec, 3)
+        if n_dec
+        else None,
+        "upstream_ttft_ms_mean": None if upstream_ms is None else round(upstream_ms, 2),
+        "router_added_ms_mean": None
+        if upstream_ms is None or not math.isfinite(client_ttft_mean_s)
+        else round(1000 * client_ttft_mean_s * time_scale - upstream_ms, 2),
+    }
+
+
 _FEED_COUNTERS = ("batches", "events_applied", "blocks_stored", "blocks_removed")
 
 
@@ -689,6 +734,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for router in routers:
                         router.wait_feeds_settled()
                     cpu_before = [_cpu_seconds(r.process.pid) for r in routers]
+                    timings_before = _router_timings(urls)
                     records, wall, client_lag = asyncio.run(
                         _run_measured(
                             run_workload(
@@ -725,6 +771,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             cpu_before, (_cpu_seconds(r.process.pid) for r in routers), strict=True
                         )
                     ]
+                    row["router_timing"] = router_timing_row(
+                        timings_before,
+                        _router_timings(urls),
+                        row["ttft_mean_s"],
+                        config.latency.time_scale,
+                    )
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
                     volume = _feed_volume(urls[0])

@@ -157,9 +157,12 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
             lag = r["loop_lag_ms"][side]
             assert lag["samples"] > 0
             assert 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
+        timing = r["router_timing"]  # the routers' own histograms, this run only
+        assert timing["decision_ms_mean"] > 0 and timing["upstream_ttft_ms_mean"] > 0
+        assert timing["router_added_ms_mean"] is not None
         pick = r["queued_prefill_at_pick"]  # the queue behind each pick (bench/pick_quality.py)
         assert pick["requests"] == r["completed"]
-        assert 0 <= pick["mean_tokens"] and 0 <= pick["over_2000"] <= 1
+        assert pick["mean_tokens"] >= 0 and 0 <= pick["over_2000"] <= 1
     rr, kv = rows
     # Each row says why the router placed its requests (its own /metrics, this run only).
     assert rr["route_reasons"] == {"round_robin": rr["requests"]}
@@ -243,3 +246,28 @@ def test_two_routers_share_the_traffic(tmp_path: Path) -> None:
     # The routers' decision counts, summed: together they placed every request exactly once
     # (how requests spread over routers is test_requests_spread_over_routers_stably).
     assert row["route_reasons"] == {"round_robin": row["requests"]}
+
+
+def test_router_timing_is_this_runs_share_of_the_histograms() -> None:
+    before = {
+        "kvroute_decision_seconds_sum": 1.0,
+        "kvroute_decision_seconds_count": 100,
+        "kvroute_upstream_ttft_seconds_sum": 50.0,
+        "kvroute_upstream_ttft_seconds_count": 100,
+    }
+    after = {
+        "kvroute_decision_seconds_sum": 1.5,
+        "kvroute_decision_seconds_count": 200,
+        "kvroute_upstream_ttft_seconds_sum": 70.0,
+        "kvroute_upstream_ttft_seconds_count": 200,
+    }
+    # 100 decisions of 5 ms; 100 upstream first bytes after 0.2 s; clients saw 4 simulated
+    # seconds at time_scale 0.05, 0.2 wall seconds plus 12 ms.
+    row = routing_bench.router_timing_row(before, after, 4.24, 0.05)
+    assert row == {
+        "decision_ms_mean": 5.0,
+        "upstream_ttft_ms_mean": 200.0,
+        "router_added_ms_mean": pytest.approx(12.0),
+    }
+    empty = routing_bench.router_timing_row(after, after, float("nan"), 1.0)
+    assert empty == dict.fromkeys(row, None)
