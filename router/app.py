@@ -29,7 +29,13 @@ from kvroute.router.dashboard_data import DashboardData
 from kvroute.router.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.errors import RouterError, error_body, error_response
 from kvroute.router.openapi import PROXIED, add_proxied_paths
-from kvroute.router.peer_load import MAX_WAIT_S, load_body, load_version
+from kvroute.router.peer_load import (
+    MAX_WAIT_S,
+    STREAM_MEDIA_TYPE,
+    load_body,
+    load_lines,
+    load_version,
+)
 from kvroute.router.peer_snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.proxy import read_body
 from kvroute.router.readiness import Readiness
@@ -167,18 +173,38 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
 
     @app.get("/peer/load")
     async def peer_load(
-        wait_s: float = 0.0, seen: str | None = None, samples_from: int | None = None
+        wait_s: float = 0.0,
+        seen: str | None = None,
+        samples_from: int | None = None,
+        stream: bool = False,
     ) -> Response:
         """What this router is proxying to each replica now, for its peers' queue view
         (router/peer_load.py). With ``seen`` (the version of the asker's last answer) and
         ``wait_s``, held until the counts differ from that version or ``wait_s`` passed.
-        With ``samples_from``, the queue samples this router took since then."""
+        With ``samples_from``, the queue samples this router took since then. With
+        ``stream``, one answer per line, each time they change (``wait_s``: heartbeat)."""
         registry = service.registry
         learned = service.router.queue_delay
 
         def version() -> str:
             return load_version(registry, 0 if learned is None else learned.next_sample)
 
+        def answer(since: int | None) -> dict[str, Any]:
+            service.router.sample_stored_blocks()
+            return load_body(
+                service.peer_load.router_id,
+                registry,
+                service.router.unstored.snapshot(r.name for r in registry),
+                next_sample=0 if learned is None else learned.next_sample,
+                samples=None if learned is None or since is None else learned.samples_since(since),
+            )
+
+        if stream:
+            heartbeat_s = min(wait_s, MAX_WAIT_S) if wait_s > 0 else MAX_WAIT_S  # (NaN: MAX)
+            return StreamingResponse(
+                load_lines(answer, version, registry.load_signal, heartbeat_s, samples_from),
+                media_type=STREAM_MEDIA_TYPE,
+            )
         if seen is not None and wait_s > 0:
             deadline = time.monotonic() + min(wait_s, MAX_WAIT_S)
             while version() == seen:
@@ -186,20 +212,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
                 if not left > 0:  # (a NaN wait_s too)
                     break
                 await registry.load_signal.wait(left)
-        service.router.sample_stored_blocks()
-        unstored = service.router.unstored.snapshot(r.name for r in registry)
-        samples = None
-        if learned is not None and samples_from is not None:
-            samples = learned.samples_since(samples_from)
-        return JSONResponse(
-            load_body(
-                service.peer_load.router_id,
-                registry,
-                unstored,
-                next_sample=0 if learned is None else learned.next_sample,
-                samples=samples,
-            )
-        )
+        return JSONResponse(answer(samples_from))
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> Response:

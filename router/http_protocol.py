@@ -7,6 +7,10 @@ thousand of them exhaust the router's file descriptors. Here a connection must d
 request's complete headers within ``header_timeout_s`` of opening (or of the first byte of
 its next request), or it is closed. The body has its own deadline (``body_timeout_s``,
 kvroute.router.proxy.read_body, answered 408) and a streamed answer its write timeout.
+
+A peer router's load stream (``GET /peer/load?stream=1``, router/peer_load.py) never ends by
+itself: at shutdown uvicorn would wait out its graceful timeout for it. Its connection is
+closed at once instead; the peer reconnects to another router.
 """
 
 from __future__ import annotations
@@ -63,6 +67,17 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_header_deadline()
         super().on_headers_complete()
+
+    def shutdown(self) -> None:
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and not cycle.response_complete
+            and cycle.scope.get("path") == "/peer/load"
+        ):
+            self.transport.close()
+            return
+        super().shutdown()
 
 
 def header_deadline_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:

@@ -51,25 +51,28 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from kvroute.router.replicas import Replica
+from kvroute.router.replicas import LoadSignal, Replica
 
 __all__ = [
     "MAX_WAIT_S",
     "MIN_ASK_INTERVAL_S",
+    "STREAM_MEDIA_TYPE",
     "PeerAnswer",
     "PeerLoad",
     "PeerReport",
     "load_body",
+    "load_lines",
     "load_version",
     "parse_load",
 ]
@@ -85,6 +88,7 @@ MAX_SAMPLES = 4096  # queue samples in one answer (a peer keeps far fewer: SAMPL
 # A follower asks one peer at most this often; a held ``GET /peer/load`` waits at most this.
 MIN_ASK_INTERVAL_S = 0.01
 MAX_WAIT_S = 5.0
+STREAM_MEDIA_TYPE = "application/x-ndjson"
 _MAX_VERSION_CHARS = 64
 
 
@@ -123,6 +127,32 @@ def load_body(
     if unstored is not None:
         body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
     return body
+
+
+async def load_lines(
+    answer: Callable[[int | None], dict[str, Any]],
+    version: Callable[[], str],
+    signal: LoadSignal,
+    heartbeat_s: float,
+    samples_from: int | None,
+) -> AsyncIterator[bytes]:
+    """A streamed ``GET /peer/load``: ``answer(since)`` as one JSON line now, then again each
+    time ``version()`` changes (at most once per ``MIN_ASK_INTERVAL_S``: changes in between
+    come together) or ``heartbeat_s`` passed without a change. Each line's queue samples are
+    those since the previous line (the first line's: since ``samples_from``). Ends only when
+    the asker goes away (or the router shuts down: router/http_protocol.py)."""
+    since = samples_from
+    while True:
+        body = answer(since)
+        since, seen = body["samples"]["next"], body["version"]
+        yield (json.dumps(body, separators=(",", ":")) + "\n").encode()
+        sent = time.monotonic()
+        await asyncio.sleep(MIN_ASK_INTERVAL_S)
+        while version() == seen:
+            left = sent + heartbeat_s - time.monotonic()
+            if left <= 0:
+                break
+            await signal.wait(left)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +248,7 @@ class PeerReport:
     followed: bool = False  # its last answer had a version: it holds requests until a change
     next_sample: int | None = None  # where its next answer's queue samples start
     samples_received: int = 0
+    streamed: bool = False  # its answers come as a stream (``?stream=1``)
 
 
 class PeerLoad:
@@ -262,11 +293,70 @@ class PeerLoad:
     async def follow(
         self, client: httpx.AsyncClient, url: str, on_answer: Callable[[], None]
     ) -> None:
+        """Follow ``url``'s load as a stream (``?stream=1``): one line each time its counts
+        change, a heartbeat every ``wait_s``; ``on_answer`` runs after each line (the service
+        applies the sums there). A stream that ends is opened again at once (at most once
+        per ``MIN_ASK_INTERVAL_S``), one that fails after ``interval_s``. A peer that answers
+        with one JSON object instead (an older router) is followed with held requests
+        (``_follow_held``). Runs until cancelled."""
+        while True:
+            opened = time.monotonic()
+            streamed = await self._stream(client, url, on_answer)
+            if streamed is False:
+                await asyncio.sleep(self.interval_s)
+                continue
+            await asyncio.sleep(max(0.0, opened + MIN_ASK_INTERVAL_S - time.monotonic()))
+            if streamed is None:
+                await self._follow_held(client, url, on_answer)
+
+    async def _stream(
+        self, client: httpx.AsyncClient, url: str, on_answer: Callable[[], None]
+    ) -> bool | None:
+        """One streamed question: True when it ended after answering, False on an error, None
+        when the peer answered once instead of streaming (that answer applied)."""
+        report = self.peers.setdefault(url, PeerReport())
+        report.polls += 1
+        params: dict[str, Any] = {"stream": "1", "wait_s": self.wait_s}
+        if self.on_samples is not None and report.next_sample is not None:
+            params["samples_from"] = report.next_sample
+        timeout = httpx.Timeout(self.timeout_s, read=self.timeout_s + self.wait_s)
+        first = True
+        try:
+            async with client.stream(
+                "GET",
+                url.rstrip("/") + "/peer/load",
+                params=params,
+                headers=self._headers,
+                timeout=timeout,
+            ) as resp:
+                if resp.status_code != 200:
+                    raise PeerLoadError(f"answered {resp.status_code}")
+                report.streamed = resp.headers.get("content-type", "").startswith(STREAM_MEDIA_TYPE)
+                if not report.streamed:
+                    await resp.aread()
+                    self._record(url, report, parse_load(resp.json()), params, follow=False)
+                    on_answer()
+                    return None
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    # After its first line, a stream's samples follow on from the line before.
+                    asked = params if first else {"samples_from": report.next_sample}
+                    self._record(url, report, parse_load(json.loads(line)), asked, follow=True)
+                    first = False
+                    on_answer()
+        except (httpx.HTTPError, ValueError) as exc:  # JSON errors are ValueErrors too
+            self._failed(url, report, exc)
+            return False
+        return True
+
+    async def _follow_held(
+        self, client: httpx.AsyncClient, url: str, on_answer: Callable[[], None]
+    ) -> None:
         """Keep asking ``url`` with the version of its last answer, each time at once (at
         most once per ``MIN_ASK_INTERVAL_S``): the peer answers when its counts change (or after
-        ``wait_s``). ``on_answer`` runs after
-        each answer (the service applies the sums there). Runs until cancelled; on an error,
-        or a peer that answers without a version, waits ``interval_s`` before asking again."""
+        ``wait_s``). On an error, or a peer that answers without a version, waits
+        ``interval_s`` before asking again. Runs until cancelled."""
         version: str | None = None
         while True:
             asked = time.monotonic()
@@ -312,11 +402,28 @@ class PeerLoad:
                 raise PeerLoadError(f"answered {resp.status_code}")
             answer = parse_load(resp.json())
         except (httpx.HTTPError, ValueError) as exc:  # JSON errors are ValueErrors too
-            report.failures += 1
-            if report.error is None:
-                log.warning("peer load: %s: %s", url, _describe(exc))
-            report.error = _describe(exc)
+            self._failed(url, report, exc)
             return None
+        self._record(url, report, answer, params, follow=follow)
+        return answer
+
+    def _failed(self, url: str, report: PeerReport, exc: BaseException) -> None:
+        report.failures += 1
+        if report.error is None:
+            log.warning("peer load: %s: %s", url, _describe(exc))
+        report.error = _describe(exc)
+
+    def _record(
+        self,
+        url: str,
+        report: PeerReport,
+        answer: PeerAnswer,
+        params: Mapping[str, Any],
+        *,
+        follow: bool,
+    ) -> None:
+        """Keep ``answer`` as the peer's last; apply its queue samples when they are the
+        ones asked for (``samples_from`` in ``params``) from the same peer as before."""
         if report.error is not None:
             log.info("peer load: %s answers again", url)
         same_peer = report.router == answer.router  # not restarted: its sample numbers go on
@@ -324,14 +431,13 @@ class PeerLoad:
         report.unstored_blocks, report.error = answer.unstored_blocks, None
         report.received_at = self._clock()
         report.followed = follow and answer.version is not None
-        asked_samples = "samples_from" in params
+        asked_samples = params.get("samples_from") is not None
         if asked_samples and same_peer and answer.samples and answer.router != self.router_id:
             report.samples_received += len(answer.samples)
             if self.on_samples is not None:
                 self.on_samples(answer.samples)
         # A restarted peer (a new id) numbers from 0 again: go on from its answer either way.
         report.next_sample = answer.next_sample
-        return answer
 
     def apply(self, replicas: Iterable[Replica]) -> None:
         """Set each replica's ``peer_in_flight`` and ``peer_unstored_blocks`` to the sums of
@@ -365,6 +471,7 @@ class PeerLoad:
                     "polls": p.polls,
                     "failures": p.failures,
                     "followed": p.followed,
+                    "streamed": p.streamed,
                     "queue_samples_received": p.samples_received,
                     "error": p.error,
                 }

@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from kvroute.router.http_protocol import header_deadline_protocol
 from tests.waiting import wait_until
 
 __all__ = ["ServerThread", "listening_socket", "wait_until"]
@@ -38,7 +39,7 @@ class ServerThread:
         port: int = 0,
         *,
         startup_timeout_s: float = 30.0,
-        http: Any = "httptools",
+        http: Any = None,
     ) -> None:
         self.app = app
         self.sock = listening_socket(port)
@@ -48,7 +49,9 @@ class ServerThread:
             app,
             log_level="warning",
             lifespan="on",
-            http=http,
+            # The router's own protocol, as `kvroute serve` runs it (a peer's load stream is
+            # closed at shutdown rather than waited for).
+            http=header_deadline_protocol(10.0) if http is None else http,
             loop="asyncio",
             timeout_graceful_shutdown=2,
         )
