@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer-load-mode",
         choices=["follow", "poll"],
         default=d.peer_load_mode,
-        help="follow: one held request per peer, answered as soon as its counts change; "
+        help="follow: one stream per peer, a line as soon as its counts change; "
         "poll: ask every --peer-load-interval-s",
     )
     fleet.add_argument(

@@ -316,8 +316,8 @@ class RouterSettings:
     # Shared load (router/peer_load.py): how often the peers' in-flight counts are polled;
     # 0 turns it off (each router then sees only its own requests between scrapes).
     peer_load_interval_s: float = 0.1
-    # "follow": one held request per peer, answered when its counts change (a peer's request
-    # seen within a round trip); "poll": ask every peer_load_interval_s (router/peer_load.py).
+    # "follow": one stream per peer, a line each time its counts change (a peer's request
+    # seen within 10 ms); "poll": ask every peer_load_interval_s (router/peer_load.py).
     peer_load_mode: str = "follow"
     stale_clear_after_s: float = 30.0
     # Per event stream: a publisher past this many MiB/s of events is cleared and dropped

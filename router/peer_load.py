@@ -1,5 +1,5 @@
-"""Load that several routers share: each router's in-flight requests per replica, polled from
-its peers, so every router sees the queue all of them built.
+"""Load that several routers share: each router's in-flight requests per replica, followed
+from its peers, so every router sees the queue all of them built.
 
 Why: a replica's queue, as one router sees it (``Replica.pending``), is vLLM's last gauges
 plus what this router sent since that scrape. Behind a load balancer, N routers each send
@@ -31,20 +31,31 @@ prefill queued ahead of them than one router's; following, the same as one route
 answer carries a ``version`` (a digest of the in-flight counts), and a request with
 ``?wait_s=W&seen=V`` is held until the counts differ from version V or W seconds passed
 (woken where the counts change, ``replicas.LoadSignal``: a held request costs nothing
-meanwhile). Each router keeps one such request open per peer and asks again as soon as it
-is answered, at most every ``MIN_ASK_INTERVAL_S``: a peer's request is seen within a round
-trip (10 ms under traffic that changes the counts faster), and an idle fleet costs one
-answer per peer every ``wait_s``. An answer without a version (an older router,
-which ignores the parameters and answers at once) makes the follower poll that peer every
-``peer_load_interval_s`` instead.
+meanwhile).
+
+Streamed, not asked again (the follower's default): with four routers on one core, a
+router's own follower requests (an httpx request per peer per change) took a third of its
+event loop's busy time, delaying the requests it proxies. So ``?stream=1`` answers with
+``application/x-ndjson``: one answer per line, a line each time the version changes (at
+most one per ``MIN_ASK_INTERVAL_S``: changes in between come together) and a heartbeat
+line every ``wait_s`` when nothing does. Each router keeps one stream open per peer: a
+peer's request is seen within 10 ms, and a line costs a write on one side and a parsed line
+on the other. A stream never ends by itself; the follower opens it again when it does (the
+peer restarted) and after ``peer_load_interval_s`` when it fails. A peer that answers with a
+single JSON object instead (an older router, which ignores ``stream``) is followed with
+held requests: one open per peer, asked again as soon as it is answered (at most every
+``MIN_ASK_INTERVAL_S``). An answer without a version (an older router still, which ignores
+the parameters and answers at once) makes the follower poll that peer every
+``peer_load_interval_s``.
 
 Queue samples ride along (router/queue_model.py): each router numbers the first-byte samples
 it takes, and an asker that passes ``samples_from=K`` (the ``next`` of its last answer from
 that peer) gets ``"samples": {"next": N, "values": [[replica, seconds], ...]}``: the peer's
-samples K to N-1 (those still in its log). A new sample changes the ``version`` as well, so
-a held request is answered with it at once. Without ``samples_from`` (a first ask) only
-``next`` comes back: a peer's old samples are not replayed. The asker applies the values to
-its own estimates, so every router learns from every first byte in the fleet.
+samples K to N-1 (those still in its log); on a stream, each line carries those since the
+line before. A new sample changes the ``version`` as well, so it is sent at once. Without
+``samples_from`` (a first ask) only ``next`` comes back: a peer's old samples are not
+replayed. The asker applies the values to its own estimates, so every router learns from
+every first byte in the fleet.
 """
 
 from __future__ import annotations

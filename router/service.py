@@ -214,7 +214,7 @@ class RouterService:
             asyncio.get_running_loop().call_later(SEED_TTL_S + 1, self.warm.drop_stale_seeds)
         self.dp_discovery.start()
         if self.settings.peer_load_interval_s > 0:
-            # Its own pool (one held request per followed peer): a peer's answer never waits
+            # Its own pool (one stream per followed peer): a peer's answer never waits
             # behind proxied traffic or health checks.
             self._peer_client = httpx.AsyncClient(
                 trust_env=False, limits=httpx.Limits(max_connections=256)
