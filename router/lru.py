@@ -80,6 +80,10 @@ class LRU(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._data)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is kept, without counting a hit or a miss or touching its age."""
+        return key in self._data
+
     def clear(self) -> None:
         with self._lock:
             self._data.clear()

@@ -70,8 +70,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Encoding long texts blocks the event loop; above this many characters it runs in a thread.
+# Encoding long texts blocks the event loop; above this many characters to encode (not found
+# in the caches) it runs in a thread.
 _INLINE_CHARS = 4096
+# A chat is rendered on the loop (to find what its encoding would cost) up to this size.
+_RENDER_INLINE_CHARS = 1 << 20
 # A text longer than the context length times this is first counted on its head only: past
 # the model's limit there, the whole is too long too, and tokenizing 1M words took 7.6 s.
 _HEAD_CHARS_PER_TOKEN = 8
@@ -302,12 +305,40 @@ class LocalTokenizer(TokenizerBase):
         return [*prefix, *(plain[len(plain) - room :] if room else []), *suffix]
 
     async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:
+        """``encode_sync`` on the loop when little is left to encode, else in a thread.
+
+        A thread hop is not free: the worker and then the loop each wait for the GIL, behind
+        the event-feed threads (up to a 5 ms switch interval per runnable thread); under
+        load that was most of a chat request's decision time. A returning chat's rendered
+        text is mostly pieces the segment cache already holds, so it is encoded here when
+        its uncached pieces are short."""
         if req.kind == "completion" and isinstance(req.prompt, list):
             return self.encode_sync(req, max_model_len)
         size = len(req.prompt) if isinstance(req.prompt, str) else _messages_chars(req.messages)
-        if size <= _INLINE_CHARS:
+        if size <= _INLINE_CHARS or self._uncached_chars(req, size, max_model_len) <= _INLINE_CHARS:
             return self.encode_sync(req, max_model_len)
         return await asyncio.to_thread(self.encode_sync, req, max_model_len)
+
+    def _uncached_chars(self, req: ParsedRequest, size: int, max_model_len: int | None) -> int:
+        """About how many characters ``encode_sync`` would have to run through the tokenizer
+        (``size`` when unknown): those of a chat's rendered pieces not in the caches."""
+        if req.kind != "chat" or not self.segmented or size > _RENDER_INLINE_CHARS:
+            return size
+        if req.truncate_prompt_tokens is not None:
+            return size  # truncation re-encodes: not worth predicting
+        text = self.render_chat(req)
+        if max_model_len is not None and len(text) > max_model_len * _HEAD_CHARS_PER_TOKEN:
+            return len(text)  # its head is encoded uncached, to check the length
+        if (text, req.add_special_tokens) in self._text_cache:
+            return 0
+        if req.add_special_tokens or self._split_re is None:
+            return len(text)
+        cache = self._segment_cache
+        return sum(
+            len(piece)
+            for i, piece in enumerate(self._split_re.split(text))
+            if i % 2 == 0 and piece and piece not in cache
+        )
 
     def stats(self) -> dict[str, Any]:
         return {

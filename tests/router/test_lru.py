@@ -57,3 +57,13 @@ def test_weight_is_the_sum_of_what_is_held_and_stays_under_the_bound(
         held = [lru._data[k][1] for k in lru._data]
         assert lru.weight == sum(held) <= 1000
         assert len(lru) <= maxsize
+
+
+def test_a_membership_check_counts_nothing_and_keeps_the_order() -> None:
+    lru: LRU[str, int] = LRU(2)
+    lru.put("old", 1)
+    lru.put("new", 2)
+    assert "old" in lru and "gone" not in lru
+    assert (lru.hits, lru.misses) == (0, 0)
+    lru.put("newest", 3)  # "old" is still the least recently used: evicted
+    assert "old" not in lru and lru.get("new") == 2

@@ -3,12 +3,16 @@ when they do not."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvroute.router import tokenization
+from kvroute.router.errors import RouterError
 from kvroute.router.requests import parse_body
 from kvroute.router.tokenization import LocalTokenizer
 from tests.router.fleet import make_fleet
@@ -171,6 +175,43 @@ def test_multi_turn_history_is_not_retokenized(tiny_model_dir) -> None:
             assert tok._segment_cache.misses - before <= 2
         history.append({"role": "assistant", "content": f"answer {turn}"})
     assert tok.stats()["segment_cache"]["hits"] > 20
+
+
+def test_a_returning_chat_is_encoded_on_the_loop_a_new_long_one_in_a_thread(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """A thread hop waits for the GIL twice behind the event feeds: only text the caches do
+    not hold is worth it. The ids are the same either way."""
+    tok = LocalTokenizer(str(tiny_model_dir))
+    fresh = LocalTokenizer(str(tiny_model_dir))
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def counting(func, *args, **kwargs):
+        hops.append(func.__name__)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(tokenization.asyncio, "to_thread", counting)
+    history = [
+        {"role": "system", "content": "You are helpful. " * 400},
+        {"role": "user", "content": "a long first question, " * 300},
+    ]
+
+    def encode(messages: list[dict], max_model_len: int | None = None) -> list[int]:
+        return asyncio.run(tok.encode(_req({"messages": messages}, "chat"), max_model_len))
+
+    first = encode(history)
+    assert hops == ["encode_sync"]  # 15,000 characters never seen: in a thread
+    history += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more?"}]
+    second = encode(history)
+    assert hops == ["encode_sync"]  # only the new turn is uncached: on the loop
+    assert second == fresh.encode_sync(_req({"messages": history}, "chat"))
+    assert second[: len(first)] == first
+    # Longer than the context (8 characters a token): its head is encoded uncached, in a
+    # thread, and found too long.
+    with pytest.raises(RouterError, match="maximum context length is 1000"):
+        encode(history, max_model_len=1000)
+    assert hops == ["encode_sync", "encode_sync"]
 
 
 def test_self_check_matches_replica_and_catches_mismatch(local_tokenizer) -> None:
