@@ -268,6 +268,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "after opening (or after its next request began)",
     )
     proxy.add_argument("--client-write-timeout-s", type=float, default=d.client_write_timeout_s)
+    proxy.add_argument(
+        "--gil-switch-interval-s",
+        type=float,
+        default=d.gil_switch_interval_s,
+        help="the interpreter's GIL switch interval (sys.setswitchinterval): how long the "
+        "event loop may wait for the GIL behind the event-feed threads (default: Python's 5 ms)",
+    )
     proxy.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
     proxy.add_argument(
         "--max-pending-per-replica",
@@ -428,6 +435,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         body_timeout_s=args.body_timeout_s,
         header_timeout_s=args.header_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
+        gil_switch_interval_s=args.gil_switch_interval_s,
         max_in_flight=args.max_in_flight,
         max_pending_per_replica=args.max_pending_per_replica,
         retry_after_s=args.retry_after_s,

@@ -358,6 +358,10 @@ class RouterSettings:
     tokenizer_render: bool = True
     # Process-wide GC tuning; for the server process only (kvroute serve sets it).
     gc_freeze: bool = False
+    # Process-wide: the interpreter's GIL switch interval (sys.setswitchinterval) in the
+    # server process, so the event loop waits less for the GIL behind the event-feed
+    # threads; None keeps Python's 5 ms.
+    gil_switch_interval_s: float | None = None
     # API keys (router/auth.py): what clients must send (any of them; none: the router is
     # open), whether /health and /metrics need one too, and the key the replicas were
     # started with (vLLM's --api-key), sent on every request the router makes to them.
@@ -400,6 +404,8 @@ class RouterSettings:
             )
         if self.event_max_mib_per_s < 0:
             raise ConfigError("event_max_mib_per_s must be >= 0 (0: no budget)")
+        if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
+            raise ConfigError("gil_switch_interval_s must be in (0, 1] seconds")
         if self.max_pending_per_replica < 0:
             raise ConfigError("max_pending_per_replica must be >= 0 (0: no bound)")
         if self.max_in_flight < 1:

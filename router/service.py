@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -239,6 +240,8 @@ class RouterService:
             # full collection scanning them stalls every request for hundreds of ms.
             gc.collect()
             gc.freeze()
+        if self.settings.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.settings.gil_switch_interval_s)
 
     async def stop(self) -> None:
         if self._check_task is not None:

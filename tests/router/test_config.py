@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kvroute.router.config import (
 )
 from kvroute.router.policies import POLICIES
 from kvroute.router.replicas import parse_vllm_metrics
+from tests.router.fleet import make_fleet
 
 
 def test_replica_flag() -> None:
@@ -88,3 +90,21 @@ def test_parse_vllm_metrics() -> None:
         "vllm:num_requests_waiting_garbage x\n"
     )
     assert parse_vllm_metrics(text) == {"running": 5.0, "waiting": 4.0, "kv_usage": 0.75}
+
+
+@pytest.mark.parametrize("value", [0, -0.001, 2.0])
+def test_the_gil_switch_interval_is_checked(value: float) -> None:
+    with pytest.raises(ConfigError, match="gil_switch_interval_s"):
+        RouterSettings(gil_switch_interval_s=value)
+
+
+def test_a_router_sets_the_gil_switch_interval_it_is_given(local_tokenizer) -> None:
+    """Process-wide: the router's server process waits less for the GIL behind its feeds."""
+    before = sys.getswitchinterval()
+    try:
+        with make_fleet(local_tokenizer, n=1, gil_switch_interval_s=0.0015):
+            assert sys.getswitchinterval() == pytest.approx(0.0015)
+    finally:
+        sys.setswitchinterval(before)
+    with make_fleet(local_tokenizer, n=1):  # unset: left as it was
+        assert sys.getswitchinterval() == pytest.approx(before)
