@@ -544,7 +544,25 @@ def _router_timings(router_urls: list[str]) -> dict[str, float]:
             for sample in family.samples:
                 if sample.name in out:
                     out[sample.name] += sample.value
+                elif sample.name == "kvroute_decision_seconds_bucket":
+                    key = f"decision_le_{sample.labels['le']}"  # cumulative, per bucket bound
+                    out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+def _decision_p90_bound_ms(d: dict[str, float]) -> float | None:
+    """The smallest decision-time bucket bound (ms) under which 90% of this run's decisions
+    fell: the histogram's resolution, enough to tell a tail from a shift of the mean."""
+    total = d.get("kvroute_decision_seconds_count", 0.0)
+    bounds = sorted(
+        (float(k.removeprefix("decision_le_")), v)
+        for k, v in d.items()
+        if k.startswith("decision_le_")
+    )
+    for bound, count in bounds:
+        if total and count >= 0.9 * total:
+            return None if math.isinf(bound) else 1000 * bound
+    return None
 
 
 def router_timing_row(
@@ -554,13 +572,14 @@ def router_timing_row(
     mean time from forwarding to the replica's first byte, both as the routers measured them,
     and the client's mean TTFT minus the latter (ms, wall clock): the router's own share
     of every request's TTFT (parsing, deciding, proxying, and waiting for a busy core)."""
-    d = {k: after[k] - before.get(k, 0.0) for k in _TIMING_SAMPLES}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
     n_dec, n_up = d["kvroute_decision_seconds_count"], d["kvroute_upstream_ttft_seconds_count"]
     upstream_ms = 1000 * d["kvroute_upstream_ttft_seconds_sum"] / n_up if n_up else None
     return {
         "decision_ms_mean": round(1000 * d["kvroute_decision_seconds_sum"] / n_dec, 3)
         if n_dec
         else None,
+        "decision_ms_p90_bound": _decision_p90_bound_ms(d),
         "upstream_ttft_ms_mean": None if upstream_ms is None else round(upstream_ms, 2),
         "router_added_ms_mean": None
         if upstream_ms is None or not math.isfinite(client_ttft_mean_s)

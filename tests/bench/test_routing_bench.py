@@ -263,9 +263,13 @@ def test_router_timing_is_this_runs_share_of_the_histograms() -> None:
     }
     # 100 decisions of 5 ms; 100 upstream first bytes after 0.2 s; clients saw 4 simulated
     # seconds at time_scale 0.05, 0.2 wall seconds plus 12 ms.
+    # Cumulative decision-time buckets: 10 decisions under 1 ms, 95 under 10 ms, all 100.
+    after.update({"decision_le_0.001": 10, "decision_le_0.01": 95, "decision_le_+Inf": 200})
+    before.update({"decision_le_0.001": 0, "decision_le_0.01": 0, "decision_le_+Inf": 100})
     row = routing_bench.router_timing_row(before, after, 4.24, 0.05)
     assert row == {
         "decision_ms_mean": 5.0,
+        "decision_ms_p90_bound": 10.0,
         "upstream_ttft_ms_mean": 200.0,
         "router_added_ms_mean": pytest.approx(12.0),
     }
