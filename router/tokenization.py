@@ -71,8 +71,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Encoding long texts blocks the event loop; above this many characters to encode (not found
-# in the caches) it runs in a thread.
-_INLINE_CHARS = 4096
+# in the caches) it runs in a thread. About 8k tokens, a few ms of encoding: under load a hop
+# to a thread and back, each side waiting for the GIL behind the event-feed threads, took
+# longer than that (docs/benchmarks.md, "Routers on a core of their own").
+_INLINE_CHARS = 32768
 # A chat is rendered on the loop (to find what its encoding would cost) up to this size.
 _RENDER_INLINE_CHARS = 1 << 20
 # A text longer than the context length times this is first counted on its head only: past

@@ -194,14 +194,14 @@ def test_a_returning_chat_is_encoded_on_the_loop_a_new_long_one_in_a_thread(
     monkeypatch.setattr(tokenization.asyncio, "to_thread", counting)
     history = [
         {"role": "system", "content": "You are helpful. " * 400},
-        {"role": "user", "content": "a long first question, " * 300},
+        {"role": "user", "content": "a long first question, " * 1500},
     ]
 
     def encode(messages: list[dict], max_model_len: int | None = None) -> list[int]:
         return asyncio.run(tok.encode(_req({"messages": messages}, "chat"), max_model_len))
 
     first = encode(history)
-    assert hops == ["encode_sync"]  # 15,000 characters never seen: in a thread
+    assert hops == ["encode_sync"]  # 41,000 characters never seen: in a thread
     history += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more?"}]
     second = encode(history)
     assert hops == ["encode_sync"]  # only the new turn is uncached: on the loop
