@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -176,7 +176,9 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         wait_s: float = 0.0,
         seen: str | None = None,
         samples_from: int | None = None,
-        stream: bool = False,
+        # Not in the OpenAPI document: a stream never ends, and a generic client (or a
+        # fuzzer) reading the answer to its end would wait forever.
+        stream: bool = Query(False, include_in_schema=False),
     ) -> Response:
         """What this router is proxying to each replica now, for its peers' queue view
         (router/peer_load.py). With ``seen`` (the version of the asker's last answer) and
