@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from kvroute.bench.pick_quality import queued_prefill_at_pick
 from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
@@ -506,20 +507,25 @@ def _row(
     }
 
 
-def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
-    """The routers' own count of routing decisions by reason (their /metrics, summed), so a
-    row says why a policy placed requests where it did (e.g. how often kvroute spilled)."""
-    out: dict[str, float] = {}
+def _metric_samples(router_urls: list[str]) -> Iterator[Sample]:
+    """Every sample of every router's /metrics (a router that does not answer is skipped)."""
     for url in router_urls:
         try:
             text = httpx.get(f"{url}/metrics", timeout=5.0).text
         except httpx.HTTPError:
             continue
         for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "kvroute_routing_decisions_total":
-                    reason = sample.labels["reason"]
-                    out[reason] = out.get(reason, 0.0) + sample.value
+            yield from family.samples
+
+
+def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
+    """The routers' own count of routing decisions by reason (their /metrics, summed), so a
+    row says why a policy placed requests where it did (e.g. how often kvroute spilled)."""
+    out: dict[str, float] = {}
+    for sample in _metric_samples(router_urls):
+        if sample.name == "kvroute_routing_decisions_total":
+            reason = sample.labels["reason"]
+            out[reason] = out.get(reason, 0.0) + sample.value
     return out
 
 
@@ -535,18 +541,12 @@ def _router_timings(router_urls: list[str]) -> dict[str, float]:
     """The routers' decision-time and upstream-TTFT histograms (sums and counts, summed over
     the routers): with the client's TTFT, what the routers themselves added to it."""
     out = dict.fromkeys(_TIMING_SAMPLES, 0.0)
-    for url in router_urls:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=5.0).text
-        except httpx.HTTPError:
-            continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in out:
-                    out[sample.name] += sample.value
-                elif sample.name == "kvroute_decision_seconds_bucket":
-                    key = f"decision_le_{sample.labels['le']}"  # cumulative, per bucket bound
-                    out[key] = out.get(key, 0.0) + sample.value
+    for sample in _metric_samples(router_urls):
+        if sample.name in out:
+            out[sample.name] += sample.value
+        elif sample.name == "kvroute_decision_seconds_bucket":
+            key = f"decision_le_{sample.labels['le']}"  # cumulative, per bucket bound
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
