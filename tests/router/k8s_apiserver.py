@@ -100,6 +100,7 @@ class FakeApiServer:
         self._endings = 0  # bumped by end_watches
         self.requests: list[str] = []
         self.watch_410s = 0
+        self._live: dict[int, tuple[int, int]] = {}  # open stream -> (generation, endings)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -194,6 +195,14 @@ class FakeApiServer:
         with self._cond:
             self._generation += 1
             self._cond.notify_all()
+
+    @property
+    def live_watches(self) -> int:
+        """Streams open now that the next ``break_watches``/``end_watches`` would reach: a
+        test waits for one before breaking, or it would break nothing."""
+        with self._cond:
+            now = (self._generation, self._endings)
+            return sum(1 for marks in self._live.values() if marks == now)
 
     def end_watches(self) -> None:
         """End every open watch stream cleanly, as its timeoutSeconds would."""
@@ -316,6 +325,7 @@ class FakeApiServer:
                         send({"type": "ERROR", "object": expired})
                         end()
                         return
+                self._live[id(handler)] = (generation, endings)
             for obj in initial:
                 send({"type": "ADDED", "object": obj})
             deadline = time.monotonic() + timeout
@@ -360,3 +370,6 @@ class FakeApiServer:
                     )
         except (BrokenPipeError, ConnectionResetError, OSError):
             handler.close_connection = True
+        finally:
+            with self._cond:
+                self._live.pop(id(handler), None)

@@ -90,6 +90,7 @@ def test_list_then_watch_follows_pods_through_410_breaks_and_stale_watches(
             await _until(lambda: d.relists_410 >= 1 and names() == ["p2"])
             assert api.watch_410s >= 1
             # a broken stream: re-listed, a delete made while it was broken is found
+            await _until(lambda: api.live_watches >= 1)  # else nothing is there to break
             api.break_watches()
             api.delete_pod("p2", silent=True)
             await _until(lambda: names() == [] and d.watch_restarts >= 1)

@@ -149,6 +149,7 @@ def test_three_routers_follow_pods_and_a_restarted_router_catches_up(
         api.update_pod(_vllm_pod("vllm-1", "127.0.0.2", b, "u1"))  # a new IP: a new incarnation
         all_follow({"vllm-1": b.url, "vllm-2": url["s2"]}, "IP changed")
         # A delete while every watch is broken, never sent to any watcher: found by re-list.
+        _until(lambda: api.live_watches >= len(routers), 10, "every router watching")
         api.break_watches()
         api.delete_pod("vllm-2", silent=True)
         all_follow({"vllm-1": b.url}, "missed delete")
