@@ -1404,6 +1404,13 @@ class InMemoryPrefixIndex(PrefixIndex):
             if isinstance(tokens, RequestKeys)
             else RequestKeys(tokens, lora_name=lora_name, cache_salt=cache_salt)
         )
+        # Hashing the keys reads every token (about 0.1 ms per thousand): done before taking
+        # the lock, so the event feeds apply meanwhile. The block sizes read here without the
+        # lock are a hint (a list of a dict's values is taken whole under the GIL); a size
+        # that appears in between is hashed under the lock as before.
+        for size in {s.block_size for s in list(self._replicas.values())}:
+            if size is not None:
+                request.keys(size)
         with self._lock:
             wanted = (
                 [s for s in self._replicas.values() if not s.name.startswith(DOMAIN_PREFIX)]
