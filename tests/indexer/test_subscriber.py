@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterator
 
@@ -776,3 +778,19 @@ def test_a_flood_costs_its_own_feed_only(index: InMemoryPrefixIndex) -> None:
             assert sub.freshness("r1")[0] is Freshness.REBUILDING
     finally:
         sub.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_feed_threads_run_as_batch_work_and_the_caller_is_untouched(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    """A feed's thread does not preempt the thread serving requests when a batch wakes it;
+    the thread that started it keeps its own class."""
+    with publisher() as pub:
+        connect(subscriber, pub)
+        feeds = [t for t in threading.enumerate() if t.name == "kv-feed-r1"]
+        assert len(feeds) == 1 and feeds[0].native_id is not None
+        wait_until(lambda: os.sched_getscheduler(feeds[0].native_id) == os.SCHED_BATCH)
+        pub.publish([stored(DOC, 0, 2)])
+        wait_until(lambda: blocks(index) == 2)  # and it still ingests
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
