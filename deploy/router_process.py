@@ -243,7 +243,8 @@ async def _serve(settings_path: Path) -> None:
     from kvroute.router.app import create_app
     from kvroute.router.http_protocol import header_deadline_protocol
 
-    settings = settings_from_dict(json.loads(settings_path.read_text()))
+    # A server process, as under kvroute serve (router/cli.py): its startup heap frozen.
+    settings = settings_from_dict(json.loads(settings_path.read_text())).replace(gc_freeze=True)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -53,6 +52,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvroute.indexer.budget import ByteBudget
+from kvroute.indexer.cpu_priority import as_background_work
 from kvroute.indexer.index import PrefixIndex
 from kvroute.indexer.snapshot import ReplicaState, SnapshotError
 from kvroute.indexer.wire import (
@@ -76,7 +76,6 @@ __all__ = [
     "ReplicaFeed",
     "ReplicaSnapshot",
     "WarmOutcome",
-    "as_background_work",
     "moot_prefix",
 ]
 
@@ -707,26 +706,6 @@ class ReplicaFeed:
         self.stats.ignored_events += result.ignored
         self.stats.last_event_wall = time.time()
         self.stats.last_event_ts = batch.ts
-
-
-def as_background_work() -> bool:
-    """Mark the calling thread as batch work for the OS (Linux ``SCHED_BATCH``): it keeps its
-    share of the CPU but does not preempt a running thread when it wakes. False where the
-    platform has no such class.
-
-    Why: a router's feed threads wake once per event batch (8 replicas at vLLM's step rate
-    woke them 400 times a second per router on the routing benchmark), and each wakeup could
-    preempt the thread serving a request. With four routers on one core, a request's thread
-    waited 1.8 ms in the run queue each time it woke. Ingesting a batch a few milliseconds
-    later costs nothing; a request waiting behind it costs its latency."""
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None or not hasattr(os, "sched_setscheduler"):
-        return False
-    try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
-    except OSError:
-        return False
-    return True
 
 
 class _FeedThread(threading.Thread):

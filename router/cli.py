@@ -275,6 +275,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the interpreter's GIL switch interval (sys.setswitchinterval): how long the "
         "event loop may wait for the GIL behind the event-feed threads (default: Python's 5 ms)",
     )
+    proxy.add_argument(
+        "--loop-slice-s",
+        type=float,
+        default=d.loop_slice_s,
+        help="the event loop thread's CPU time slice (Linux 6.12+; 0 for the kernel's "
+        "default): short, so a request that wakes the loop runs ahead of the event feeds",
+    )
     proxy.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
     proxy.add_argument(
         "--max-pending-per-replica",
@@ -436,6 +443,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         header_timeout_s=args.header_timeout_s,
         client_write_timeout_s=args.client_write_timeout_s,
         gil_switch_interval_s=args.gil_switch_interval_s,
+        loop_slice_s=args.loop_slice_s or None,
         max_in_flight=args.max_in_flight,
         max_pending_per_replica=args.max_pending_per_replica,
         retry_after_s=args.retry_after_s,

@@ -362,6 +362,10 @@ class RouterSettings:
     # server process, so the event loop waits less for the GIL behind the event-feed
     # threads; None keeps Python's 5 ms.
     gil_switch_interval_s: float | None = None
+    # The event loop thread's time slice (indexer/cpu_priority.py): short, so the loop gets
+    # the CPU ahead of background work (the event feeds, other processes) when a request
+    # wakes it; Linux 6.12+, ignored elsewhere. None leaves the kernel's default.
+    loop_slice_s: float | None = 0.0001
     # API keys (router/auth.py): what clients must send (any of them; none: the router is
     # open), whether /health and /metrics need one too, and the key the replicas were
     # started with (vLLM's --api-key), sent on every request the router makes to them.
@@ -406,6 +410,8 @@ class RouterSettings:
             raise ConfigError("event_max_mib_per_s must be >= 0 (0: no budget)")
         if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
             raise ConfigError("gil_switch_interval_s must be in (0, 1] seconds")
+        if self.loop_slice_s is not None and not 0 < self.loop_slice_s <= 0.1:
+            raise ConfigError("loop_slice_s must be in (0, 0.1] seconds (None: the kernel's)")
         if self.max_pending_per_replica < 0:
             raise ConfigError("max_pending_per_replica must be >= 0 (0: no bound)")
         if self.max_in_flight < 1:

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from kvroute.indexer.cpu_priority import as_latency_sensitive
 from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex, domain_key
 from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaSnapshot
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 
 class RouterService:
     def __init__(self, settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> None:
+        # The event loop's thread, and whether it got its short time slice (start()).
+        self.loop_thread_id: int | None = None
+        self.loop_slice_set = False
         self.settings = settings
         self.in_flight = 0  # requests the proxied endpoints are handling (max_in_flight)
         self.limits = RequestLimits(
@@ -242,6 +247,9 @@ class RouterService:
             gc.freeze()
         if self.settings.gil_switch_interval_s is not None:
             sys.setswitchinterval(self.settings.gil_switch_interval_s)
+        self.loop_thread_id = threading.get_native_id()
+        if self.settings.loop_slice_s is not None:
+            self.loop_slice_set = as_latency_sensitive(self.settings.loop_slice_s)
 
     async def stop(self) -> None:
         if self._check_task is not None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvroute.bench.publisher import EventPublisher
 from kvroute.indexer.budget import ByteBudget
+from kvroute.indexer.cpu_priority import BACKGROUND_NICE
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.subscriber import (
@@ -790,7 +791,9 @@ def test_feed_threads_run_as_batch_work_and_the_caller_is_untouched(
         connect(subscriber, pub)
         feeds = [t for t in threading.enumerate() if t.name == "kv-feed-r1"]
         assert len(feeds) == 1 and feeds[0].native_id is not None
-        wait_until(lambda: os.sched_getscheduler(feeds[0].native_id) == os.SCHED_BATCH)
+        tid = feeds[0].native_id
+        wait_until(lambda: os.sched_getscheduler(tid) == os.SCHED_BATCH)
+        assert os.getpriority(os.PRIO_PROCESS, tid) >= BACKGROUND_NICE
         pub.publish([stored(DOC, 0, 2)])
         wait_until(lambda: blocks(index) == 2)  # and it still ingests
     assert os.sched_getscheduler(0) == os.SCHED_OTHER

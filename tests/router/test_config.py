@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.indexer.cpu_priority import custom_slices_supported, thread_slice_ns
 from kvroute.router.config import (
     ConfigError,
     ReplicaConfig,
@@ -108,3 +109,21 @@ def test_a_router_sets_the_gil_switch_interval_it_is_given(local_tokenizer) -> N
         sys.setswitchinterval(before)
     with make_fleet(local_tokenizer, n=1):  # unset: left as it was
         assert sys.getswitchinterval() == pytest.approx(before)
+
+
+@pytest.mark.parametrize("value", [0, -0.001, 0.2])
+def test_the_loop_slice_is_checked(value: float) -> None:
+    with pytest.raises(ConfigError, match="loop_slice_s"):
+        RouterSettings(loop_slice_s=value)
+
+
+@pytest.mark.skipif(
+    not custom_slices_supported(), reason="no per-thread time slices before Linux 6.12"
+)
+def test_a_router_gives_its_event_loop_thread_a_short_slice(local_tokenizer) -> None:
+    with make_fleet(local_tokenizer, n=1) as fleet:
+        service = fleet.service
+        assert service.loop_slice_set and service.loop_thread_id is not None
+        assert thread_slice_ns(service.loop_thread_id) == 100_000
+    with make_fleet(local_tokenizer, n=1, loop_slice_s=None) as fleet:
+        assert not fleet.service.loop_slice_set
