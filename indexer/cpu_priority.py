@@ -12,8 +12,9 @@ costs its latency.
 Two hints, each a no-op where the platform lacks it (and never an error):
 
 * ``as_background_work`` (the feed threads): Linux ``SCHED_BATCH`` (a waking batch thread
-  does not preempt a running one) and a nice of at least ``BACKGROUND_NICE`` (a smaller
-  share when the core is contended; raising one's own nice needs no privilege).
+  does not preempt a running one) and a nice of at least ``BACKGROUND_NICE`` (a third of a
+  normal thread's share when the core is contended, so ingestion still keeps up when the
+  router is saturated; raising one's own nice needs no privilege).
 * ``as_latency_sensitive`` (the event loop's thread): a short EEVDF time slice (Linux 6.12+,
   ``sched_setattr``'s ``sched_runtime`` for a fair-class thread), so the loop gets an early
   deadline and preempts background work when a request wakes it. Older kernels ignore it.
@@ -36,7 +37,7 @@ __all__ = [
     "thread_slice_ns",
 ]
 
-BACKGROUND_NICE = 10
+BACKGROUND_NICE = 5
 # sched_setattr(2) by architecture; a platform not listed gets no slice hint.
 _SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
 _SCHED_ATTR_SIZE = 56  # SCHED_ATTR_SIZE_VER1
