@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from kvroute.indexer.cpu_priority import as_latency_sensitive
+from kvroute.indexer.cpu_priority import as_latency_sensitive, custom_slices_supported
 from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex, domain_key
 from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaSnapshot
@@ -250,6 +250,8 @@ class RouterService:
         self.loop_thread_id = threading.get_native_id()
         if self.settings.loop_slice_s is not None:
             self.loop_slice_set = as_latency_sensitive(self.settings.loop_slice_s)
+            if not self.loop_slice_set or not custom_slices_supported():
+                log.info("the event loop keeps the kernel's time slice (needs Linux 6.12+)")
 
     async def stop(self) -> None:
         if self._check_task is not None:
