@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 class RouterService:
     def __init__(self, settings: RouterSettings, *, tokenizer: TokenizerBase | None = None) -> None:
-        # The event loop's thread, and whether it got its short time slice (start()).
+        # The event loop's thread, and whether the kernel gave it its short slice (start()).
         self.loop_thread_id: int | None = None
         self.loop_slice_set = False
         self.settings = settings
@@ -249,8 +249,12 @@ class RouterService:
             sys.setswitchinterval(self.settings.gil_switch_interval_s)
         self.loop_thread_id = threading.get_native_id()
         if self.settings.loop_slice_s is not None:
-            self.loop_slice_set = as_latency_sensitive(self.settings.loop_slice_s)
-            if not self.loop_slice_set or not custom_slices_supported():
+            # An older kernel accepts the call and ignores it: only a kernel that honours it
+            # counts as set.
+            self.loop_slice_set = (
+                as_latency_sensitive(self.settings.loop_slice_s) and custom_slices_supported()
+            )
+            if not self.loop_slice_set:
                 log.info("the event loop keeps the kernel's time slice (needs Linux 6.12+)")
 
     async def stop(self) -> None:
