@@ -114,10 +114,13 @@ class LocalTokenizer(TokenizerBase):
         tokenizer: Any = None,
         chat_template: str | None = None,
         content_format: str = "auto",
+        direct_encode: bool = True,
     ) -> None:
         """``chat_template``: the template text the replicas were started with
         (``--chat-template``), overriding the tokenizer's; ``content_format``: their
-        ``--chat-template-content-format`` ("auto": detected from the template)."""
+        ``--chat-template-content-format`` ("auto": detected from the template);
+        ``direct_encode``: call the Rust tokenizer directly where a probe shows the same ids
+        (False: always through transformers, as the benchmark's baseline)."""
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -149,13 +152,47 @@ class LocalTokenizer(TokenizerBase):
         if added:
             pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
             self._split_re = re.compile(f"({pattern})")
+        self._direct: Any = _direct_backend(tokenizer) if direct_encode else None
+        if self._direct is not None and not self._probe_direct():
+            self._direct = None
         self.segmented = self._split_re is not None and self._probe_segmentation()
 
     # --- raw encoding ---------------------------------------------------------------------
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(ids)
+        if self._direct is not None:
+            ids: list[int] = self._direct.encode(text, add_special_tokens=add_special_tokens).ids
+            return ids
+        return self._encode_hf(text, add_special_tokens)
+
+    def _encode_hf(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _probe_direct(self) -> bool:
+        """Does the Rust tokenizer, called directly, give the ids transformers gives?"""
+        specials = list(self._added_ids)[:4]
+        texts = [
+            "",
+            " ",
+            "The quick brown fox jumps over the lazy dog.\n12345 <b>tags</b>",
+            "\u00e9t\u00e9 caf\u00e9 \U0001f600 \u4e2d\u6587 \u0645\u0631\u062d\u0628\u0627",
+            "  leading and trailing spaces\n\n\tand tabs  ",
+            "".join(f"{s}user\n Hello{s} \n" for s in specials) + "tail",
+            "word " * 600,
+        ]
+        try:
+            for text in texts:
+                for special in (False, True):
+                    direct = self._direct.encode(text, add_special_tokens=special).ids
+                    if direct != self._encode_hf(text, special):
+                        log.info(
+                            "tokenizer %s: encoding through transformers (ids differ)", self.name
+                        )
+                        return False
+        except Exception:  # an unusual backend: transformers' own path always works
+            log.exception("tokenizer %s: direct-encoding probe failed", self.name)
+            return False
+        return True
 
     def _encode_segmented(self, text: str) -> list[int]:
         assert self._split_re is not None
@@ -183,7 +220,7 @@ class LocalTokenizer(TokenizerBase):
         texts.append("".join(f"{s} word{s}\n\n{s}" for s in specials) + " tail  ")
         try:
             for text in texts:
-                if self._encode_segmented(text) != self._encode_text(text, False):
+                if self._encode_segmented(text) != self._encode_hf(text, False):
                     log.info("tokenizer %s: segment cache disabled (ids differ)", self.name)
                     self._segment_cache.clear()
                     return False
@@ -347,6 +384,7 @@ class LocalTokenizer(TokenizerBase):
             "mode": self.mode,
             "tokenizer": self.name,
             "segmented": self.segmented,
+            "direct_encode": self._direct is not None,
             "text_cache": {
                 "entries": len(self._text_cache),
                 "hits": self._text_cache.hits,
@@ -358,6 +396,35 @@ class LocalTokenizer(TokenizerBase):
                 "misses": self._segment_cache.misses,
             },
         }
+
+
+def _direct_backend(tok: Any) -> Any:
+    """The Rust ``tokenizers.Tokenizer`` behind a transformers fast tokenizer, when calling it
+    directly is what transformers' ``__call__`` does (else None).
+
+    transformers' call for a fast tokenizer resets truncation and padding, sets
+    ``encode_special_tokens`` and calls ``encode_batch`` on this object; the Python around it
+    costs about 25 us per call plus a third of the Rust time again (argument checks, building
+    a BatchEncoding with attention masks), which a chat's dozens of uncached pieces pay each.
+    A subclass that overrides the call, or a backend configured to truncate or pad, keeps
+    transformers' path; ``_probe_direct`` then checks the ids on sample texts."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tok, "_tokenizer", None)
+    if not isinstance(tok, TokenizersBackend) or not isinstance(backend, Tokenizer):
+        return None
+    cls = type(tok)
+    for name in ("__call__", "_encode_plus"):
+        if getattr(cls, name) is not getattr(TokenizersBackend, name):
+            return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tok, "split_special_tokens", False)):
+        return None
+    return backend
 
 
 def _template_call_params(tok: Any) -> frozenset[str]:

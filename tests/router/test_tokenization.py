@@ -267,3 +267,61 @@ def test_long_prompts_tokenized_off_loop_match(tiny_model_dir, hf_tokenizer) -> 
     for text, ids in zip(long_texts, results[24:], strict=True):
         messages = [{"role": "user", "content": text}]
         assert list(ids) == _vllm_chat_ids(hf_tokenizer, messages, add_generation_prompt=True)
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=_text, special=st.booleans())
+def test_direct_encoding_gives_transformers_ids(
+    local_tokenizer: LocalTokenizer, hf_tokenizer, text: str, special: bool
+) -> None:
+    """The Rust tokenizer called directly (no transformers call around it) gives the ids
+    transformers' call gives, with and without special tokens."""
+    assert local_tokenizer.stats()["direct_encode"]
+    expected = list(hf_tokenizer(text, add_special_tokens=special)["input_ids"])
+    assert local_tokenizer._encode_text(text, special) == expected
+
+
+def test_a_tokenizer_whose_call_differs_keeps_the_transformers_path(tiny_model_dir) -> None:
+    """A tokenizer class that changes the call, or changes its result after the Rust encode
+    (which only the probe can see), is encoded through transformers, with its own ids."""
+    from transformers import AutoTokenizer
+
+    base = type(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+
+    class Lowercasing(base):  # type: ignore[misc, valid-type]
+        def __call__(self, text, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super().__call__(text.lower(), *args, **kwargs)
+
+    class Shifting(base):  # type: ignore[misc, valid-type]
+        def _convert_encoding(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            fields, encodings = super()._convert_encoding(*args, **kwargs)
+            fields["input_ids"] = [[i + 1 for i in ids] for ids in fields["input_ids"]]
+            return fields, encodings
+
+    for cls in (Lowercasing, Shifting):
+        hf = cls.from_pretrained(str(tiny_model_dir))
+        tok = LocalTokenizer(str(tiny_model_dir), tokenizer=hf)
+        assert not tok.stats()["direct_encode"], cls
+        text = "Hello World, MIXED case"
+        assert tok.encode_sync(_req({"prompt": text}, "completion")) == list(
+            hf(text, add_special_tokens=True)["input_ids"]
+        )
+        messages = [{"role": "user", "content": text}]
+        assert tok.encode_sync(_req({"messages": messages}, "chat")) == _vllm_chat_ids(
+            hf, messages, add_generation_prompt=True
+        )
+
+
+def test_a_backend_set_to_truncate_keeps_the_transformers_path(tiny_model_dir) -> None:
+    """transformers turns the backend's own truncation off on every call; a direct call would
+    not, so such a backend is not called directly."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    hf._tokenizer.enable_truncation(4)
+    tok = LocalTokenizer(str(tiny_model_dir), tokenizer=hf)
+    assert not tok.stats()["direct_encode"]
+    text = "one two three four five six seven eight"
+    assert len(tok.encode_sync(_req({"prompt": text}, "completion"))) > 4
