@@ -161,7 +161,10 @@ class LocalTokenizer(TokenizerBase):
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._direct is not None:
-            ids: list[int] = self._direct.encode(text, add_special_tokens=add_special_tokens).ids
+            # encode_batch, not encode: only the batch call lets go of the GIL while Rust
+            # works, which a long prompt encoded in a worker thread needs (the loop runs on).
+            batch = self._direct.encode_batch([text], add_special_tokens=add_special_tokens)
+            ids: list[int] = batch[0].ids
             return ids
         return self._encode_hf(text, add_special_tokens)
 
@@ -183,8 +186,8 @@ class LocalTokenizer(TokenizerBase):
         try:
             for text in texts:
                 for special in (False, True):
-                    direct = self._direct.encode(text, add_special_tokens=special).ids
-                    if direct != self._encode_hf(text, special):
+                    direct = self._direct.encode_batch([text], add_special_tokens=special)
+                    if direct[0].ids != self._encode_hf(text, special):
                         log.info(
                             "tokenizer %s: encoding through transformers (ids differ)", self.name
                         )
@@ -403,7 +406,8 @@ def _direct_backend(tok: Any) -> Any:
     directly is what transformers' ``__call__`` does (else None).
 
     transformers' call for a fast tokenizer resets truncation and padding, sets
-    ``encode_special_tokens`` and calls ``encode_batch`` on this object; the Python around it
+    ``encode_special_tokens`` and calls ``encode_batch`` on this object (which, unlike
+    ``encode``, releases the GIL while it runs); the Python around it
     costs about 25 us per call plus a third of the Rust time again (argument checks, building
     a BatchEncoding with attention masks), which a chat's dozens of uncached pieces pay each.
     A subclass that overrides the call, or a backend configured to truncate or pad, keeps

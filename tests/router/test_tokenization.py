@@ -325,3 +325,34 @@ def test_a_backend_set_to_truncate_keeps_the_transformers_path(tiny_model_dir) -
     assert not tok.stats()["direct_encode"]
     text = "one two three four five six seven eight"
     assert len(tok.encode_sync(_req({"prompt": text}, "completion"))) > 4
+
+
+def test_direct_encoding_lets_other_threads_run(local_tokenizer: LocalTokenizer) -> None:
+    """A long prompt is encoded in a worker thread so the event loop keeps serving: the
+    direct path must release the GIL while Rust encodes, as transformers' call does."""
+    import threading
+    import time
+
+    assert local_tokenizer.stats()["direct_encode"]
+    text = "lorem ipsum dolor sit amet " * 20000  # 540k characters: a few hundred ms
+    ticks = 0
+    done = threading.Event()
+
+    def other_thread() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    spinner = threading.Thread(target=other_thread)
+    spinner.start()
+    try:
+        started = time.perf_counter()
+        local_tokenizer._encode_text(text, False)
+        elapsed = time.perf_counter() - started
+    finally:
+        done.set()
+        spinner.join()
+    # With the GIL held for the whole encode the other thread gets a handful of turns at most.
+    assert elapsed > 0.05, "text too short to tell"
+    assert ticks >= 20, (ticks, elapsed)
