@@ -79,6 +79,11 @@ def _pooled(runs: list[dict[str, Any]], q: float) -> float:
     return percentile([t for r in runs for t in r["ttfts"]], q)
 
 
+def _pooled_pair(a: list[dict[str, Any]], b: list[dict[str, Any]], q: float) -> dict[str, float]:
+    pa, pb = _pooled(a, q), _pooled(b, q)
+    return {"a": pa, "b": pb, "a_over_b": pa / pb}
+
+
 def _interval(ratios: list[float]) -> dict[str, float]:
     ordered = sorted(ratios)
     n = len(ordered)
@@ -110,14 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "a": [r["hit_rate"] for r in a],
             "b": [r["hit_rate"] for r in b],
         },
-        "pooled": {
-            f"p{p:g}": {
-                "a": _pooled(a, p),
-                "b": _pooled(b, p),
-                "a_over_b": _pooled(a, p) / _pooled(b, p),
-            }
-            for p in sorted({50.0, q, 99.0})
-        },
+        "pooled": {f"p{p:g}": _pooled_pair(a, b, p) for p in sorted({50.0, q, 99.0})},
     }
     if paired:
         pairs = [

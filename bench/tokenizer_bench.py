@@ -95,8 +95,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvroute.bench.sim.tokenizer import ensure_model_dir
 
         model_dir = str(ensure_model_dir())
-    probe = LocalTokenizer(model_dir)
-    requests = _trace(probe.tok, args.users, args.seed)
+    try:
+        reference_tokenizer = LocalTokenizer(model_dir)
+    except OSError as exc:  # no such directory, or no tokenizer files in it
+        raise SystemExit(f"kvroute bench tokenizer: cannot load {model_dir}: {exc}") from exc
+    requests = _trace(reference_tokenizer.tok, args.users, args.seed)
     counts = sorted({1, args.routers})
     _pass(model_dir, requests, 1, True)  # warm-up: imports, template compilation, allocator
     samples: dict[tuple[int, str], list[dict[str, float]]] = {}

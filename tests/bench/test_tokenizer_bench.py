@@ -39,3 +39,11 @@ def test_small_run_reports_both_paths_with_equal_ids() -> None:
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(SystemExit, match="must be >= 1"):
         tokenizer_bench.run(_args("--routers", "0"))
+
+
+def test_a_missing_model_dir_is_a_clear_error(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    tokenizer_bench.add_arguments(parser)
+    args = parser.parse_args(["--model-dir", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="cannot load"):
+        tokenizer_bench.run(args)
