@@ -1,9 +1,9 @@
 """Routing-quality benchmark: every workload x every policy, on one simulated fleet.
 
-Each policy gets its own router process (the real ``kvroute.router.app`` under uvicorn, not a
-re-implementation of its policies); before each workload the fleet's caches are reset (every
-tier; AllBlocksCleared on the event stream empties the router's index) and the workload is
-replayed through the router. Reported per run: token-weighted cache hit rate (from the replicas'
+Each policy gets its own router process (the real ``kvroute.router.app`` under uvicorn, not
+a re-implementation of its policies); before each workload the fleet's caches are reset (every tier;
+AllBlocksCleared on the event stream empties the router's index) and the workload is replayed
+through the router. Reported per run: token-weighted cache hit rate (from the replicas'
 ``usage.prompt_tokens_details.cached_tokens``), client-measured TTFT percentiles in simulated
 seconds, throughput, and the infinite-cache upper bound of the hit rate.
 
@@ -41,7 +41,7 @@ from kvroute.bench.workloads.runner import RequestRecord, run_workload, summariz
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 from kvroute.deploy.processes import free_port
 from kvroute.deploy.router_process import RouterProcess
-from kvroute.router.policies import POLICIES
+from kvroute.router.routing.policies import POLICIES
 
 __all__ = ["PRESETS", "add_arguments", "percentile", "run"]
 
@@ -352,7 +352,7 @@ def _affinity(pid: int | None) -> list[int] | None:
 
 def _peer_router_settings(settings: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """``n`` routers as an HA deployment runs them: each knows the others as peers (for
-    warm start and shared load, router/peer_load.py), so their ports are chosen first."""
+    warm start and shared load, router/peers/load.py), so their ports are chosen first."""
     if n == 1:
         return [settings]
     host = str(settings.get("host", "127.0.0.1"))

@@ -2,7 +2,7 @@
 
 Every chat request is rendered with the chat template and encoded, as vLLM does, before the
 index can be asked anything. The router caches rendered texts and the pieces between added
-tokens (router/tokenization.py), so a returning conversation encodes only its new turn; but
+tokens (router/tokens/tokenization.py), so a returning conversation encodes only its new turn; but
 among N routers behind a load balancer each one sees a conversation's turns at random and
 encodes the history it missed. This benchmark replays the full preset's chat trace (the
 routing benchmark's conversations, in the order their turns arrive) through N local
@@ -29,8 +29,8 @@ from typing import Any
 from kvroute.bench.routing_bench import PRESETS
 from kvroute.bench.workloads import BUILDERS, TextSource
 from kvroute.bench.workloads.runner import pick_router
-from kvroute.router.requests import ParsedRequest, parse_body
-from kvroute.router.tokenization import LocalTokenizer
+from kvroute.router.tokens.requests import ParsedRequest, parse_body
+from kvroute.router.tokens.tokenization import LocalTokenizer
 
 __all__ = ["add_arguments", "run"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.deploy.state_dir import default_state_dir
-from kvroute.router.policies import POLICIES as _POLICY_CLASSES
+from kvroute.router.routing.policies import POLICIES as _POLICY_CLASSES
 
 __all__ = [
     "ENGINES",

@@ -241,7 +241,7 @@ async def _serve(settings_path: Path) -> None:
     import uvicorn
 
     from kvroute.router.app import create_app
-    from kvroute.router.http_protocol import header_deadline_protocol
+    from kvroute.router.serving.http_protocol import header_deadline_protocol
 
     # A server process, as under kvroute serve (router/cli.py): its startup heap frozen.
     settings = settings_from_dict(json.loads(settings_path.read_text())).replace(gc_freeze=True)

@@ -1,7 +1,7 @@
 """One replica's index state as a versioned msgpack record, for a router's warm start.
 
 A router that starts while a peer runs copies the peer's index instead of replaying every
-replica's whole history (router/warm_start.py). What it copies must keep the index resolving
+replica's whole history (router/peers/warm_start.py). What it copies must keep the index resolving
 chains exactly as the peer would: besides which keys the replica holds in which class, the
 hash -> key map, parent links, reference counts, chunk records and lengths, hybrid groups,
 the ghost map and unconfirmed holdings. So a record is the replica's whole ``_ReplicaState``
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvroute.indexer.index import (
+from kvroute.indexer.index.state import (
     _MAX_CHUNK_BLOCKS,
     _SLOT,
     _W,
@@ -109,7 +109,7 @@ class ReplicaState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Insertion order is age (the entry cap drops the oldest first): kept.
     engine_hashes: list[int]
     engine_keys: list[int]
-    # Each key the replica holds, with its six class bits (see indexer/index.py's layout).
+    # Each key the replica holds, with its six class bits (see indexer/index/state.py's layout).
     bit_keys: list[int]
     bit_values: list[int]
     tier_counts: list[int]

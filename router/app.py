@@ -1,11 +1,11 @@
 """``create_app(settings)``: the router as a FastAPI app, usable in-process or under uvicorn.
 
-The proxied endpoints are raw ASGI routes (kvroute.router.endpoints); the rest are ordinary FastAPI
-handlers. Every path the router does not serve itself, with any method, is passed through to
-a replica (a catch-all route, last), so kvroute is a drop-in gateway for a vLLM fleet: an
-unknown path gets the replica's own answer (and ``x-kvroute-replica``). The router's own
-errors are in OpenAI's schema. With API keys set, every path but monitoring and the
-dashboard's page needs one (kvroute.router.auth).
+The proxied endpoints are raw ASGI routes (kvroute.router.serving.endpoints); the rest are ordinary
+FastAPI handlers. Every path the router does not serve itself, with any method, is passed through to
+a replica (a catch-all route, last), so kvroute is a drop-in gateway for a vLLM fleet: an unknown
+path gets the replica's own answer (and ``x-kvroute-replica``). The router's own errors are in
+OpenAI's schema. With API keys set, every path but monitoring and the dashboard's page needs one
+(kvroute.router.serving.auth).
 """
 
 from __future__ import annotations
@@ -22,27 +22,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvroute.router.auth import ApiKeyMiddleware
 from kvroute.router.config import RouterSettings
-from kvroute.router.dashboard import add_dashboard
-from kvroute.router.dashboard_data import DashboardData
-from kvroute.router.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.errors import RouterError, error_body, error_response
-from kvroute.router.openapi import PROXIED, add_proxied_paths
-from kvroute.router.peer_load import (
+from kvroute.router.ops.dashboard import add_dashboard
+from kvroute.router.ops.dashboard_data import DashboardData
+from kvroute.router.ops.readiness import Readiness
+from kvroute.router.peers.load import (
     MAX_WAIT_S,
     STREAM_MEDIA_TYPE,
     load_body,
     load_lines,
     load_version,
 )
-from kvroute.router.peer_snapshot import MEDIA_TYPE, encode_stream
-from kvroute.router.proxy import read_body
-from kvroute.router.readiness import Readiness
-from kvroute.router.requests import decode_json, parse_body
-from kvroute.router.response_ids import ResponseHomes
+from kvroute.router.peers.snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.service import RouterService
-from kvroute.router.tokenization import TokenizerBase
+from kvroute.router.serving.auth import ApiKeyMiddleware
+from kvroute.router.serving.endpoints import ProxyEndpoint, debug_kind
+from kvroute.router.serving.openapi import PROXIED, add_proxied_paths
+from kvroute.router.serving.proxy import read_body
+from kvroute.router.serving.response_ids import ResponseHomes
+from kvroute.router.tokens.requests import decode_json, parse_body
+from kvroute.router.tokens.tokenization import TokenizerBase
 
 __all__ = ["create_app"]
 
@@ -62,7 +62,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         try:
             if settings.epp_port is not None:
                 # Imported only here: grpcio and xds-protos are needed only for the picker.
-                from kvroute.router.epp import start_epp
+                from kvroute.router.epp.server import start_epp
 
                 epp = await start_epp(
                     service, settings.host, settings.epp_port, lambda: readiness.check()[0]
@@ -76,7 +76,8 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     app = FastAPI(title="kvroute router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
     app.state.readiness = readiness
-    # Which replica stores each Responses object (kvroute.router.response_ids), for every endpoint.
+    # Which replica stores each Responses object (kvroute.router.serving.response_ids), for every
+    # endpoint.
     homes = app.state.response_homes = ResponseHomes()
     for path, operations in PROXIED.items():
         (kind,) = {op.kind for op in operations.values()}
@@ -128,7 +129,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         responses={503: {"description": "not ready: no healthy replica, or feeds not live"}},
     )
     async def ready() -> Response:
-        """Readiness (router/readiness.py): a healthy replica, and every healthy replica's
+        """Readiness (router/ops/readiness.py): a healthy replica, and every healthy replica's
         event feed live or the grace since start over. 503 lists the feeds not live."""
         ok, body = readiness.check()
         if ok:
@@ -156,7 +157,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     @app.get("/index/snapshot")
     async def index_snapshot() -> Response:
         """The index of every live replica, for a peer router's warm start
-        (router/peer_snapshot.py); 503 while this router is itself catching up."""
+        (router/peers/snapshot.py); 503 while this router is itself catching up."""
         refusal = service.snapshot_refusal()
         if refusal is not None:
             raise RouterError(
@@ -181,7 +182,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         stream: bool = Query(False, include_in_schema=False),
     ) -> Response:
         """What this router is proxying to each replica now, for its peers' queue view
-        (router/peer_load.py). With ``seen`` (the version of the asker's last answer) and
+        (router/peers/load.py). With ``seen`` (the version of the asker's last answer) and
         ``wait_s``, held until the counts differ from that version or ``wait_s`` passed.
         With ``samples_from``, the queue samples this router took since then. With
         ``stream``, one answer per line, each time they change (``wait_s``: heartbeat)."""

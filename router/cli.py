@@ -14,17 +14,14 @@ import os
 import sys
 from pathlib import Path
 
-from kvroute.router.config import (
-    ConfigError,
-    CostSettings,
-    K8sDiscoverySettings,
-    RouterSettings,
+from kvroute.router.config import ConfigError, CostSettings, K8sDiscoverySettings, RouterSettings
+from kvroute.router.fleet.discovery.k8s_pods import parse_selector
+from kvroute.router.routing.policies import POLICIES
+from kvroute.router.specs import (
     parse_model_tokenizer_flag,
     parse_replica_flag,
     parse_storage_domain_flag,
 )
-from kvroute.router.k8s_pods import parse_selector
-from kvroute.router.policies import POLICIES
 
 __all__ = ["add_arguments", "api_keys_from_args", "main", "settings_from_args"]
 
@@ -307,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--discover k8s`` and its flags (router/k8s_discovery.py, docs/router.md)."""
+    """``--discover k8s`` and its flags (router/fleet/discovery/k8s.py, docs/router.md)."""
     k8s = parser.add_argument_group("discovery (replicas from Kubernetes pods)")
     k8s.add_argument(
         "--discover",
@@ -463,7 +460,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvroute.router.app import create_app
-    from kvroute.router.http_protocol import header_deadline_protocol
+    from kvroute.router.serving.http_protocol import header_deadline_protocol
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -487,7 +484,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     if settings.k8s_discovery is not None:
-        from kvroute.router.k8s_discovery import load_kube_config
+        from kvroute.router.fleet.discovery.k8s import load_kube_config
 
         try:  # a missing config is the operator's to fix: say so before starting
             load_kube_config(settings.k8s_discovery.kubeconfig)

@@ -8,7 +8,7 @@ Some cache engines publish on a socket of their own beside vLLM's (llm-d's FS ba
 
 A server started with vLLM's data parallelism runs N engines behind one URL: ``dp=N`` (or
 ``dp=auto``: ask its ``/kv_event_sources``) makes each engine a routing target of its own
-(router/dp.py).
+(router/fleet/dp.py).
 
 A replica that mounts a shared storage directory names it: ``storage_domain=D``; every chunk
 stored there is a hit for all of D's replicas (docs/indexer.md, storage domains).
@@ -18,20 +18,15 @@ Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP]
 File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp,
 storage_domain}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
-(kvroute.router.watcher).
+(kvroute.router.fleet.discovery.file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
-
-import yaml
-
-from kvroute.router.policies import POLICIES
 
 __all__ = [
     "ConfigError",
@@ -42,11 +37,6 @@ __all__ = [
     "RouterSettings",
     "StorageDomainConfig",
     "check_api_key",
-    "load_replicas_file",
-    "parse_model_tokenizer_flag",
-    "parse_replica",
-    "parse_replica_flag",
-    "parse_storage_domain_flag",
 ]
 
 
@@ -62,7 +52,7 @@ class ReplicaConfig:
     topic: str = ""
     name: str | None = None
     aux: tuple[str, ...] = ()
-    # Data parallelism (router/dp.py). On a configured server: its number of engine ranks
+    # Data parallelism (router/fleet/dp.py). On a configured server: its number of engine ranks
     # (one routing target each) or "auto" (ask its /kv_event_sources). On a rank's target,
     # made by the router: the rank (sent as X-data-parallel-rank) and its server's name.
     dp: int | str | None = None
@@ -90,8 +80,8 @@ class ReplicaConfig:
             if self.aux and self.dp != 1:
                 raise ConfigError("aux= streams cannot be combined with dp= (which rank's?)")
             if self.dp_rank is None:
-                from kvroute.router.dp import (
-                    static_targets,  # kvroute.router.dp builds on this module
+                from kvroute.router.fleet.dp import (
+                    static_targets,  # kvroute.router.fleet.dp builds on this module
                 )
 
                 static_targets(self)  # each rank's endpoints can be derived (ConfigError)
@@ -122,7 +112,7 @@ class CostSettings:
     load_s_per_token_storage: float = 5e-5
     queue_s_per_request: float = 0.02
     # Learn seconds per pending request from each replica's streamed first bytes
-    # (router/queue_model.py); queue_s_per_request is then the prior.
+    # (router/routing/queue_model.py); queue_s_per_request is then the prior.
     learn_queue_delay: bool = True
     queue_learn_weight: float = 0.03
     queue_learn_half_life_s: float = 30.0
@@ -143,7 +133,7 @@ class CostSettings:
     # A new prefix goes to the first replica of its rendezvous order, among those within the
     # same bound, whose blocks stored lately (from the event feeds, decayed with this
     # half-life, about a session's length) are at most (1 + placement_slack) x their mean:
-    # what every router sees alike, so several routers agree (router/placement.py).
+    # what every router sees alike, so several routers agree (router/routing/placement.py).
     placement_half_life_s: float = 30.0
     placement_slack: float = 0.0
     # Blocks sent to a replica to compute count toward its stored rate until its feed
@@ -220,7 +210,7 @@ class StorageDomainConfig:
 @dataclass(frozen=True, slots=True)
 class K8sDiscoverySettings:
     """``--discover k8s``: replicas are the Ready pods matching ``selector`` (or the
-    InferencePool ``inference_pool``'s selector) in ``namespace`` (router/k8s_discovery.py);
+    InferencePool ``inference_pool``'s selector) in ``namespace`` (router/fleet/discovery/k8s.py);
     ``peer_selector``: this router's peers (other router pods) for warm start."""
 
     selector: dict[str, str] = field(default_factory=dict)
@@ -257,7 +247,7 @@ class ModelTokenizerConfig:
 class RouterSettings:
     replicas: list[ReplicaConfig] = field(default_factory=list)
     replicas_file: str | None = None
-    # Replicas from Kubernetes pods (router/k8s_discovery.py), applied like the file's
+    # Replicas from Kubernetes pods (router/fleet/discovery/k8s.py), applied like the file's
     k8s_discovery: K8sDiscoverySettings | None = None
     # Feeds of the storage domains' evictors (replicas attach by ReplicaConfig.storage_domain)
     storage_domains: list[StorageDomainConfig] = field(default_factory=list)
@@ -266,7 +256,7 @@ class RouterSettings:
     tokenizer_mode: Literal["local", "remote"] = "local"
     host: str = "127.0.0.1"
     port: int = 8000
-    # The Gateway API Inference Extension endpoint picker (router/epp.py): Envoy's ext_proc
+    # The Gateway API Inference Extension endpoint picker (router/epp/): Envoy's ext_proc
     # gRPC protocol on this port of ``host``, in the HTTP app's process and loop (None: off).
     epp_port: int | None = None
     # Serve it over TLS with this certificate chain and key (PEM files); None: plaintext.
@@ -285,7 +275,7 @@ class RouterSettings:
     max_n: int = 128  # sequences per request (400 past it)
     body_timeout_s: float = 30.0  # the whole body must arrive within this (408 otherwise)
     # A connection must send a request's complete headers within this (slowloris), or it is
-    # closed (router/http_protocol.py).
+    # closed (router/serving/http_protocol.py).
     header_timeout_s: float = 10.0
     # A streaming client that reads nothing for this long is given up (its request cancelled)
     client_write_timeout_s: float = 60.0
@@ -301,27 +291,27 @@ class RouterSettings:
     health_timeout_s: float = 2.0
     unhealthy_after: int = 2
     healthy_after: int = 1
-    # GET /ready (router/readiness.py) waits for live event feeds at most this long after
+    # GET /ready (router/ops/readiness.py) waits for live event feeds at most this long after
     # start; then a healthy replica is enough.
     ready_grace_s: float = 60.0
     models_refresh_s: float = 30.0
     watch_interval_s: float = 1.0
     # Index feed
     replay_timeout_s: float = 5.0
-    # Warm start (router/warm_start.py): peer routers (http(s)://host:port) whose index
+    # Warm start (router/peers/warm_start.py): peer routers (http(s)://host:port) whose index
     # snapshot seeds this one before its feeds start; tried in order, replay when none answers.
     peers: list[str] = field(default_factory=list)
     peer_timeout_s: float = 5.0
     peer_snapshot_max_mib: int = 1024  # a bigger snapshot is refused (and not served)
-    # Shared load (router/peer_load.py): how often the peers' in-flight counts are polled;
+    # Shared load (router/peers/load.py): how often the peers' in-flight counts are polled;
     # 0 turns it off (each router then sees only its own requests between scrapes).
     peer_load_interval_s: float = 0.1
     # "follow": one stream per peer, a line each time its counts change (a peer's request
-    # seen within 10 ms); "poll": ask every peer_load_interval_s (router/peer_load.py).
+    # seen within 10 ms); "poll": ask every peer_load_interval_s (router/peers/load.py).
     peer_load_mode: str = "follow"
     stale_clear_after_s: float = 30.0
     # Per event stream: a publisher past this many MiB/s of events is cleared and dropped
-    # until it slows down (indexer/budget.py); 0 turns the budget off.
+    # until it slows down (indexer/subscriber/budget.py); 0 turns the budget off.
     event_max_mib_per_s: float = 8.0
     index_max_entries: int = 8_000_000
     # Tiers whose publisher never announces removals (LMCache, llm-d's FS backend): how long
@@ -349,7 +339,7 @@ class RouterSettings:
     tokenizer_chat_template: str | None = None
     tokenizer_content_format: str = "auto"
     model_tokenizers: dict[str, ModelTokenizerConfig] = field(default_factory=dict)
-    # Live check (router/token_check.py): every Nth request of a model is also tokenized by
+    # Live check (router/tokens/token_check.py): every Nth request of a model is also tokenized by
     # a replica, in the background (0: off); after a mismatch the model is tokenized
     # remotely until this many clean checks in a row.
     tokenizer_check_every: int = 100
@@ -366,7 +356,7 @@ class RouterSettings:
     # the CPU ahead of background work (the event feeds, other processes) when a request
     # wakes it; Linux 6.12+, ignored elsewhere. None leaves the kernel's default.
     loop_slice_s: float | None = 0.0001
-    # API keys (router/auth.py): what clients must send (any of them; none: the router is
+    # API keys (router/serving/auth.py): what clients must send (any of them; none: the router is
     # open), whether /health and /metrics need one too, and the key the replicas were
     # started with (vLLM's --api-key), sent on every request the router makes to them.
     # repr=False: settings are printed and logged, keys never.
@@ -375,6 +365,9 @@ class RouterSettings:
     replica_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        # Imported here: the policies import this module's types, and config sits below them.
+        from kvroute.router.routing.policies import POLICIES
+
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.tokenizer_mode not in ("local", "remote"):
@@ -469,139 +462,3 @@ def check_storage_domain_name(name: object) -> None:
         raise ConfigError(
             f"storage domain name must be 1-128 letters, digits, '-', '_' or '.', got {name!r}"
         )
-
-
-def parse_storage_domain_flag(value: str) -> StorageDomainConfig:
-    """``NAME=tcp://h:5600[,replay=tcp://h:5601][,topic=T]`` -> StorageDomainConfig."""
-    head, *options = [part.strip() for part in value.split(",")]
-    name, sep, events = head.partition("=")
-    if not sep or not name or not events:
-        raise ConfigError(
-            f"--storage-domain wants NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]: {value!r}"
-        )
-    fields: dict[str, str] = {}
-    for option in options:
-        if not option:
-            continue
-        key, sep, val = option.partition("=")
-        if not sep or key not in ("replay", "topic"):
-            raise ConfigError(f"bad --storage-domain option {option!r}: use replay=, topic=")
-        fields[key] = val
-    return StorageDomainConfig(name=name, events=events, **fields)
-
-
-def _parse_dp(value: object) -> int | str | None:
-    """``dp``: a rank count (``2``, ``"2"``) or ``"auto"``; anything else is refused."""
-    if value is None or value == "auto":
-        return value  # type: ignore[return-value]
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConfigError(f"replica dp must be an integer >= 1 or 'auto', got {value!r}")
-
-
-def parse_replica_flag(value: str) -> ReplicaConfig:
-    """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1[,dp=2]``."""
-    url, *options = [part.strip() for part in value.split(",")]
-    fields: dict[str, str] = {}
-    aux: list[str] = []
-    for option in options:
-        if not option:
-            continue
-        name, sep, val = option.partition("=")
-        if not sep or name not in (
-            "events",
-            "replay",
-            "topic",
-            "name",
-            "aux",
-            "dp",
-            "storage_domain",
-        ):
-            raise ConfigError(
-                f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux=, dp=, storage_domain="
-            )
-        if name == "aux":
-            aux.append(val)
-        else:
-            fields[name] = val
-    dp = _parse_dp(fields.pop("dp", None))
-    return ReplicaConfig(url=url, aux=tuple(aux), dp=dp, **fields)
-
-
-def parse_model_tokenizer_flag(value: str) -> tuple[str, ModelTokenizerConfig]:
-    """``MODEL=PATH[,chat_template=FILE][,content_format=F]`` -> (model, config)."""
-    head, *options = [part.strip() for part in value.split(",")]
-    model, sep, path = head.partition("=")
-    if not sep or not model or not path:
-        raise ConfigError(f"--model-tokenizer wants MODEL=PATH[,chat_template=FILE]: {value!r}")
-    fields: dict[str, str] = {}
-    for option in options:
-        name, sep, val = option.partition("=")
-        if not sep or name not in ("chat_template", "content_format"):
-            raise ConfigError(
-                f"bad --model-tokenizer option {option!r}: use chat_template=, content_format="
-            )
-        fields[name] = val
-    return model, ModelTokenizerConfig(path, **fields)
-
-
-def parse_replica(item: object) -> ReplicaConfig:
-    """One entry of a replicas file: a URL string or a mapping of ReplicaConfig's fields."""
-    if isinstance(item, str):
-        return parse_replica_flag(item)
-    if not isinstance(item, dict):
-        raise ConfigError(f"replica entry must be a URL or a mapping, got {item!r}")
-    unknown = set(item) - {
-        "url",
-        "events",
-        "replay",
-        "topic",
-        "name",
-        "aux",
-        "dp",
-        "storage_domain",
-    }
-    if unknown:
-        raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
-    if not isinstance(item.get("url"), str):
-        raise ConfigError(f"replica entry needs a url: {item!r}")
-    for key in ("events", "replay", "topic", "name", "storage_domain"):
-        if item.get(key) is not None and not isinstance(item[key], str):
-            raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
-    aux = item.get("aux") or []
-    if isinstance(aux, str):
-        aux = [aux]
-    if not isinstance(aux, list) or not all(isinstance(a, str) and a for a in aux):
-        raise ConfigError(f"replica field 'aux' must be a list of endpoints in {item!r}")
-    return ReplicaConfig(
-        url=item["url"],
-        events=item.get("events"),
-        replay=item.get("replay"),
-        topic=item.get("topic") or "",
-        name=item.get("name"),
-        aux=tuple(aux),
-        dp=_parse_dp(item.get("dp")),
-        storage_domain=item.get("storage_domain"),
-    )
-
-
-def load_replicas_file(path: str | Path) -> list[ReplicaConfig]:
-    """Parse a replicas file; raises ConfigError (never a half-read list) when it is invalid."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read replicas file {path}: {exc}") from exc
-    if data is None:
-        return []
-    if isinstance(data, dict):
-        data = data.get("replicas") or []
-    if not isinstance(data, list):
-        raise ConfigError(f"replicas file {path} must hold a list under 'replicas'")
-    replicas = [parse_replica(item) for item in data]
-    names = [r.key for r in replicas]
-    if len(names) != len(set(names)):
-        raise ConfigError(f"replica names in {path} must be unique: {names}")
-    return replicas

@@ -23,29 +23,37 @@ import httpx
 
 from kvroute.indexer.cpu_priority import as_latency_sensitive, custom_slices_supported
 from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex, domain_key
-from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaSnapshot
-from kvroute.router.accuracy import AccuracyTracker
-from kvroute.router.auth import ReplicaAuth
+from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ReplicaConfig, RouterSettings
-from kvroute.router.dp import DataParallelDiscovery, static_targets
 from kvroute.router.errors import RouterError
-from kvroute.router.health import HealthChecker
-from kvroute.router.k8s_discovery import KubernetesDiscovery
-from kvroute.router.metrics import RouterMetrics
-from kvroute.router.model_tokenizers import FleetTokenizer
-from kvroute.router.peer_load import PeerLoad
-from kvroute.router.periodic import PeriodicTask
-from kvroute.router.policies import make_policy
-from kvroute.router.proxy import Forwarder
-from kvroute.router.replicas import Replica, ReplicaRegistry
-from kvroute.router.requests import ParsedRequest, RequestLimits
-from kvroute.router.routing import Decision, Router
-from kvroute.router.token_check import LiveCheck
-from kvroute.router.tokenization import LocalTokenizer, RemoteTokenizer, TokenizerBase, self_check
-from kvroute.router.upstream import UpstreamClient
-from kvroute.router.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
-from kvroute.router.watcher import ReplicasFileWatcher
+from kvroute.router.fleet.discovery.file import ReplicasFileWatcher
+from kvroute.router.fleet.discovery.k8s import KubernetesDiscovery
+from kvroute.router.fleet.dp import DataParallelDiscovery, static_targets
+from kvroute.router.fleet.health import HealthChecker
+from kvroute.router.fleet.replicas import Replica, ReplicaRegistry
+from kvroute.router.ops.metrics import RouterMetrics
+from kvroute.router.ops.stats import metrics_state, router_stats
+from kvroute.router.peers.followers import PeerFollowers
+from kvroute.router.peers.load import PeerLoad
+from kvroute.router.peers.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
+from kvroute.router.routing.accuracy import AccuracyTracker
+from kvroute.router.routing.policies import make_policy
+from kvroute.router.routing.router import Decision, Router
+from kvroute.router.serving.auth import ReplicaAuth
+from kvroute.router.serving.proxy import Forwarder
+from kvroute.router.serving.upstream import UpstreamClient
+from kvroute.router.tokens.model_tokenizers import (
+    FleetTokenizer,
+    build_tokenizer,
+    check_against_replicas,
+    log_startup_check,
+)
+from kvroute.router.tokens.requests import ParsedRequest, RequestLimits
+from kvroute.router.tokens.tokenization import (
+    LocalTokenizer,
+    TokenizerBase,
+)
 
 __all__ = ["RouterService"]
 
@@ -78,7 +86,7 @@ class RouterService:
         self.registry = ReplicaRegistry(
             unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after
         )
-        # What replicas are shown: the replica key on every request (router/auth.py).
+        # What replicas are shown: the replica key on every request (router/serving/auth.py).
         self.replica_auth = ReplicaAuth.of(settings.api_keys, settings.replica_api_key)
         # Off the request path (remote tokenization, self-checks): httpx.
         self.client = httpx.AsyncClient(
@@ -124,7 +132,7 @@ class RouterService:
             if settings.replicas_file
             else None
         )
-        # --discover k8s (router/k8s_discovery.py): the same kind of source as the file.
+        # --discover k8s (router/fleet/discovery/k8s.py): the same kind of source as the file.
         self.discovery: KubernetesDiscovery | None = None
         self._discovered_peers: list[str] = []
         if settings.k8s_discovery is not None:
@@ -154,12 +162,12 @@ class RouterService:
         self._background: set[asyncio.Task[Any]] = set()
         self._models_refreshed_at = 0.0
         self.started_at = time.time()
-        # Warm start (router/warm_start.py): the peer routers to seed the index from, asked
+        # Warm start (router/peers/warm_start.py): the peer routers to seed the index from, asked
         # once at start before any feed starts; may be async. Discovery may replace it.
         self.peer_urls: PeerUrls = self._default_peer_urls
         self.warm = WarmStart()
         self.feeds_started = False  # /index/snapshot answers 503 until then
-        # Shared load (router/peer_load.py): the same peers' in-flight counts, polled.
+        # Shared load (router/peers/load.py): the same peers' in-flight counts, polled.
         self.peer_load = PeerLoad(
             interval_s=settings.peer_load_interval_s,
             timeout_s=max(0.05, min(1.0, 5 * settings.peer_load_interval_s)),
@@ -169,8 +177,15 @@ class RouterService:
         if self.router.queue_delay is not None:  # a held /peer/load answers a new sample
             self.router.queue_delay.on_sample = self.registry.load_signal.changed
         self._peer_load_task: PeriodicTask | None = None
-        self._peer_followers: dict[str, asyncio.Task[None]] = {}
+        self.peer_followers = PeerFollowers(
+            self.peer_load, lambda: self.peer_load.apply(self.registry)
+        )
         self._peer_client: httpx.AsyncClient | None = None
+
+    @property
+    def peer_load_on(self) -> bool:
+        """Whether shared load runs (``--peer-load-interval-s`` above 0, after start)."""
+        return self._peer_load_task is not None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -268,7 +283,7 @@ class RouterService:
         await self.health.stop()
         if self._peer_load_task is not None:
             await self._peer_load_task.stop()
-        await self._stop_peer_followers(list(self._peer_followers))
+        await self.peer_followers.stop()
         if self._peer_client is not None:
             await self._peer_client.aclose()
         if self.watcher is not None:
@@ -283,63 +298,14 @@ class RouterService:
             self.upstream.close()
 
     def _make_tokenizer(self) -> TokenizerBase | None:
-        """A ``FleetTokenizer``: local tokenizers (default and per model) checked on live
-        traffic against the replicas, and remote tokenization where there is none."""
-        s = self.settings
-        given = self._given_tokenizer
-        if given is not None and not isinstance(given, LocalTokenizer):
-            return given
-        default, per_model = given, {}
-        if s.tokenizer_mode == "local":
-            if default is None and s.tokenizer:
-                default = self._load_tokenizer(
-                    s.tokenizer, s.tokenizer_chat_template, s.tokenizer_content_format
-                )
-            per_model = {
-                model: self._load_tokenizer(c.path, c.chat_template, c.content_format)
-                for model, c in s.model_tokenizers.items()
-            }
-        remote = None
-        needs_tokens = self.router.policy.needs_tokens
-        if default is not None or per_model or s.tokenizer_mode == "remote" or needs_tokens:
-            remote = RemoteTokenizer(
-                self.client,
-                self.tokenize_url,
-                cache_entries=s.tokenizer_cache_entries,
-                use_render=s.tokenizer_render,
-            )
-        if remote is None:
-            return None
-        if default is None and not per_model and s.tokenizer_mode == "local":
-            log.warning("no --tokenizer given: tokenizing with the replicas (render or /tokenize)")
-        check = None
-        if (default is not None or per_model) and s.tokenizer_check_every > 0:
-            check = LiveCheck(
-                s.tokenizer_check_every,
-                s.tokenizer_clean_checks,
-                on_check=self.metrics.tokenizer_check,
-            )
-        return FleetTokenizer(
-            default=default,
-            per_model=per_model,
-            remote=remote,
+        return build_tokenizer(
+            self.settings,
+            given=self._given_tokenizer,
+            needs_tokens=self.router.policy.needs_tokens,
+            client=self.client,
+            tokenize_url=self.tokenize_url,
+            on_check=self.metrics.tokenizer_check,
             base_model=self.base_model,
-            check=check,
-        )
-
-    def _load_tokenizer(
-        self, path: str, chat_template_file: str | None, content_format: str
-    ) -> LocalTokenizer:
-        template = None
-        if chat_template_file:
-            with open(chat_template_file, encoding="utf-8") as fh:
-                template = fh.read()
-        return LocalTokenizer(
-            path,
-            cache_entries=self.settings.tokenizer_cache_entries,
-            segment_cache_entries=self.settings.tokenizer_segment_cache_entries,
-            chat_template=template,
-            content_format=content_format,
         )
 
     def _has_local_tokenizer(self) -> bool:
@@ -358,19 +324,7 @@ class RouterService:
         return model
 
     async def _startup_check(self) -> None:
-        try:
-            results = await self.check_tokenizer()
-        except Exception as exc:  # the check is advisory; it must never stop the router
-            log.warning("tokenizer self-check could not run: %r", exc)
-            return
-        for result in results:
-            if not result["ok"]:
-                log.error(
-                    "tokenizer self-check FAILED against %s: router ids differ from the "
-                    "replica's; prefix hits will be silently lost. %s",
-                    result["replica"],
-                    result["results"],
-                )
+        await log_startup_check(self.check_tokenizer)
 
     async def check_tokenizer(
         self, samples: list[dict[str, Any]] | None = None
@@ -378,15 +332,9 @@ class RouterService:
         """Compare the router's ids with each healthy replica's /tokenize (one per model)."""
         if self.tokenizer is None:
             raise RouterError(409, "the router runs without a tokenizer (policy needs none)")
-        results = []
-        for replica in self.registry.healthy():
-            for model in sorted(replica.models)[:1]:
-                tok = self.tokenizer
-                if isinstance(tok, FleetTokenizer):  # the local ids are the ones to check
-                    tok = tok.local_for(model) or tok
-                results.append(
-                    await self_check(tok, self.health_client, replica.url, model, samples)
-                )
+        results = await check_against_replicas(
+            self.tokenizer, self.registry.healthy(), self.health_client, samples
+        )
         self.tokenizer_check = {"checked_at": time.time(), "results": results}
         return results
 
@@ -511,7 +459,7 @@ class RouterService:
         return "discovery" if self.discovery is not None else "replicas file"
 
     def _apply_peer_samples(self, samples: list[tuple[str, float]]) -> None:
-        """A peer's queue samples (router/queue_model.py), for the replicas this router
+        """A peer's queue samples (router/routing/queue_model.py), for the replicas this router
         knows: learned as if its own first bytes had shown them."""
         learned = self.router.queue_delay
         if learned is None:
@@ -527,33 +475,11 @@ class RouterService:
         self.peer_load.apply(self.registry)
 
     async def follow_peer_load(self) -> None:
-        """Keep one follower per listed peer (router/peer_load.py: each applies the sums as
-        its peer answers), and apply them here too, so a peer gone silent stops counting
-        once stale."""
+        """Keep one follower per listed peer (router/peers/followers.py), and apply the sums
+        here too, so a peer gone silent stops counting once stale."""
         assert self._peer_client is not None
-        urls = await peer_list(self.peer_urls)
-        await self._stop_peer_followers([u for u in self._peer_followers if u not in urls])
-        for url in urls:
-            old = self._peer_followers.get(url)
-            if old is not None and old.done():  # ended by a bug, not by us: start it again
-                if not old.cancelled() and old.exception() is not None:
-                    log.error("peer load: following %s failed: %r", url, old.exception())
-                old = None
-            if old is None:
-                self._peer_followers[url] = asyncio.create_task(
-                    self.peer_load.follow(
-                        self._peer_client, url, lambda: self.peer_load.apply(self.registry)
-                    ),
-                    name=f"kvroute-peer-load {url}",
-                )
+        await self.peer_followers.follow(self._peer_client, await peer_list(self.peer_urls))
         self.peer_load.apply(self.registry)
-
-    async def _stop_peer_followers(self, urls: list[str]) -> None:
-        for url in urls:
-            task = self._peer_followers.pop(url)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            self.peer_load.forget(url)
 
     def _set_discovered_peers(self, peers: list[str]) -> None:
         self._discovered_peers = list(peers)
@@ -638,7 +564,7 @@ class RouterService:
         narrow: Callable[[list[Replica]], list[Replica]] | None = None,
     ) -> Decision:
         """Rank the replicas for a parsed request: the one decision path of the proxied
-        endpoints and the endpoint picker (router/epp.py), so both pick alike. ``narrow``
+        endpoints and the endpoint picker (router/epp/), so both pick alike. ``narrow``
         keeps the replicas a caller may use (the gateway's subset hint; it raises when none
         is left). 404/503 in OpenAI's schema when no candidate remains."""
         candidates = self.candidates(parsed.model)
@@ -660,92 +586,8 @@ class RouterService:
     # --- views ----------------------------------------------------------------------------
 
     def _metrics_state(self) -> dict[str, Any]:
-        entries = {s.replica: s.entries_by_tier for s in self.index.summary()}
-        throttled: dict[str, int] = {}
-        for (replica, _), stats in self.subscriber.all_feed_stats().items():
-            throttled[replica] = throttled.get(replica, 0) + stats.throttled_bytes
-        replicas = {}
-        for r in self.registry:
-            fresh = None
-            if r.config.events:
-                fresh = str(self.subscriber.freshness(r.name)[0])
-            replicas[r.name] = {
-                "healthy": r.healthy,
-                "in_flight": r.in_flight,
-                "pending": r.pending,
-                "freshness": fresh,
-                "entries_by_tier": entries.get(r.name),
-                "throttled_bytes": throttled.get(r.name, 0),
-            }
-        check = getattr(self.tokenizer, "check", None)
-        return {
-            "replicas": replicas,
-            "tokenizer_modes": {m: st.mode for m, st in check.models.items()} if check else {},
-            "index_bytes": self.index.stats().estimated_bytes,
-            "hint_keys": len(self.router.hints),
-        }
+        return metrics_state(self)
 
     def stats(self) -> dict[str, Any]:
-        index = collect_stats(self.index, self.subscriber).to_dict()
-        self.router.sample_stored_blocks()
-        accuracy = self.accuracy.to_dict()
-        replicas: dict[str, Any] = {}
-        for r in self.registry:
-            entry = dict(
-                index["replicas"].get(r.name)
-                or {"block_size": None, "entries": 0, "entries_by_tier": {}, "feed": None}
-            )
-            if r.config.events:
-                state, reason = self.subscriber.freshness(r.name)
-                entry["freshness"], entry["freshness_reason"] = str(state), reason
-            else:
-                entry["freshness"], entry["freshness_reason"] = None, "no event feed configured"
-            acc = self.accuracy.replica(r.name)
-            entry["storage_domain"] = r.config.storage_domain
-            entry["health"] = r.snapshot()
-            entry["load"] = {
-                "in_flight": r.in_flight,
-                "peer_in_flight": r.peer_in_flight,
-                # Blocks sent to it to compute, not announced yet: new prefixes are
-                # balanced on them (router/placement.py).
-                "unstored_blocks": self.router.unstored.blocks(r.name),
-                "peer_unstored_blocks": r.peer_unstored_blocks,
-                "running": r.running,
-                "waiting": r.waiting,
-                "kv_cache_usage": r.kv_usage,
-                "pending": r.pending,
-                "queue_s_per_request": None
-                if self.router.queue_delay is None
-                else round(self.router.queue_delay.per_request_s(r.name), 6),
-            }
-            entry["accuracy"] = acc
-            entry["predicted_cached_tokens"] = acc["predicted_cached_tokens"]
-            entry["delivered_cached_tokens"] = acc["delivered_cached_tokens"]
-            replicas[r.name] = entry
-        fleet = index["fleet"]
-        fleet["healthy_replicas"] = len(self.registry.healthy())
-        fleet["in_flight"] = sum(r.in_flight for r in self.registry)
-        fleet["accuracy"] = accuracy["fleet"]
-        fleet["predicted_cached_tokens"] = accuracy["fleet"]["predicted_cached_tokens"]
-        fleet["delivered_cached_tokens"] = accuracy["fleet"]["delivered_cached_tokens"]
-        return {
-            "taken_at": index["taken_at"],
-            "policy": self.settings.policy,
-            "fleet": fleet,
-            "replicas": replicas,
-            "storage_domains": index["storage_domains"],
-            "burst_hints": len(self.router.hints),
-            "routing_history": len(self.router.history),
-            "tokenizer": None if self.tokenizer is None else self.tokenizer.stats(),
-            "tokenizer_check": self.tokenizer_check,
-            "replicas_file": None if self.watcher is None else self.watcher.status(),
-            "start": self.warm.to_dict(self.subscriber.warm_outcomes()),
-            "discovery": None if self.discovery is None else self.discovery.status(),
-            "peer_load": self.peer_load.to_dict() if self._peer_load_task is not None else None,
-            "queue_samples": None
-            if self.router.queue_delay is None
-            else {
-                "taken": self.router.queue_delay.next_sample,
-                "from_peers": self.router.queue_delay.shared_applied,
-            },
-        }
+        """What ``GET /index/stats`` answers (router/ops/stats.py)."""
+        return router_stats(self)

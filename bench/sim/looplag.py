@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from typing import Any
 
-from kvroute.router.periodic import PeriodicTask
+from kvroute.router.common.periodic import PeriodicTask
 
 __all__ = ["LoopLagMonitor"]
 

@@ -88,7 +88,7 @@ class SimTokenizer:
         As vLLM's "string" content format hands messages to the template: a missing content
         is an empty string, and the ``developer`` role becomes ``system`` (merged with the
         other system messages at the front) for a template that never names it."""
-        from kvroute.router.chat_render import map_developer_role
+        from kvroute.router.tokens.chat_render import map_developer_role
 
         conv = [{**m, "content": ""} if m.get("content") is None else dict(m) for m in messages]
         template = chat_template or getattr(self.tok, "chat_template", None)

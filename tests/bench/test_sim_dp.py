@@ -16,7 +16,7 @@ import zmq
 
 from kvroute.bench.sim.fleet import SimFleet
 from kvroute.indexer.wire import decode_batch, decode_frames
-from kvroute.router.replicas import parse_vllm_metrics_by_engine
+from kvroute.router.fleet.replicas import parse_vllm_metrics_by_engine
 from tests.sim_configs import dp_fleet_config
 
 

@@ -9,7 +9,7 @@ import re
 
 from kvroute.connector.config import ConnectorConfig
 from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
-from kvroute.router.config import load_replicas_file
+from kvroute.router.specs import load_replicas_file
 from tests.paths import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "deploy" / "examples"

@@ -1,7 +1,7 @@
 """deploy/grafana/kvroute-dashboard.json queries only metrics that exist.
 
 kvroute's names come from a real router's ``/metrics`` (a router process over one simulated
-replica, after a routed request) and from router/metrics.py's definitions (labelled series
+replica, after a routed request) and from router/ops/metrics.py's definitions (labelled series
 appear on a scrape only once used); vLLM's from the installed vLLM's own source
 (``vllm/v1/metrics/loggers.py``), with prometheus_client's suffixes (``_total`` for counters,
 ``_bucket``/``_sum``/``_count`` for histograms). A renamed metric on either side fails here.
@@ -40,8 +40,8 @@ def _exposed(kind: str, name: str) -> set[str]:
 
 
 def kvroute_defined() -> set[str]:
-    """Names router/metrics.py defines, as a scrape shows them."""
-    source = (REPO_ROOT / "router" / "metrics.py").read_text()
+    """Names router/ops/metrics.py defines, as a scrape shows them."""
+    source = (REPO_ROOT / "router" / "ops" / "metrics.py").read_text()
     kinds = {
         "Counter": "counter",
         "CounterMetricFamily": "counter",

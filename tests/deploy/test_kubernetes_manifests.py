@@ -5,7 +5,7 @@ the pieces are wired to each other and to the code that reads them.
 No cluster here: what a cluster would check at apply time (schemas) is checked with
 kubernetes-validate, and what only our code gives meaning to (annotations, flags, JSON
 configs) is fed to that code itself: the router's CLI parser, its pod discovery
-(kvroute.router.k8s_pods), the connector's config, and vLLM's own ``serve`` parser.
+(kvroute.router.fleet.discovery.k8s_pods), the connector's config, and vLLM's own ``serve`` parser.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvroute.connector.config import ConnectorConfig
 from kvroute.deploy.cli import build_parser
 from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
 from kvroute.router.cli import add_arguments, discovery_from_args, settings_from_args
-from kvroute.router.k8s_pods import pod_replicas
+from kvroute.router.fleet.discovery.k8s_pods import pod_replicas
 from tests.paths import REPO_ROOT
 
 KUBE = REPO_ROOT / "deploy" / "kubernetes"

@@ -12,7 +12,7 @@ import pytest
 from kvroute.deploy.fleet_config import FleetConfig
 from kvroute.deploy.local_fleet import FleetError, LocalFleet
 from kvroute.deploy.router_process import ReplicaEndpoint
-from kvroute.router.config import parse_replica_flag
+from kvroute.router.specs import parse_replica_flag
 
 
 def fleet_at(path: Path, **overrides: object) -> LocalFleet:

@@ -132,7 +132,7 @@ def test_the_wheel_holds_one_namespace_and_its_data_files(wheel: Path) -> None:
     top = {name.split("/", 1)[0] for name in names}
     # connector/ is the old module path of the vLLM connector (kvroute.old_connector_path).
     assert top == {"kvroute", "connector", f"{wheel.name.split('-py')[0]}.dist-info"}
-    assert "kvroute/router/static/dashboard.html" in names
+    assert "kvroute/router/ops/static/dashboard.html" in names
     assert "kvroute/deploy/grafana/kvroute-dashboard.json" in names
     assert "kvroute/connector/kvroute_connector.py" in names
     assert "connector/__init__.py" in names

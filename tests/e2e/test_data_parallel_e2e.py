@@ -22,7 +22,7 @@ from openai import OpenAI
 from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess
 from kvroute.deploy.tiny_model import build_tiny_model, default_tiny_model_dir
 from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec
-from kvroute.router.replicas import engine_gauges, parse_vllm_metrics_by_engine
+from kvroute.router.fleet.replicas import engine_gauges, parse_vllm_metrics_by_engine
 from tests.e2e.helpers import wait_for, words
 
 pytestmark = pytest.mark.vllm

@@ -66,8 +66,8 @@ def vllm_tokenize(fleet: LocalFleet, case: dict[str, Any]) -> list[int]:
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
 def test_router_tokens_equal_vllm_tokenize(fleet: LocalFleet, case_name: str) -> None:
-    from kvroute.router.requests import parse_body
-    from kvroute.router.tokenization import LocalTokenizer
+    from kvroute.router.tokens.requests import parse_body
+    from kvroute.router.tokens.tokenization import LocalTokenizer
 
     case = CASES[case_name]
     theirs = vllm_tokenize(fleet, case)

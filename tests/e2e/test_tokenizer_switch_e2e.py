@@ -136,8 +136,8 @@ def test_replica_with_another_chat_template_is_detected_and_routed_remote(
 
 
 def test_render_403_falls_back_to_tokenize_on_real_vllm(fleet: LocalFleet) -> None:
-    from kvroute.router.remote_tokens import RemoteTokenizer
-    from kvroute.router.requests import parse_body
+    from kvroute.router.tokens.remote_tokens import RemoteTokenizer
+    from kvroute.router.tokens.requests import parse_body
 
     url = fleet.replicas[0].url
     model = fleet.served_model_name

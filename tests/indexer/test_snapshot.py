@@ -16,8 +16,8 @@ from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.snapshot import ReplicaState, SnapshotError
 from kvroute.indexer.wire import Event, Medium
-from tests.indexer import test_index_truth as truth
 from tests.indexer.builders import DOC, DOCS, OTHER, operation, removed, stored, tier_only
+from tests.indexer.index import test_index_truth as truth
 from tests.router.manual_clock import ManualClock
 
 

@@ -26,7 +26,7 @@ from kvroute.indexer.wire import (
     decode_batch,
     encode_batch,
 )
-from tests.indexer.test_index import ehash
+from tests.indexer.builders import ehash
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm

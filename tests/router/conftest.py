@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvroute.deploy.tiny_model import build_tiny_model
-from kvroute.router.tokenization import LocalTokenizer
-from tests.router.fleet import Fleet, make_fleet
+from kvroute.router.tokens.tokenization import LocalTokenizer
+from tests.router.sim_fleet import Fleet, make_fleet
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from kvroute.router.http_protocol import header_deadline_protocol
+from kvroute.router.serving.http_protocol import header_deadline_protocol
 from tests.waiting import wait_until
 
 __all__ = ["ServerThread", "listening_socket", "wait_until"]

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvroute.router.cli import add_arguments, main, settings_from_args
-from kvroute.router.policies import POLICIES
+from kvroute.router.routing.policies import POLICIES
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvroute.indexer.cpu_priority import custom_slices_supported, thread_slice_ns
-from kvroute.router.config import (
-    ConfigError,
-    ReplicaConfig,
-    RouterSettings,
-    load_replicas_file,
-    parse_replica_flag,
-)
-from kvroute.router.policies import POLICIES
-from kvroute.router.replicas import parse_vllm_metrics
-from tests.router.fleet import make_fleet
+from kvroute.router.config import ConfigError, ReplicaConfig, RouterSettings
+from kvroute.router.fleet.replicas import parse_vllm_metrics
+from kvroute.router.routing.policies import POLICIES
+from kvroute.router.specs import load_replicas_file, parse_replica_flag
+from tests.router.sim_fleet import make_fleet
 
 
 def test_replica_flag() -> None:

@@ -1,0 +1,133 @@
+"""The entry cap, and the figures of what the index holds.
+
+An entry is a hash a replica holds in a confirmed class, or a block of one of its unconfirmed
+holdings. A batch that leaves more than ``max_entries`` evicts the oldest entries of the
+largest replicas; the figures (``summary``, ``stats``...) only read.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvroute.indexer.index.api import DOMAIN_PREFIX, IndexFigures, ReplicaIndexSummary
+from kvroute.indexer.index.state import (
+    _CLASS_NAMES,
+    _CONFIRMED,
+    _TIERS,
+    _W,
+    IndexStore,
+    _ReplicaState,
+)
+
+__all__ = ["Capacity"]
+
+
+class Capacity(IndexStore):
+    """Eviction under the entry cap; sizes and per-tier counts."""
+
+    if TYPE_CHECKING:  # unconfirmed holdings (unconfirmed.py)
+
+        def _drop_oldest_holding(self, state: _ReplicaState) -> int: ...
+
+    # --- the entry cap --------------------------------------------------------------------------
+
+    def _evict(self, count: int) -> None:
+        """Drop the oldest entries of the largest replicas until ``count`` entries are gone."""
+        while count > 0 and self._replicas:
+            state = max(
+                self._replicas.values(),
+                key=lambda s: len(s.engine_to_key) + s.unconfirmed_blocks,
+            )
+            if state.unconfirmed_blocks >= len(state.engine_to_key) and state.held:
+                gone = self._drop_oldest_holding(state)
+                self.evicted_entries += gone
+                count -= max(gone, 1)
+                continue
+            engine_to_key = state.engine_to_key
+            if not engine_to_key:
+                return
+            batch = min(count, max(1, len(engine_to_key) // 8))
+            victims = []
+            for engine_hash in engine_to_key:
+                victims.append(engine_hash)
+                if len(victims) >= batch:
+                    break
+            shift = _W * state.slot
+            refs = state.refs
+            for engine_hash in victims:
+                key = engine_to_key.pop(engine_hash)
+                mask = self._masks.get(key, 0)
+                bits = (mask >> shift) & _CONFIRMED
+                for c in range(3):
+                    if bits >> c & 1:
+                        state.tier_counts[c] -= 1
+                        if refs:
+                            refs.pop((key, c), None)
+                self._set_mask(key, mask & ~(_CONFIRMED << shift))
+                state.chain.pop(engine_hash, None)
+            self._entries -= len(victims)
+            self.evicted_entries += len(victims)
+            count -= len(victims)
+
+    # --- stats --------------------------------------------------------------------------------
+
+    def summary(self) -> list[ReplicaIndexSummary]:
+        """Every replica's (storage domains are in ``domains()``)."""
+        with self._lock:
+            return [
+                ReplicaIndexSummary(
+                    replica=s.name,
+                    block_size=s.block_size,
+                    entries=len(s.engine_to_key) + s.unconfirmed_blocks,
+                    entries_by_tier={t.name: s.tier_counts[t] for t in _TIERS},
+                    unconfirmed_by_tier={t.name: s.tier_counts[t + 3] for t in _TIERS},
+                    partial_unit=s.partial_unit,
+                    chunk_blocks={_CLASS_NAMES[c]: n for c, n in s.chunk_blocks.items()},
+                )
+                for s in self._replicas.values()
+                if not s.name.startswith(DOMAIN_PREFIX)
+            ]
+
+    def stats(self) -> IndexFigures:
+        return IndexFigures(
+            distinct_blocks=len(self._masks),
+            estimated_bytes=self.estimated_bytes(),
+            max_entries=self.max_entries,
+            evicted_entries=self.evicted_entries,
+            unconfirmed_ttl_s=self.unconfirmed_ttl_s,
+            unconfirmed_max_blocks=self.unconfirmed_max_blocks,
+            expired_unconfirmed_blocks=self.expired_blocks,
+        )
+
+    @property
+    def entries(self) -> int:
+        return self._entries
+
+    @property
+    def distinct_blocks(self) -> int:
+        return len(self._masks)
+
+    def estimated_bytes(self) -> int:
+        """Dict tables plus the int objects they own (64-bit ints are 36 bytes in CPython)."""
+        with self._lock:
+            size = sys.getsizeof(self._masks) + 36 * len(self._masks)
+            size += sum(sys.getsizeof(m) for m in self._interned.values())
+            for s in self._replicas.values():
+                size += sys.getsizeof(s.engine_to_key) + 36 * len(s.engine_to_key)
+                if s.chain is not None:
+                    size += sys.getsizeof(s.chain) + 36 * len(s.chain)
+                size += sys.getsizeof(s.refs) + sys.getsizeof(s.chunks)
+                size += 120 * sum(len(h) for h in s.held.values()) + 8 * s.unconfirmed_blocks
+            return size
+
+    def tier_histogram(self) -> Counter[str]:
+        with self._lock:
+            totals: Counter[str] = Counter()
+            for s in self._replicas.values():
+                for t in _TIERS:
+                    totals[t.name] += s.tier_counts[t]
+                    if s.tier_counts[t + 3]:
+                        totals[t.name + "_UNCONFIRMED"] += s.tier_counts[t + 3]
+            return totals

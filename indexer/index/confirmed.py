@@ -1,0 +1,345 @@
+"""Confirmed holdings: stores and removals in the classes whose publisher announces every
+removal (vLLM's block pool, kvroute's and vLLM's offloading connectors), and each replica's map
+from vLLM's block hash to our key, with the parent links, reference counts and forgotten hashes
+(``ghost``) that resolve later events through it.
+
+- Keys are re-derived from token ids (kvroute.indexer.keys), never taken from vLLM's hashes. A store
+  that carries ``extra_keys`` is keyed with them. A store in a lower tier that does not carry
+  them (vLLM's offloading connector never does) is resolved through the replica's map from
+  vLLM's block hash to key, built from the device events, and never re-keyed: re-keying it
+  without its LoRA, cache_salt or multimodal keys would give its tier to the plain prefix.
+- A hash stored more than once in one tier is held until removed as often (reference
+  counts), as vLLM's event docs ask: its block pool keeps one copy per physical block and its
+  offloading connector announces blocks shared by two chunks once per chunk. A device store
+  from the start of the prompt (no parent) is idempotent instead: that is also the shape of
+  vLLM's re-announcement of prefix-cache hits, which is never followed by a removal.
+- A partial block (vLLM's prefix-match unit finer than its block size) is held under a key of
+  its own (kvroute.indexer.keys.partial_key); a lookup probes it past the last full block.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult
+from kvroute.indexer.index.state import (
+    _CONFIRMED,
+    _GHOST_MAX,
+    _GPU,
+    _W,
+    _WARM_CHAIN,
+    IndexStore,
+    _ReplicaState,
+)
+from kvroute.indexer.keys import block_keys, event_extra_keys, pack_tokens, partial_key, root_key
+from kvroute.indexer.wire import BlockRemoved, BlockStored
+
+__all__ = ["ConfirmedHoldings"]
+
+
+class ConfirmedHoldings(IndexStore):
+    """Stores, removals and clears of the confirmed classes (GPU, CPU, STORAGE)."""
+
+    if TYPE_CHECKING:  # offloaded chunks (chunks.py)
+
+        def _store_tier_only(
+            self, state: _ReplicaState, hashes: list[int], cls: int, result: ApplyResult
+        ) -> None: ...
+
+        @staticmethod
+        def _chunk_seen(state: _ReplicaState, cls: int, blocks: int) -> None: ...
+
+    # --- confirmed stores -----------------------------------------------------------------------
+
+    def _store(self, state: _ReplicaState, event: BlockStored, result: ApplyResult) -> None:
+        cls = int(event.medium)
+        if not event.token_ids:
+            if cls == _GPU:
+                raise ValueError("device BlockStored without token_ids")
+            self._store_tier_only(state, event.block_hashes, cls, result)
+            return
+        bs = event.block_size
+        if cls == _GPU:
+            self._store_device(state, event, result)
+            return
+        # A lower tier's self-describing store: one chunk per event, as every offloading
+        # publisher sends them; its length is what the tier loads at once.
+        self._chunk_seen(state, cls, len(event.block_hashes))
+        engine_to_key = state.engine_to_key
+        if event.extra_keys is None:
+            # The publisher does not say which extra keys its blocks had (vLLM's offloading
+            # connector): only blocks the device events keyed can be placed.
+            state.whole_loads.add(cls)
+            self._want_ghost(state)
+            ghost = state.ghost
+            for h in event.block_hashes:
+                key = engine_to_key.get(h)
+                if key is None and ghost is not None:
+                    key = ghost.get(h)
+                if key is None:
+                    result.unresolved += 1
+                    continue
+                self._hold(state, h, key, cls, result, count_dup=True)
+            return
+        if state.block_size is None:
+            # kvroute's connector announces the disk files it found at start-up before the
+            # device stored anything: a self-describing store teaches the block size too.
+            state.block_size = bs
+        if bs != state.block_size:
+            raise ValueError(
+                f"{event.medium.name} BlockStored of block_size {bs}: the replica's is "
+                f"{state.block_size}"
+            )
+        parent = self._parent_key(state, event.parent_block_hash)
+        keys = block_keys(
+            pack_tokens(event.token_ids), bs, parent=parent, extra_keys=event.extra_keys
+        )
+        for h, key in zip(event.block_hashes, keys, strict=True):
+            known = engine_to_key.get(h)
+            # The device events keyed this hash first: they are the authority on its key.
+            self._hold(state, h, key if known is None else known, cls, result, count_dup=True)
+
+    def _store_device(self, state: _ReplicaState, event: BlockStored, result: ApplyResult) -> None:
+        bs = event.block_size
+        hashes = event.block_hashes
+        if state.block_size is not None and bs != state.block_size:
+            self._device_block_size(state, event, result)
+            return
+        parent = self._parent_key(state, event.parent_block_hash)
+        if state.block_size is None:
+            state.block_size = bs
+        if len(hashes) > 1:
+            state.size_confirmed = True  # partial blocks come one at a time
+        extra = event_extra_keys(event.extra_keys, event.lora_name, len(hashes))
+        keys = block_keys(pack_tokens(event.token_ids), bs, parent=parent, extra_keys=extra)
+        chain = state.chain
+        chain.update(zip(hashes, (event.parent_block_hash, *hashes[:-1]), strict=False))
+        if state.warm_chain and len(chain) > 2 * _WARM_CHAIN:
+            state.chain = dict(islice(chain.items(), len(chain) - _WARM_CHAIN, None))
+        # From the start of a prompt, a store of blocks already held is vLLM re-announcing a
+        # prefix-cache hit (never removed): idempotent. Anywhere else it is another copy.
+        self._hold_run(state, hashes, keys, _GPU, result, count_dup=parent is not None)
+
+    def _device_block_size(
+        self, state: _ReplicaState, event: BlockStored, result: ApplyResult
+    ) -> None:
+        """A device store whose block size is not the replica's: a partial block, or the
+        first full block of a replica that so far only published partial ones."""
+        bs, known = event.block_size, state.block_size
+        assert known is not None
+        if bs < known and known % bs == 0 and len(event.block_hashes) == 1:
+            try:
+                parent = self._parent_key(state, event.parent_block_hash)
+            except ValueError:
+                # The parent is a partial unit vLLM hashed but never published (a unit
+                # below half the block): nothing to key this one with.
+                result.unresolved += 1
+                return
+            if parent is None:
+                parent = root_key(known)
+            extra = event_extra_keys(event.extra_keys, event.lora_name, 1)
+            key = partial_key(parent, event.token_ids, extra[0] if extra else None)
+            state.partial_unit = bs
+            h = event.block_hashes[0]
+            state.chain[h] = event.parent_block_hash
+            self._hold(state, h, key, _GPU, result, count_dup=False)
+            result.partial_blocks += 1
+            return
+        if bs > known and bs % known == 0 and not state.size_confirmed:
+            # What looked like the block size was vLLM's prefix-match unit: the replica's
+            # first stores were partial blocks of short prompts. Start over at the real size.
+            self._clear_confirmed(state)
+            state.block_size = bs
+            state.partial_unit = known
+            self._store_device(state, event, result)
+            return
+        raise ValueError(f"block_size {bs} differs from the replica's {known}")
+
+    def _parent_key(self, state: _ReplicaState, parent_hash: int | None) -> int | None:
+        if parent_hash is None:
+            return None
+        parent = state.engine_to_key.get(parent_hash)
+        if parent is None and state.ghost is not None:
+            parent = state.ghost.get(parent_hash)
+        if parent is None and state.name in self._attached:
+            # A chunk whose previous chunk only its storage domain holds (a replica announcing
+            # the shared files it found at start-up, or storing after a domain hit).
+            domain = self._replicas.get(self._attached[state.name])
+            if domain is not None:
+                parent = domain.engine_to_key.get(parent_hash)
+        if parent is None:
+            raise ValueError("BlockStored whose parent block is unknown (missed events?)")
+        return parent
+
+    def _want_ghost(self, state: _ReplicaState) -> None:
+        if state.ghost is None:
+            state.ghost = {}
+
+    def _hold_run(
+        self,
+        state: _ReplicaState,
+        hashes: list[int],
+        keys: list[int],
+        cls: int,
+        result: ApplyResult,
+        *,
+        count_dup: bool,
+    ) -> None:
+        """``_hold`` for a run of blocks; the device's common path, kept tight."""
+        engine_to_key = state.engine_to_key
+        masks = self._masks
+        interned = self._interned
+        bit = 1 << (_W * state.slot + cls)
+        added = 0
+        for h, key in zip(hashes, keys, strict=True):
+            old = engine_to_key.get(h)
+            if old is None:
+                self._entries += 1
+            else:
+                del engine_to_key[h]  # re-inserted below: now the youngest
+                if old != key:
+                    # vLLM reused a hash for other content: the old block is gone from here.
+                    self._forget_key(state, old)
+            engine_to_key[h] = key
+            mask = masks.get(key, 0)
+            if mask & bit:
+                if count_dup and old == key:
+                    refs = state.refs
+                    refs[(key, cls)] = refs.get((key, cls), 0) + 1
+                continue
+            mask |= bit
+            masks[key] = interned.setdefault(mask, mask)
+            added += 1
+        state.tier_counts[cls] += added
+        result.blocks_stored += added
+
+    def _hold(
+        self,
+        state: _ReplicaState,
+        h: int,
+        key: int,
+        cls: int,
+        result: ApplyResult,
+        *,
+        count_dup: bool,
+    ) -> None:
+        """One more holding of ``key`` (vLLM hash ``h``) in confirmed class ``cls``."""
+        engine_to_key = state.engine_to_key
+        old = engine_to_key.get(h)
+        if old is None:
+            self._entries += 1
+            if state.ghost:
+                state.ghost.pop(h, None)
+        elif old != key:
+            self._forget_key(state, old)
+        engine_to_key[h] = key
+        bit = 1 << (_W * state.slot + cls)
+        mask = self._masks.get(key, 0)
+        if mask & bit:
+            # A storage domain holds a file once, however often it was announced.
+            if count_dup and not state.name.startswith(DOMAIN_PREFIX):
+                state.refs[(key, cls)] = state.refs.get((key, cls), 0) + 1
+            return
+        self._set_mask(key, mask | bit)
+        state.tier_counts[cls] += 1
+        result.blocks_stored += 1
+
+    def _forget_key(self, state: _ReplicaState, key: int) -> None:
+        """Drop every confirmed class of ``key`` on this replica (its hash now means another
+        block)."""
+        shift = _W * state.slot
+        mask = self._masks.get(key, 0)
+        bits = (mask >> shift) & _CONFIRMED
+        for c in range(3):
+            if bits >> c & 1:
+                state.tier_counts[c] -= 1
+                state.refs.pop((key, c), None)
+        self._set_mask(key, mask & ~(_CONFIRMED << shift))
+
+    def _forget_if_unheld(self, state: _ReplicaState, h: int, key: int, mask: int) -> None:
+        """The block left a confirmed class: forget its hash when no confirmed class holds it."""
+        if (mask >> (_W * state.slot)) & _CONFIRMED:
+            return
+        if state.engine_to_key.pop(h, None) is not None:
+            self._entries -= 1
+        state.chain.pop(h, None)
+        ghost = state.ghost
+        if ghost is not None:
+            ghost[h] = key
+            if len(ghost) > _GHOST_MAX:
+                del ghost[next(iter(ghost))]
+
+    # --- confirmed removals ---------------------------------------------------------------------
+
+    def _remove(self, state: _ReplicaState, event: BlockRemoved, result: ApplyResult) -> None:
+        cls = int(event.medium)
+        engine_to_key = state.engine_to_key
+        chunks = state.chunks
+        removed = 0
+        for h in event.block_hashes:
+            members: tuple[int, ...] = (h,)
+            rec = chunks.get((cls, h)) if chunks else None
+            if rec is not None:
+                members = rec[0]
+                rec[1] -= 1
+                if rec[1] <= 0:
+                    del chunks[(cls, h)]
+            for m in members:
+                key = engine_to_key.get(m)
+                if key is None:
+                    result.unresolved += 1
+                    continue
+                removed += self._release(state, m, key, cls)
+        result.blocks_removed += removed
+
+    def _release(self, state: _ReplicaState, h: int, key: int, cls: int) -> int:
+        """One holding of ``key`` in ``cls`` fewer; returns 1 when the class no longer holds it."""
+        refs = state.refs
+        if refs:
+            extra = refs.get((key, cls))
+            if extra:
+                if extra == 1:
+                    del refs[(key, cls)]
+                else:
+                    refs[(key, cls)] = extra - 1
+                return 0
+        bit = 1 << (_W * state.slot + cls)
+        mask = self._masks.get(key, 0)
+        if not mask & bit:
+            return 0
+        mask &= ~bit
+        self._set_mask(key, mask)
+        state.tier_counts[cls] -= 1
+        self._forget_if_unheld(state, h, key, mask)
+        return 1
+
+    # --- clears -------------------------------------------------------------------------------
+
+    def _clear_confirmed(self, state: _ReplicaState) -> None:
+        shift = _W * state.slot
+        self._drop_bits(state.engine_to_key.values(), _CONFIRMED << shift)
+        self._entries -= len(state.engine_to_key)
+        state.engine_to_key = {}
+        for c in range(3):
+            state.tier_counts[c] = 0
+        state.refs = {k: v for k, v in state.refs.items() if k[1] >= 3}
+        state.chunks = {}
+        state.chain = {}
+        state.unsized = {}
+        state.groups = {}
+        if state.ghost is not None:
+            state.ghost = {}
+
+    def _clear_class(self, state: _ReplicaState, cls: int) -> None:
+        """Drop one confirmed class from every block of the replica (a tier's clear)."""
+        bit = 1 << (_W * state.slot + cls)
+        masks = self._masks
+        for h, key in list(state.engine_to_key.items()):
+            mask = masks.get(key, 0)
+            if mask & bit:
+                self._set_mask(key, mask & ~bit)
+                state.refs.pop((key, cls), None)
+                self._forget_if_unheld(state, h, key, mask & ~bit)
+        state.tier_counts[cls] = 0
+        state.chunks = {k: v for k, v in state.chunks.items() if k[0] != cls}

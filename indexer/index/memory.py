@@ -1,0 +1,227 @@
+"""``InMemoryPrefixIndex``: the in-process backend of ``PrefixIndex``.
+
+It is the store of state.py with one mixin per concern of the index (README.md maps them):
+this module keeps the replicas (their slots, clears and snapshots) and applies a batch of one
+replica's events in order, each by the rules of its concern, under one lock that lookups take
+too. The rule kept here:
+
+- ``AllBlocksCleared`` without a medium is the block pool's: the device tier only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult, PrefixIndex
+from kvroute.indexer.index.capacity import Capacity
+from kvroute.indexer.index.chunks import OffloadedChunks
+from kvroute.indexer.index.confirmed import ConfirmedHoldings
+from kvroute.indexer.index.domains import StorageDomains
+from kvroute.indexer.index.hybrid import HybridGroups
+from kvroute.indexer.index.lookup import Lookups
+from kvroute.indexer.index.state import _ReplicaState
+from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
+from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+
+if TYPE_CHECKING:
+    from kvroute.indexer.snapshot import ReplicaState
+
+__all__ = ["InMemoryPrefixIndex"]
+
+
+# The mixins come before PrefixIndex: its abstract methods would hide their implementations.
+class InMemoryPrefixIndex(
+    ConfirmedHoldings,
+    OffloadedChunks,
+    HybridGroups,
+    UnconfirmedHoldings,
+    StorageDomains,
+    Capacity,
+    Lookups,
+    PrefixIndex,
+):
+    """Thread-safe in-memory backend (one lock; batches and lookups are short)."""
+
+    def __init__(
+        self,
+        max_entries: int = 8_000_000,
+        *,
+        unconfirmed_ttl_s: float = 600.0,
+        unconfirmed_max_blocks: int = 262_144,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
+        if unconfirmed_ttl_s <= 0 or unconfirmed_max_blocks < 0:
+            raise ValueError("unconfirmed_ttl_s must be > 0 and unconfirmed_max_blocks >= 0")
+        self.max_entries = max_entries
+        self.unconfirmed_ttl_s = unconfirmed_ttl_s
+        self.unconfirmed_max_blocks = unconfirmed_max_blocks
+        self._clock = clock
+        self.evicted_entries = 0
+        self.expired_blocks = 0
+        self._masks: dict[int, int] = {}
+        self._interned: dict[int, int] = {}
+        self._replicas: dict[str, _ReplicaState] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._entries = 0
+        # replica -> the pseudo-replica of the storage domain it is attached to
+        self._attached: dict[str, str] = {}
+        self._lock = threading.RLock()
+
+    # --- replicas -----------------------------------------------------------------------------
+
+    def _state(self, replica: str) -> _ReplicaState:
+        state = self._replicas.get(replica)
+        if state is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            state = self._replicas[replica] = _ReplicaState(replica, slot)
+        return state
+
+    def add_replica(self, replica: str) -> None:
+        with self._lock:
+            self._state(replica)
+
+    def replicas(self) -> list[str]:
+        with self._lock:
+            return list(self._replicas)
+
+    def export_replica(self, replica: str) -> ReplicaState | None:
+        from kvroute.indexer.snapshot import export_state  # it builds on this package
+
+        with self._lock:
+            return export_state(self, replica)
+
+    def import_replica(self, replica: str, state: ReplicaState) -> int:
+        from kvroute.indexer.snapshot import import_state
+
+        with self._lock:
+            return import_state(self, replica, state)
+
+    def block_size(self, replica: str) -> int | None:
+        state = self._replicas.get(replica)
+        if state is not None and state.block_size is None:
+            # A replica that stored nothing yet is as warm as its storage domain.
+            domain = self._replicas.get(self._attached.get(replica, ""))
+            return None if domain is None else domain.block_size
+        return None if state is None else state.block_size
+
+    def partial_unit(self, replica: str) -> int | None:
+        state = self._replicas.get(replica)
+        return None if state is None else state.partial_unit
+
+    def clear_replica(self, replica: str, tier: Medium | None = None) -> None:
+        """Forget the replica's holdings (``tier``: only that confirmed tier)."""
+        with self._lock:
+            state = self._replicas.get(replica)
+            if state is None:
+                return
+            if tier is not None:
+                self._clear_class(state, int(tier))
+                return
+            self._clear_confirmed(state)
+            for source in list(state.held):
+                self._drop_source_holdings(state, source)
+            state.block_size = None
+            state.size_confirmed = False
+            state.partial_unit = None
+            state.chunk_blocks = {}
+            state.chunk_obs = {}
+
+    def clear_source(self, replica: str, source: str = "", *, restarted: bool) -> None:
+        with self._lock:
+            state = self._replicas.get(replica)
+            if state is None:
+                return
+            # A domain's holdings came from its replicas' streams: its evictor losing history
+            # means removals may have been missed, whatever the evictor itself published.
+            if source in state.confirmed_sources or replica.startswith(DOMAIN_PREFIX):
+                self._clear_confirmed(state)
+                if restarted and not replica.startswith(DOMAIN_PREFIX):
+                    # A new process may run another configuration: learn it again.
+                    state.block_size = None
+                    state.size_confirmed = False
+                    state.partial_unit = None
+                    state.chunk_blocks = {}
+                    state.chunk_obs = {}
+            if restarted:
+                self._drop_source_holdings(state, source)
+
+    def remove_replica(self, replica: str) -> None:
+        with self._lock:
+            self._attached.pop(replica, None)
+            state = self._replicas.get(replica)
+            if state is None:
+                return
+            self.clear_replica(replica)
+            del self._replicas[replica]
+            self._free_slots.append(state.slot)
+
+    # --- events -------------------------------------------------------------------------------
+
+    def apply(self, replica: str, events: Iterable[Event], *, source: str = "") -> ApplyResult:
+        result = ApplyResult()
+        with self._lock:
+            state = self._state(replica)
+            shared = self._attached.get(replica)
+            domain = None if shared is None else self._state(shared)
+            if state.held:
+                self._expire_state(state, self._clock())
+            events = list(events)
+            state.landing = self._landing(events)
+            for event in events:
+                try:
+                    if isinstance(event, BlockStored):
+                        if event.group_idx:
+                            self._store_group(state, event, result)
+                            continue
+                        if event.confirmed:
+                            state.confirmed_sources.add(source)
+                            self._store(state, event, result)
+                            if domain is not None and event.medium is Medium.STORAGE:
+                                self._share(state, domain, event, result)
+                        else:
+                            self._store_unconfirmed(state, event, source, result)
+                    elif isinstance(event, BlockRemoved):
+                        if event.group_idx:
+                            self._remove_group(state, event, result)
+                            continue
+                        if event.confirmed:
+                            state.confirmed_sources.add(source)
+                            # An attached replica's STORAGE removal (a bad file it deleted)
+                            # leaves the domain.
+                            target = state
+                            if domain is not None and event.medium is Medium.STORAGE:
+                                target = domain
+                            self._remove(target, event, result)
+                        else:
+                            self._remove_unconfirmed(state, event, source, result)
+                    elif isinstance(event, AllBlocksCleared):
+                        state.confirmed_sources.add(source)
+                        tier = Medium.GPU if event.medium is None else event.medium
+                        self._clear_class(state, int(tier))
+                        if tier is Medium.GPU:
+                            state.groups = {}
+                            result.device_cleared += 1
+                        result.cleared += 1
+                    else:
+                        result.rejected.append(f"not an event: {type(event).__name__}")
+                        continue
+                except ValueError as exc:
+                    result.rejected.append(str(exc))
+                    continue
+                result.applied += 1
+            state.landing = {}
+            if self._entries > self.max_entries:
+                self._evict(self._entries - self.max_entries)
+            if len(self._interned) > 1 << 16:
+                self._interned.clear()  # interning only saves memory; masks stay valid
+        return result

@@ -1,0 +1,173 @@
+"""The shared store of ``InMemoryPrefixIndex``: the tables every concern of the index reads and
+writes, the constants of their layout, and the primitives that keep masks.
+
+Layout, chosen for memory and lookup speed:
+- ``_masks``: key -> int bitmask, six bits per replica slot (confirmed GPU, CPU, STORAGE, then
+  unconfirmed GPU, CPU, STORAGE). Masks are interned, so a fleet's few distinct masks are
+  shared objects.
+- per replica, ``engine_to_key``: vLLM's block hash -> our key, for blocks held in a confirmed
+  tier. Insertion order is age, so the oldest entries go first when the entry cap is hit.
+  Parent links are kept for the last few thousand device blocks (for all of them once the
+  replica sends tier-only stores). Reference counts beyond one, resolved chunks, other KV
+  cache groups' blocks and unconfirmed holdings are side tables that stay empty on replicas
+  that do not need them.
+
+indexer/snapshot.py copies this layout whole (a replica's ``_ReplicaState`` and its bits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.indexer.wire import Medium
+
+_TIERS = (Medium.GPU, Medium.CPU, Medium.STORAGE)
+_W = 6  # bits per replica slot
+_SLOT = (1 << _W) - 1
+_CONFIRMED = 0b000111
+_GPU = int(Medium.GPU)
+_STORAGE = int(Medium.STORAGE)
+# Walk limits: a chunk is never longer than this many blocks, and learning how long chunks
+# are never walks further back than this.
+_MAX_CHUNK_BLOCKS = 1024
+_MAX_WALK = 8192
+_GHOST_MAX = 8192
+# Parent links kept before a replica sends its first tier-only store: enough for the chunks
+# that store describes (vLLM offloads a chunk a step or two after computing it).
+_WARM_CHAIN = 4096
+_MAX_UNSIZED = 1024
+_CLASS_NAMES = tuple(
+    [t.name for t in (Medium.GPU, Medium.CPU, Medium.STORAGE)]
+    + [t.name + "_UNCONFIRMED" for t in (Medium.GPU, Medium.CPU, Medium.STORAGE)]
+)
+
+
+def _cls(tier: Medium, confirmed: bool) -> int:
+    return int(tier) if confirmed else int(tier) + 3
+
+
+@dataclass(slots=True)
+class _Held:
+    """An unconfirmed chunk: the keys it holds in one class, until it expires."""
+
+    cls: int
+    keys: tuple[int, ...]
+    expires: float
+
+
+class _ReplicaState:
+    __slots__ = (
+        "block_size",
+        "chain",
+        "chunk_blocks",
+        "chunk_obs",
+        "chunks",
+        "confirmed_sources",
+        "engine_to_key",
+        "ghost",
+        "groups",
+        "held",
+        "landing",
+        "name",
+        "partial_unit",
+        "refs",
+        "size_confirmed",
+        "slot",
+        "tier_counts",
+        "unconfirmed_blocks",
+        "unsized",
+        "warm_chain",
+        "whole_loads",
+    )
+
+    def __init__(self, name: str, slot: int) -> None:
+        self.name = name
+        self.slot = slot
+        self.block_size: int | None = None
+        # True once a device store of several blocks showed the block size is not vLLM's
+        # finer prefix-match unit (partial blocks are published one at a time)
+        self.size_confirmed = False
+        self.partial_unit: int | None = None
+        self.engine_to_key: dict[int, int] = {}
+        self.tier_counts = [0] * _W
+        # (key, class) -> holdings beyond the first (only keys stored more than once)
+        self.refs: dict[tuple[int, int], int] = {}
+        # block hash -> parent hash of device stores. Only the last ``_WARM_CHAIN`` or so
+        # (``warm_chain``) until the replica sends a tier-only store, all of them after.
+        self.chain: dict[int, int | None] = {}
+        self.warm_chain = True
+        # class -> hashes of the tier-only stores of the batch being applied: a chunk's walk
+        # stops at them too, as vLLM announces one step's chunks in no particular order
+        self.landing: dict[int, set[int]] = {}
+        # class -> last hashes of chunks stored before the chunk length was learned
+        self.unsized: dict[int, list[int]] = {}
+        # classes published by vLLM's offloading connector (tier-only stores, or stores
+        # without extra keys): it skips a load shorter than one chunk (see ``_trim``)
+        self.whole_loads: set[int] = set()
+        # class -> blocks per offloaded chunk, once learned; and the observations so far
+        # (gcd of the walks, how many, the last chunk walked: the same chunk stored again is
+        # not a second observation)
+        self.chunk_blocks: dict[int, int] = {}
+        self.chunk_obs: dict[int, tuple[int, int, int]] = {}
+        # (class, chunk's last hash) -> [the chunk's block hashes, times stored], for tier-only
+        # stores: their removal names the last hash only
+        self.chunks: dict[tuple[int, int], list[Any]] = {}
+        # hybrid models: group (> 0) -> vLLM hash -> [our key, holdings], and our key ->
+        # holdings, of the device blocks that group caches (a Mamba group keeps its state at
+        # a few positions only; vLLM's hit must end on one)
+        self.groups: dict[int, tuple[dict[int, list[int]], dict[int, int]]] = {}
+        # recently forgotten hash -> key; None until a store needs resolving by hash only
+        self.ghost: dict[int, int] | None = None
+        # source -> (class, chunk id) -> unconfirmed holding, oldest first
+        self.held: dict[str, OrderedDict[tuple[int, int], _Held]] = {}
+        self.confirmed_sources: set[str] = set()
+        self.unconfirmed_blocks = 0
+
+
+class IndexStore:
+    """The index-wide tables, as ``InMemoryPrefixIndex.__init__`` (memory.py) sets them, and the
+    primitives that write masks. Each concern's mixin builds on this class; memory.py composes
+    them into the backend."""
+
+    max_entries: int
+    unconfirmed_ttl_s: float
+    unconfirmed_max_blocks: int
+    evicted_entries: int
+    expired_blocks: int
+    _clock: Callable[[], float]
+    _masks: dict[int, int]
+    _interned: dict[int, int]
+    _replicas: dict[str, _ReplicaState]
+    _free_slots: list[int]
+    _next_slot: int
+    _entries: int
+    # replica -> the pseudo-replica of the storage domain it is attached to
+    _attached: dict[str, str]
+    _lock: threading.RLock
+
+    def _intern(self, mask: int) -> int:
+        return self._interned.setdefault(mask, mask)
+
+    def _set_mask(self, key: int, mask: int) -> None:
+        if mask:
+            self._masks[key] = self._interned.setdefault(mask, mask)
+        else:
+            self._masks.pop(key, None)
+
+    def _drop_bits(self, keys: Iterable[int], bits: int) -> None:
+        """Clear ``bits`` (already shifted to a replica's slot) from every key."""
+        masks, intern = self._masks, self._intern
+        keep = ~bits
+        for key in keys:
+            mask = masks.get(key)
+            if mask is None:
+                continue
+            mask &= keep
+            if mask:
+                masks[key] = intern(mask)
+            else:
+                del masks[key]

@@ -1,0 +1,180 @@
+"""What a KV event means once decoded: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` in
+an ``EventBatch`` (hashes as u64 ints, the medium as a tier), and the media known publishers
+send, each mapped to a tier and to whether its publisher announces removals.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.indexer.tiers import Tier
+
+__all__ = [
+    "MEDIA",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "EventBatch",
+    "Frame",
+    "Medium",
+    "MediumKind",
+    "UnknownMedium",
+    "WireError",
+    "is_device_clear",
+    "medium_kind",
+    "touches_lower_tier",
+]
+
+
+class WireError(ValueError):
+    """A frame or payload that cannot be decoded at all (the whole message is skipped)."""
+
+
+# The wire's medium is a cache tier; the tiers are defined once, in kvroute.indexer.tiers.
+Medium = Tier
+
+
+@dataclass(frozen=True, slots=True)
+class MediumKind:
+    """What a wire ``medium`` string means: the tier its blocks sit in, and whether the
+    publisher that uses it announces removals (``confirmed``). A tier whose publisher never
+    removes anything (LMCache, llm-d's FS backend) can only be believed for a while."""
+
+    tier: Medium
+    confirmed: bool = True
+
+
+# Every medium a known publisher sends, and nothing else: an unknown medium is counted and
+# its event dropped, never mapped to a tier by resemblance (a slow tier counted as GPU, or a
+# store that is never removed counted as confirmed, would make predictions false).
+MEDIA: dict[str | None, MediumKind] = {
+    # vLLM's block pool (device cache; None: vLLM before the field, device events only)
+    None: MediumKind(Medium.GPU),
+    "GPU": MediumKind(Medium.GPU),
+    # vLLM's native OffloadingConnector and kvroute's connector: stores and removals
+    "CPU": MediumKind(Medium.CPU),
+    "STORAGE": MediumKind(Medium.STORAGE),
+    # LMCache (LMCacheConnectorV1 forwards LMCache's own events): stores only
+    "cpu": MediumKind(Medium.CPU, confirmed=False),
+    # llm-d's FS offloading backend, on its own socket: stores only (eviction is external)
+    "SHARED_STORAGE": MediumKind(Medium.STORAGE, confirmed=False),
+    "OBJECT_STORE": MediumKind(Medium.STORAGE, confirmed=False),
+}
+CANONICAL_MEDIA = {
+    None: Medium.GPU,
+    "GPU": Medium.GPU,
+    "CPU": Medium.CPU,
+    "STORAGE": Medium.STORAGE,
+}
+
+
+class UnknownMedium(ValueError):
+    """An event naming a medium no known publisher uses; ``medium`` is what it said."""
+
+    def __init__(self, medium: object) -> None:
+        super().__init__(f"unknown medium {medium!r}")
+        self.medium = medium if isinstance(medium, str) else repr(medium)
+
+
+def medium_kind(value: object) -> MediumKind:
+    """The tier and confirmation of a wire ``medium``; raises UnknownMedium otherwise."""
+    if value is None or isinstance(value, str):
+        kind = MEDIA.get(value)
+        if kind is not None:
+            return kind
+    raise UnknownMedium(value)
+
+
+def kept_medium_name(value: str | None) -> str | None:
+    """The wire string to keep on an event: None when it is one of vLLM's own names (the
+    encoder writes ``medium.name`` then), the publisher's spelling otherwise."""
+    return None if value in CANONICAL_MEDIA else value
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks that landed in a tier.
+
+    ``token_ids`` holds the tokens of all listed blocks, concatenated. A tier-only update (vLLM's
+    OffloadingConnector without self-describing events, llm-d's FS backend) has
+    ``token_ids=[]`` and ``block_size=0``: it names blocks (the last block of each offloaded
+    chunk) already known from earlier events. ``extra_keys`` is None when the event did not
+    carry the field, which is not the same as carrying it with no extra keys: vLLM's block pool
+    always sends one entry per block, its offloading connector never does.
+    ``confirmed`` is False for media whose publisher never announces removals.
+    ``medium_name`` keeps the publisher's spelling when it is not one of vLLM's own.
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: Medium = Medium.GPU
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int = 0
+    locality: str | None = None
+    confirmed: bool = True
+    medium_name: str | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Blocks that left one tier (other tiers of the same blocks are untouched)."""
+
+    block_hashes: list[int]
+    medium: Medium = Medium.GPU
+    group_idx: int = 0
+    confirmed: bool = True
+    medium_name: str | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """A publisher dropped its cache.
+
+    vLLM's event has no fields: its block pool sends it on ``/reset_prefix_cache``, which clears
+    the device cache only (vLLM's offloading tiers are kept by default). So ``medium=None``
+    means the device tier; a medium, which only kvroute's own publishers send, that tier.
+    """
+
+    medium: Medium | None = None
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One published batch: the events of one engine step, applied atomically in order."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+    rejected: list[str] = field(default_factory=list)
+    unknown_media: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(slots=True, frozen=True)
+class Frame:
+    """One PUB message, split but not yet decoded."""
+
+    topic: str
+    seq: int
+    payload: bytes
+
+
+def is_device_clear(event: Event) -> bool:
+    """Whether ``event`` clears the device tier (vLLM's block pool on a prefix-cache reset)."""
+    return isinstance(event, AllBlocksCleared) and event.medium in (None, Medium.GPU)
+
+
+def touches_lower_tier(event: Event) -> bool:
+    """Whether ``event`` changes a tier other than the confirmed device tier."""
+    if isinstance(event, AllBlocksCleared):
+        return not is_device_clear(event)
+    return event.medium is not Medium.GPU or not event.confirmed

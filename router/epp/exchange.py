@@ -1,0 +1,349 @@
+"""One ext_proc stream, one request: what the picker answers at each message.
+
+Why in the router process: the pick is the router's own decision (kvroute.router.routing.router),
+made from the same index, load and homes as a proxied request, so the request is read the
+way the HTTP endpoints read it (``routing_input``, the same parsers and tokenizer), ranked by
+``RouterService.decide`` and committed (burst hints, homes, blocks in progress) as if kvroute
+forwarded it. Since Envoy forwards it, the router counts the request in flight on the picked
+replica from the pick until the stream reports the response's end (or closes), which keeps
+``pending`` and shared load (``GET /peer/load``) true when no byte passes through kvroute.
+
+Every refusal is an ``ImmediateResponse`` whose body is OpenAI's error JSON with the status
+the HTTP endpoints would answer (400, 401, 404, 413, 503 with ``retry-after``); a bug in
+here answers 500 the same way. Neither ends the server or another stream.
+
+Modes: Envoy announces its body modes in the first message (``protocol_config``). With
+``FULL_DUPLEX_STREAMED`` (or no announcement: an older Envoy configured as the Inference
+Extension documents) the headers answer waits for the whole body, then the body is handed
+back as streamed chunks, as the reference picker does. With ``BUFFERED`` Envoy waits for an
+answer to the headers before it sends the body, so the headers pass unchanged and the pick
+rides on the body's answer (header mutation and metadata). ``NONE``: no body ever comes,
+the request goes by load. The response's body is handed back chunk by chunk in
+``FULL_DUPLEX_STREAMED`` (or without an announcement) and simply acknowledged otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from kvroute.router.epp.messages import (
+    body_chunks,
+    destination_metadata,
+    destination_mutation,
+    endpoint_kind,
+    header_map,
+    immediate_response,
+    replica_endpoint,
+    subset_hint,
+)
+from kvroute.router.errors import RouterError
+from kvroute.router.fleet.replicas import Replica
+from kvroute.router.routing.accuracy import cached_tokens_from_body, cached_tokens_from_sse
+from kvroute.router.routing.router import Decision
+from kvroute.router.serving.auth import REFUSED_MESSAGE, ReplicaAuth, bearer_matches, key_digests
+from kvroute.router.serving.endpoints import ENDPOINT_LABELS, routing_input
+
+if TYPE_CHECKING:  # the composition root imports this module
+    from kvroute.router.service import RouterService
+
+__all__ = ["EndpointPicker"]
+
+log = logging.getLogger(__name__)
+
+_TAIL = 1 << 16  # the end of a response body kept to read its usage (accuracy)
+
+_FULL_BODY_MAX = 1 << 20  # a non-streamed response body read whole for its usage, up to this
+
+_FULL_DUPLEX = modes.ProcessingMode.FULL_DUPLEX_STREAMED
+
+_NO_BODY = modes.ProcessingMode.NONE
+
+
+@dataclass(slots=True)
+class _Pick:
+    """One request's pick and what its accounting needs until the response ends."""
+
+    replica: Replica
+    endpoint: str
+    epoch: int
+    decision: Decision | None
+    sent_at: float = field(default_factory=time.perf_counter)
+    first_byte: bool = False
+    streamed: bool = False
+    status: int | None = None
+    tail: bytes = b""
+    body: bytearray | None = field(default_factory=bytearray)
+    ended: bool = False
+
+
+class _Exchange:
+    """One ext_proc stream: one HTTP request through the gateway, from its headers to its
+    response's end. Answers each message in the order Envoy expects (headers, body,
+    trailers; request phase, then response phase)."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+        self.service = picker.service
+        # Until Envoy says otherwise (module docstring): the Inference Extension's modes.
+        self.duplex_request = True
+        self.duplex_response = True
+        self.no_body = False
+        self.headers: dict[str, str] = {}
+        self.subset: set[str] | None = None
+        self.body = bytearray()
+        self.pick: _Pick | None = None
+        self.request_id: str | None = None
+        self.done = False  # an ImmediateResponse went out: nothing more to answer
+
+    # --- messages -------------------------------------------------------------------------
+
+    async def on(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if request.HasField("protocol_config"):
+            config = request.protocol_config
+            self.duplex_request = config.request_body_mode == _FULL_DUPLEX
+            self.duplex_response = config.response_body_mode == _FULL_DUPLEX
+            self.no_body = config.request_body_mode == _NO_BODY
+        which = request.WhichOneof("request")
+        try:
+            if which == "request_headers":
+                return await self._request_headers(request)
+            if which == "request_body":
+                return await self._request_body(request.request_body)
+            if which == "request_trailers":
+                return await self._request_trailers()
+            if which == "response_headers":
+                return self._response_headers(request.response_headers)
+            if which == "response_body":
+                return self._response_body(request.response_body)
+            if which == "response_trailers":
+                self._end()
+                return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        except RouterError as exc:
+            return [self.refuse(exc)]
+        return []
+
+    async def _request_headers(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        message = request.request_headers
+        self.headers = header_map(message)
+        self.request_id = self.headers.get("x-request-id")
+        self.subset = subset_hint(request)
+        self._check_key()
+        if message.end_of_stream or self.no_body:
+            # No body (a GET) or none will come: decided now, by load when nothing says more.
+            header_response = await self._decide(b"")
+            return [pb.ProcessingResponse(request_headers=header_response, **self._metadata())]
+        if self.duplex_request:
+            return []  # the body streams in without waiting: answer once it is whole
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    async def _request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.pick is not None:  # decided already (Envoy's body mode NONE): pass it on
+            if self.duplex_request:
+                return body_chunks(message.body, message.end_of_stream)
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+        self.body += message.body
+        limit = self.service.settings.max_body_bytes
+        if len(self.body) > limit:
+            raise RouterError(413, f"request body exceeds {limit} bytes")
+        if not message.end_of_stream:
+            if self.duplex_request:
+                return []
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+        return await self._answer_whole_body(end_of_stream=True)
+
+    async def _request_trailers(self) -> list[pb.ProcessingResponse]:
+        """Trailers end a body whose last chunk did not say ``end_of_stream``."""
+        out: list[pb.ProcessingResponse] = []
+        if self.pick is None:
+            out = await self._answer_whole_body(end_of_stream=False)
+        return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+
+    async def _answer_whole_body(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        raw = bytes(self.body)
+        self.body = bytearray()
+        common = await self._decide(raw, content_length=len(raw) if self.duplex_request else None)
+        if self.duplex_request:
+            first = pb.ProcessingResponse(request_headers=common, **self._metadata())
+            return [first, *body_chunks(raw, end_of_stream)]
+        # Buffered: Envoy holds the headers until the body's answer, which may mutate them.
+        body_response = pb.BodyResponse(response=common.response)
+        return [pb.ProcessingResponse(request_body=body_response, **self._metadata())]
+
+    def _response_headers(self, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        pick = self.pick
+        if pick is not None:
+            headers = header_map(message)
+            status = headers.get(":status", "")
+            pick.status = int(status) if status.isdigit() else None
+            pick.streamed = headers.get("content-type", "").startswith("text/event-stream")
+            if not pick.streamed:
+                self._first_byte()  # a whole answer: its headers come when it is ready
+            if message.end_of_stream:
+                self._end()
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+
+    def _response_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        pick = self.pick
+        if pick is not None and not pick.ended:
+            if message.body:
+                self._first_byte()
+                pick.tail = (pick.tail + message.body)[-_TAIL:]
+                if pick.body is not None:
+                    pick.body += message.body
+                    if len(pick.body) > _FULL_BODY_MAX:
+                        pick.body = None
+            if message.end_of_stream:
+                self._end()
+        if self.duplex_response:
+            chunk = pb.StreamedBodyResponse(body=message.body, end_of_stream=message.end_of_stream)
+            common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=chunk))
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))]
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+    # --- the pick -------------------------------------------------------------------------
+
+    def _check_key(self) -> None:
+        """With API keys, the request's own ``Authorization`` must hold one, as on HTTP: the
+        gateway forwards whatever the picker accepts, so skipping the check here would open
+        the fleet to anyone who can reach the gateway."""
+        digests = self.picker.key_digests
+        if not digests:
+            return
+        given = self.headers.get("authorization")
+        if not bearer_matches(given.encode("latin-1") if given else None, digests):
+            raise RouterError(401, REFUSED_MESSAGE, type_="AuthenticationError")
+
+    def _narrow(self, replicas: list[Replica]) -> list[Replica]:
+        """The replicas the gateway's subset hint allows (all without a hint); 503 when it
+        allows none of them, as the protocol says."""
+        if self.subset is None:
+            return replicas
+        allowed = [r for r in replicas if replica_endpoint(r) in self.subset]
+        if not allowed:
+            raise RouterError(
+                503,
+                "none of the endpoints the gateway allows (subset hint) can serve the request",
+                headers={"retry-after": str(self.service.settings.retry_after_s)},
+            )
+        return allowed
+
+    async def _decide(self, raw: bytes, content_length: int | None = None) -> pb.HeadersResponse:
+        """Read the body as the HTTP endpoints do, rank and commit as a proxied request, and
+        count it in flight on the pick; the headers answer that carries the pick."""
+        service = self.service
+        method = self.headers.get(":method", "POST")
+        kind = endpoint_kind(method, self.headers.get(":path", "/"))
+        # No body will come (Envoy's body mode NONE): by load, the body unread.
+        parsed, model = (None, None) if self.no_body else routing_input(service, kind, raw)
+        decision: Decision | None = None
+        if parsed is not None:
+            session = self.headers.get(service.settings.session_header.lower())
+            decision = await service.decide(parsed, session, self._narrow)
+            replica = decision.ranked[0]
+            service.router.commit(decision, replica)
+        else:
+            pool = self._narrow(service.pool(model))
+            replica = min(pool, key=lambda r: r.pending)
+        endpoint = replica_endpoint(replica)
+        self.pick = _Pick(replica, endpoint, replica.begin_request(), decision)
+        service.metrics.epp_request(ENDPOINT_LABELS[kind], "picked")
+        return pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=destination_mutation(
+                    replica, endpoint, self.picker.replica_auth, content_length
+                ),
+                clear_route_cache=True,
+            )
+        )
+
+    def _metadata(self) -> dict[str, Any]:
+        assert self.pick is not None
+        return {"dynamic_metadata": destination_metadata(self.pick.endpoint)}
+
+    def refuse(self, error: RouterError) -> pb.ProcessingResponse:
+        """An ImmediateResponse for ``error``; the stream has nothing more to answer."""
+        self.done = True
+        if error.status == 500:
+            outcome = "router_error"
+        elif error.status < 500 and error.status != 429:
+            outcome = "client_error"
+        else:
+            outcome = "unavailable"
+        method, path = self.headers.get(":method", "POST"), self.headers.get(":path", "/")
+        self.service.metrics.epp_request(ENDPOINT_LABELS[endpoint_kind(method, path)], outcome)
+        return immediate_response(error, self.request_id)
+
+    # --- the response phase ---------------------------------------------------------------
+
+    def _first_byte(self) -> None:
+        pick = self.pick
+        if pick is None or pick.first_byte:
+            return
+        pick.first_byte = True
+        seconds = time.perf_counter() - pick.sent_at
+        if pick.decision is not None and pick.streamed:
+            self.service.router.first_byte(pick.decision, pick.replica, seconds)
+
+    def _end(self) -> None:
+        """The response ended (or the stream closed): the replica's in-flight count drops,
+        and what the replica reported it served from cache is compared with the prediction."""
+        pick = self.pick
+        if pick is None or pick.ended:
+            return
+        pick.ended = True
+        pick.replica.end_request(pick.epoch)
+        decision = pick.decision
+        if decision is None or pick.status != 200 or len(decision.batch_sizes) > 1:
+            return  # a batch reports one prompt's cached tokens (endpoints.py): not compared
+        if pick.streamed:
+            delivered = cached_tokens_from_sse(pick.tail)
+        else:
+            delivered = cached_tokens_from_body(bytes(pick.body)) if pick.body else None
+        view = decision.view(pick.replica.name)
+        predicted = view.predicted_cached_tokens if view is not None else 0
+        self.service.accuracy.record(
+            pick.replica.name, decision.prompt_tokens, predicted, delivered
+        )
+        self.service.metrics.cached_tokens(
+            pick.replica.name, decision.prompt_tokens, predicted, delivered
+        )
+
+    def close(self) -> None:
+        self._end()
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    """The ext_proc servicer over a running ``RouterService``."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+        settings = service.settings
+        self.key_digests = key_digests(settings.api_keys)
+        self.replica_auth = ReplicaAuth.of(settings.api_keys, settings.replica_api_key)
+
+    async def Process(  # the gRPC method's own name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = _Exchange(self)
+        try:
+            async for request in request_iterator:
+                try:
+                    answers = await exchange.on(request)
+                except Exception:
+                    # A bug in the router, not the request's fault: refuse it, keep serving.
+                    log.exception("endpoint picker: request %s failed", exchange.request_id)
+                    answers = [exchange.refuse(RouterError(500, "internal router error"))]
+                for answer in answers:
+                    yield answer
+                if exchange.done:
+                    return
+        finally:
+            exchange.close()

@@ -1,0 +1,215 @@
+"""Kubernetes pods -> replicas and peer routers: the pure mapping behind ``--discover k8s``.
+
+Kept apart from the list/watch loop (router/fleet/discovery/k8s.py) so the rules can be tested on
+plain pod dicts (the API's JSON, as ``lightkube``'s ``to_dict()`` gives it) without a client.
+
+A pod is a replica when it is Ready, has an IP and is not terminating. Its annotations say
+where it publishes (the defaults are vLLM's: events on 5557, replay on 5558, topic ""):
+
+* ``kvroute.io/http-port``: default the InferencePool's target port, else the container port
+  named ``http``, else 8000. Several pool target ports (one vLLM server per port) make one
+  replica per port, ``<pod>:<port>``, server i publishing on the event/replay ports + i.
+* ``kvroute.io/events-port``, ``kvroute.io/replay-port``: ``none`` for no feed / no replay.
+* ``kvroute.io/topic``, ``kvroute.io/dp`` (ranks N, or ``auto``: router/fleet/dp.py),
+  ``kvroute.io/storage-domain``.
+
+The pod's UID is the replica's incarnation: a pod recreated under the same name (a
+StatefulSet) is a new replica whose index entries are cleared, as is one with a new IP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.router.config import ConfigError, ReplicaConfig
+
+__all__ = [
+    "ANNOTATIONS",
+    "PodFleet",
+    "fleet_from_pods",
+    "parse_selector",
+    "peer_urls",
+    "pod_is_ready",
+    "pod_replicas",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvroute.io/"
+ANNOTATIONS = (
+    "http-port",
+    "events-port",
+    "replay-port",
+    "topic",
+    "dp",
+    "storage-domain",
+    "router-port",
+)
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_EVENTS_PORT = 5557
+DEFAULT_REPLAY_PORT = 5558
+
+
+def parse_selector(value: str) -> dict[str, str]:
+    """``app=vllm,tier=serve`` -> ``{"app": "vllm", "tier": "serve"}``. Equality terms only:
+    an InferencePool's selector is matchLabels, and one form keeps --selector and pools alike."""
+    labels: dict[str, str] = {}
+    for term in (t.strip() for t in value.split(",")):
+        if not term:
+            continue
+        key, sep, val = term.replace("==", "=").partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key or any(c in key + val for c in "!()= "):
+            raise ConfigError(f"selector term {term!r}: use key=value (comma-separated)")
+        labels[key] = val
+    if not labels:
+        raise ConfigError(f"selector {value!r} selects nothing: give key=value")
+    return labels
+
+
+def _meta(pod: dict[str, Any]) -> dict[str, Any]:
+    return pod.get("metadata") or {}
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    """Ready condition True, an IP, and no deletion under way (a terminating pod takes no
+    new requests even while its readiness probe still passes)."""
+    if _meta(pod).get("deletionTimestamp"):
+        return False
+    status = pod.get("status") or {}
+    if not status.get("podIP"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+def _port(annotations: dict[str, str], name: str, default: int | None) -> int | None:
+    raw = annotations.get(PREFIX + name)
+    if raw is None:
+        return default
+    text = str(raw).strip()
+    if text.lower() == "none":
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ConfigError(f"annotation {PREFIX}{name}={raw!r}: a port 1-65535 (or none)")
+    return int(text)
+
+
+def _named_http_port(pod: dict[str, Any]) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return None
+
+
+def _dp(annotations: dict[str, str]) -> int | str | None:
+    raw = annotations.get(PREFIX + "dp")
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"annotation {PREFIX}dp={raw!r}: an integer >= 1 or auto")
+    return int(text)
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def pod_replicas(pod: dict[str, Any], target_ports: Sequence[int] = ()) -> list[ReplicaConfig]:
+    """The pod's replicas: none when it is not Ready (or has no IP), one per HTTP port
+    otherwise. Raises ConfigError naming the pod when an annotation cannot be used."""
+    if not pod_is_ready(pod):
+        return []
+    meta = _meta(pod)
+    name = str(meta.get("name") or "")
+    annotations = {k: str(v) for k, v in (meta.get("annotations") or {}).items()}
+    try:
+        host = _host(str((pod.get("status") or {})["podIP"]))
+        http = _port(annotations, "http-port", None)
+        if http is not None:
+            ports = [http]
+        elif target_ports:
+            ports = list(target_ports)
+        else:
+            ports = [_named_http_port(pod) or DEFAULT_HTTP_PORT]
+        events = _port(annotations, "events-port", DEFAULT_EVENTS_PORT)
+        replay = _port(annotations, "replay-port", DEFAULT_REPLAY_PORT)
+        dp = _dp(annotations)
+        if len(ports) > 1 and dp not in (None, 1):
+            raise ConfigError(
+                f"{PREFIX}dp with several target ports: server i publishes on the event "
+                "ports + i, rank r on + r; they would collide (give one port per pod)"
+            )
+        out = []
+        for i, port in enumerate(ports):
+            out.append(
+                ReplicaConfig(
+                    url=f"http://{host}:{port}",
+                    events=None if events is None else f"tcp://{host}:{events + i}",
+                    replay=None
+                    if events is None or replay is None
+                    else f"tcp://{host}:{replay + i}",
+                    topic=annotations.get(PREFIX + "topic", ""),
+                    name=name if len(ports) == 1 else f"{name}:{port}",
+                    dp=dp,
+                    storage_domain=annotations.get(PREFIX + "storage-domain") or None,
+                    incarnation=meta.get("uid"),
+                )
+            )
+        return out
+    except ConfigError as exc:
+        raise ConfigError(f"pod {name}: {exc}") from None
+
+
+@dataclass
+class PodFleet:
+    """The replicas of a pod list, and what was left out and why."""
+
+    replicas: list[ReplicaConfig] = field(default_factory=list)
+    pods_seen: int = 0
+    pods_ready: int = 0
+    errors: dict[str, str] = field(default_factory=dict)  # pod name -> why it was skipped
+
+
+def fleet_from_pods(pods: Iterable[dict[str, Any]], target_ports: Sequence[int] = ()) -> PodFleet:
+    """Every pod's replicas, sorted by name; a pod with bad annotations is skipped (and
+    named in ``errors``), never the whole list."""
+    fleet = PodFleet()
+    for pod in pods:
+        fleet.pods_seen += 1
+        ready = pod_is_ready(pod)
+        fleet.pods_ready += ready
+        try:
+            fleet.replicas += pod_replicas(pod, target_ports)
+        except ConfigError as exc:
+            fleet.errors[str(_meta(pod).get("name"))] = str(exc)
+    fleet.replicas.sort(key=lambda r: r.key)
+    return fleet
+
+
+def peer_urls(pods: Iterable[dict[str, Any]], *, default_port: int, self_name: str) -> list[str]:
+    """Ready router pods other than this one, as ``http://IP:PORT`` (``kvroute.io/router-port``,
+    else this router's own port); a bad port annotation skips that pod (logged)."""
+    urls = []
+    for pod in pods:
+        meta = _meta(pod)
+        if meta.get("name") == self_name or not pod_is_ready(pod):
+            continue
+        annotations = {k: str(v) for k, v in (meta.get("annotations") or {}).items()}
+        try:
+            port = _port(annotations, "router-port", default_port)
+        except ConfigError as exc:
+            log.error("peer pod %s skipped: %s", meta.get("name"), exc)
+            continue
+        if port is not None:
+            urls.append(f"http://{_host(pod['status']['podIP'])}:{port}")
+    return sorted(urls)

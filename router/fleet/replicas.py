@@ -1,0 +1,318 @@
+"""The fleet as the router sees it: each replica's health, load signals and models.
+
+Load has two sources, because each alone is wrong: the router's own in-flight counts are
+exact and instant but blind to other routers and to what the replica queued; vLLM's gauges
+(``vllm:num_requests_running/waiting``, ``vllm:kv_cache_usage_perc``) see everything but are
+a scrape interval old. ``Replica.pending`` combines them: the gauges plus the requests this
+router sent since that scrape and still has in flight (which the gauges cannot hold yet), or
+the router's own count if that is larger. Without the second term, a router behind several
+others, or a burst inside one scrape interval, would see a replica as idle as its last page.
+With peer routers (router/peers/load.py), their in-flight requests are added to this router's
+own count: every request passes through some router, so that sum is the replica's queue now.
+
+A data-parallel server's ranks are replicas of their own (router/fleet/dp.py) sharing one URL and
+one metrics page: vLLM labels each engine's gauges ``engine="<rank>"``, so each rank takes its
+own (``engine_gauges``); a page without the label is divided evenly among the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.router.config import ReplicaConfig
+
+__all__ = [
+    "Replica",
+    "ReplicaRegistry",
+    "engine_gauges",
+    "parse_vllm_metrics",
+    "parse_vllm_metrics_by_engine",
+]
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # vLLM before 0.10
+}
+
+
+_ENGINE_LABEL = re.compile(r'[{,]engine="([^"]*)"')
+
+
+def _fold(out: dict[str, float], key: str, value: float) -> None:
+    """Counts add up over engines; KV usage is the fullest engine's."""
+    if key == "kv_usage":
+        out[key] = max(out.get(key, 0.0), value)
+    else:
+        out[key] = out.get(key, 0.0) + value
+
+
+def parse_vllm_metrics_by_engine(text: str) -> dict[str, dict[str, float]]:
+    """The load gauges from a Prometheus text page per ``engine`` label value ("" for series
+    without one), summed over the other labels."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        name_end = brace if brace >= 0 else line.find(" ")
+        key = _GAUGES.get(line[:name_end])
+        if key is None:
+            continue
+        engine = ""
+        if brace >= 0:
+            close = line.rfind("}")
+            match = _ENGINE_LABEL.search(line, brace, close + 1)
+            if match is not None:
+                engine = match.group(1)
+            rest = line[close + 1 :]
+        else:
+            rest = line[name_end:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        _fold(out.setdefault(engine, {}), key, value)
+    return out
+
+
+def _combined(by_engine: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for gauges in by_engine.values():
+        for key, value in gauges.items():
+            _fold(out, key, value)
+    return out
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The load gauges from a Prometheus text page, summed over label sets (engines)."""
+    return _combined(parse_vllm_metrics_by_engine(text))
+
+
+def engine_gauges(
+    by_engine: dict[str, dict[str, float]], rank: int | None, ranks: int
+) -> dict[str, float]:
+    """One target's gauges from its server's page: the whole server for a replica without
+    ranks; a rank's own ``engine`` series; for a page without engine labels, an even share
+    of the server's counts (a rank the labels do not name has none)."""
+    if rank is None:
+        return _combined(by_engine)
+    own = by_engine.get(str(rank))
+    if own is not None:
+        return dict(own)
+    if any(by_engine):
+        return {}
+    total = _combined(by_engine)
+    return {k: v if k == "kv_usage" else v / max(ranks, 1) for k, v in total.items()}
+
+
+class LoadSignal:
+    """Wakes whoever waits for the in-flight counts to change (a held ``GET /peer/load``,
+    router/peers/load.py). Fired exactly where they change (a request begins or ends, a
+    replica comes or goes), so a waiter costs nothing between changes. Used on the router's
+    event loop only."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def changed(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next change, or ``timeout_s``."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    config: ReplicaConfig
+    healthy: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_error: str | None = None
+    last_check: float | None = None
+    ejections: int = 0
+    in_flight: int = 0
+    # What peer routers are proxying to it, and the blocks they sent it to compute that its
+    # feed has not announced yet, as of their last answer (router/peers/load.py).
+    peer_in_flight: int = 0
+    peer_unstored_blocks: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float | None = None
+    # Requests sent after the last scrape and still in flight; ``scrape_epoch`` tells a
+    # finishing request whether it was one of them.
+    sent_since_scrape: int = 0
+    scrape_epoch: int = 0
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models_at: float | None = None
+    removed: bool = False
+    load_signal: LoadSignal | None = None  # its registry's, fired when in_flight changes
+
+    @property
+    def name(self) -> str:
+        return self.config.key
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def group(self) -> str:
+        """The server behind this target: a data-parallel rank's server, else itself."""
+        return self.config.server or self.config.key
+
+    @property
+    def pending(self) -> float:
+        """Requests ahead of a new one: vLLM's last gauges plus what this router sent since,
+        or what every router has in flight (ours and the peers'), whichever is more."""
+        return max(
+            float(self.in_flight + self.peer_in_flight),
+            self.running + self.waiting + self.sent_since_scrape,
+        )
+
+    def begin_request(self) -> int:
+        """A request goes out: count it; returns the epoch to give ``end_request``."""
+        self.in_flight += 1
+        self.sent_since_scrape += 1
+        if self.load_signal is not None:
+            self.load_signal.changed()
+        return self.scrape_epoch
+
+    def end_request(self, epoch: int) -> None:
+        self.in_flight -= 1
+        if epoch == self.scrape_epoch and self.sent_since_scrape > 0:
+            self.sent_since_scrape -= 1
+        if self.load_signal is not None:
+            self.load_signal.changed()
+
+    def set_gauges(self, running: float, waiting: float, kv_usage: float) -> None:
+        """A fresh metrics page: it counts every request the replica had by now."""
+        self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
+        self.scraped_at = time.monotonic()
+        self.scrape_epoch += 1
+        self.sent_since_scrape = 0
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def is_lora(self, model: str) -> bool:
+        """vLLM lists LoRA adapters as models whose ``parent`` is the base model."""
+        card = self.models.get(model)
+        return bool(card and card.get("parent"))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "last_check_age_s": None
+            if self.last_check is None
+            else round(time.monotonic() - self.last_check, 3),
+            "ejections": self.ejections,
+            "in_flight": self.in_flight,
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": self.kv_usage,
+            "pending": self.pending,
+            "models": sorted(self.models),
+            "events": self.config.events,
+            "server": self.group,
+            "data_parallel_rank": self.config.dp_rank,
+        }
+
+
+class ReplicaRegistry:
+    """Replicas by name. Mutated only on the router's event loop, so no lock is needed."""
+
+    def __init__(self, *, unhealthy_after: int = 2, healthy_after: int = 1) -> None:
+        self.unhealthy_after = unhealthy_after
+        self.healthy_after = healthy_after
+        self._replicas: dict[str, Replica] = {}
+        self.load_signal = LoadSignal()
+
+    def __iter__(self):
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, name: str) -> Replica | None:
+        return self._replicas.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._replicas)
+
+    def add(self, config: ReplicaConfig) -> Replica:
+        replica = Replica(config, load_signal=self.load_signal)
+        self._replicas[config.key] = replica
+        self.load_signal.changed()
+        return replica
+
+    def remove(self, name: str) -> Replica | None:
+        replica = self._replicas.pop(name, None)
+        if replica is not None:
+            replica.removed = True
+            self.load_signal.changed()
+        return replica
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.healthy]
+
+    def group(self, server: str) -> list[Replica]:
+        """The targets behind one server (its data-parallel ranks, or the replica alone)."""
+        return [r for r in self._replicas.values() if r.group == server]
+
+    def candidates(self, model: str) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.healthy and model in r.models]
+
+    def known_models(self, replicas: Iterable[Replica] | None = None) -> dict[str, dict[str, Any]]:
+        """The union of the replicas' model cards (first card seen for an id wins)."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in replicas if replicas is not None else self._replicas.values():
+            for model_id, card in r.models.items():
+                out.setdefault(model_id, card)
+        return out
+
+    # --- health transitions ---------------------------------------------------------------
+
+    def record_success(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        replica.consecutive_successes += 1
+        replica.last_check = time.monotonic()
+        if not replica.healthy and replica.consecutive_successes >= self.healthy_after:
+            replica.healthy = True
+            replica.last_error = None
+
+    def record_failure(self, replica: Replica, reason: str, *, eject_now: bool = False) -> None:
+        """A failed check or a failed proxy attempt; ejects after ``unhealthy_after`` in a row
+        (at once with ``eject_now``, for a refused connection: nobody is listening)."""
+        replica.consecutive_successes = 0
+        replica.consecutive_failures += 1
+        replica.last_error = reason
+        replica.last_check = time.monotonic()
+        if replica.healthy and (eject_now or replica.consecutive_failures >= self.unhealthy_after):
+            replica.healthy = False
+            replica.ejections += 1
+        if eject_now and replica.config.dp_rank is not None:
+            # Nobody listens at the server's URL: none of its ranks can answer either.
+            for sibling in self.group(replica.group):
+                if sibling is not replica and sibling.healthy:
+                    sibling.last_error = reason
+                    sibling.healthy = False
+                    sibling.ejections += 1

@@ -1,0 +1,2 @@
+"""What operators look at: Prometheus metrics, the dashboard (page and data), and the readiness
+probe."""

@@ -1,0 +1,231 @@
+"""Prometheus metrics of one router instance (its own registry: tests run several apps).
+
+Label sets are bounded: endpoint and outcome are fixed vocabularies, reasons come from
+``POLICY_REASONS``, and replica labels exist only for configured replicas and are removed
+with them. Index and replica gauges are read at scrape time by a collector, so the request
+path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["ENDPOINTS", "EPP_OUTCOMES", "OUTCOMES", "RouterMetrics"]
+
+ENDPOINTS = (
+    "completions",
+    "chat",
+    "tokenize",
+    "detokenize",
+    "responses",
+    "messages",
+    "embeddings",
+    "pooling",
+    "classify",
+    "score",
+    "rerank",
+    "generate",
+    "audio",
+    "other",
+)
+OUTCOMES = (
+    "ok",  # upstream answered 2xx
+    "upstream_4xx",  # the replica refused the request
+    "upstream_5xx",  # the replica failed it (after retries)
+    "client_error",  # refused by the router (400/404/413)
+    "unavailable",  # no healthy replica / every attempt failed before the first byte
+    "midstream_error",  # the stream broke after it started
+    "cancelled",  # the client went away
+    "router_error",  # a bug in the router (answered 500)
+)
+EPP_OUTCOMES = (
+    "picked",  # an endpoint went back to the gateway
+    "client_error",  # refused: 400/401/404/413
+    "unavailable",  # no replica could take it (503), the subset hint's included
+    "router_error",  # a bug in the router (answered 500)
+)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _StateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.snapshot()
+        healthy = GaugeMetricFamily(
+            "kvroute_replica_healthy", "1 when the replica passes health checks", labels=["replica"]
+        )
+        in_flight = GaugeMetricFamily(
+            "kvroute_replica_in_flight", "Requests this router has in flight", labels=["replica"]
+        )
+        pending = GaugeMetricFamily(
+            "kvroute_replica_pending",
+            "max(router in-flight, vLLM running + waiting)",
+            labels=["replica"],
+        )
+        fresh = GaugeMetricFamily(
+            "kvroute_index_freshness",
+            "1 for the replica's current event-feed state",
+            labels=["replica", "state"],
+        )
+        entries = GaugeMetricFamily(
+            "kvroute_index_entries", "Index entries by replica and tier", labels=["replica", "tier"]
+        )
+        throttled = CounterMetricFamily(
+            "kvroute_event_throttled_bytes",
+            "Event bytes dropped unread because the replica's publisher was over its budget",
+            labels=["replica"],
+        )
+        for name, r in snap["replicas"].items():
+            throttled.add_metric([name], r.get("throttled_bytes", 0))
+            healthy.add_metric([name], 1.0 if r["healthy"] else 0.0)
+            in_flight.add_metric([name], r["in_flight"])
+            pending.add_metric([name], r["pending"])
+            if r.get("freshness"):
+                fresh.add_metric([name, r["freshness"]], 1.0)
+            for tier, n in (r.get("entries_by_tier") or {}).items():
+                entries.add_metric([name, tier], n)
+        yield from (healthy, in_flight, pending, fresh, entries, throttled)
+        modes = GaugeMetricFamily(
+            "kvroute_tokenizer_mode",
+            "1 for how the model's prompts are tokenized now (local, or remote after a mismatch)",
+            labels=["model", "mode"],
+        )
+        for model, mode in (snap.get("tokenizer_modes") or {}).items():
+            for m in ("local", "remote"):
+                modes.add_metric([model, m], 1.0 if m == mode else 0.0)
+        yield modes
+        yield GaugeMetricFamily(
+            "kvroute_index_estimated_bytes", "Index memory estimate", value=snap["index_bytes"]
+        )
+        yield GaugeMetricFamily(
+            "kvroute_burst_hints", "Live burst-hint keys", value=snap["hint_keys"]
+        )
+
+
+class RouterMetrics:
+    def __init__(self, state: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests",
+            "Requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvroute_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries",
+            "Attempts moved to the next replica before the first byte",
+            registry=r,
+        )
+        self.predicted = Counter(
+            "kvroute_predicted_cached_tokens",
+            "Cached prompt tokens the router predicted",
+            ["replica"],
+            registry=r,
+        )
+        self.delivered = Counter(
+            "kvroute_delivered_cached_tokens",
+            "Cached prompt tokens replicas reported (usage.prompt_tokens_details)",
+            ["replica"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens", "Prompt tokens routed", ["replica"], registry=r
+        )
+        self.upstream_latency = Histogram(
+            "kvroute_upstream_latency_seconds",
+            "Request sent to response complete",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_upstream_ttft_seconds",
+            "Request sent to the first body byte",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decision_time = Histogram(
+            "kvroute_decision_seconds",
+            "Time to tokenize, look up and rank",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25),
+            registry=r,
+        )
+        self.tokenizer_checks = Counter(
+            "kvroute_tokenizer_checks",
+            "Live checks of the local tokenizer against a replica, by outcome",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.tokenizer_mismatches = Counter(
+            "kvroute_tokenizer_mismatches",
+            "Live checks whose router ids differed from the replica's",
+            ["model"],
+            registry=r,
+        )
+        # The endpoint picker (router/epp/): requests the gateway asked about, by outcome
+        # (picked, or refused with an ImmediateResponse: EPP_OUTCOMES).
+        self.epp_requests = Counter(
+            "kvroute_epp_requests",
+            "Endpoint-picker (ext_proc) requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        # Pre-bind the children used on every request (label lookup is not free).
+        self._requests = {(e, o): self.requests.labels(e, o) for e in ENDPOINTS for o in OUTCOMES}
+        self._latency = {e: self.upstream_latency.labels(e) for e in ENDPOINTS}
+        self._ttft = {e: self.ttft.labels(e) for e in ENDPOINTS}
+        if state is not None:
+            r.register(_StateCollector(state))
+
+    def request(self, endpoint: str, outcome: str) -> None:
+        self._requests[endpoint, outcome].inc()
+
+    def epp_request(self, endpoint: str, outcome: str) -> None:
+        """An endpoint-picker request ended its request phase: ``outcome`` in EPP_OUTCOMES."""
+        self.epp_requests.labels(endpoint, outcome).inc()
+
+    def latency(self, endpoint: str, seconds: float) -> None:
+        self._latency[endpoint].observe(seconds)
+
+    def first_byte(self, endpoint: str, seconds: float) -> None:
+        self._ttft[endpoint].observe(seconds)
+
+    def cached_tokens(
+        self, replica: str, prompt: int | None, predicted: int, delivered: int | None
+    ) -> None:
+        self.predicted.labels(replica).inc(predicted)
+        if prompt:
+            self.prompt_tokens.labels(replica).inc(prompt)
+        if delivered is not None:
+            self.delivered.labels(replica).inc(delivered)
+
+    def tokenizer_check(self, model: str, outcome: str) -> None:
+        """A live tokenizer check ended: ``clean``, ``mismatch`` or ``error``."""
+        self.tokenizer_checks.labels(model, outcome).inc()
+        if outcome == "mismatch":
+            self.tokenizer_mismatches.labels(model).inc()
+
+    def forget(self, replica: str) -> None:
+        for metric in (self.predicted, self.delivered, self.prompt_tokens):
+            try:
+                metric.remove(replica)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

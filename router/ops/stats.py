@@ -1,0 +1,110 @@
+"""The router's state as numbers: what ``GET /index/stats`` answers (the index's figures per
+replica and fleet, joined with each replica's health, load, freshness and accuracy) and what
+the Prometheus collector reads at each scrape. Read-only views over a running
+``RouterService``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvroute.indexer.stats import collect_stats
+
+if TYPE_CHECKING:
+    from kvroute.router.service import RouterService
+
+__all__ = ["metrics_state", "router_stats"]
+
+
+def metrics_state(service: RouterService) -> dict[str, Any]:
+    """Per replica health, load, freshness and index entries, read at each scrape."""
+    entries = {s.replica: s.entries_by_tier for s in service.index.summary()}
+    throttled: dict[str, int] = {}
+    for (replica, _), stats in service.subscriber.all_feed_stats().items():
+        throttled[replica] = throttled.get(replica, 0) + stats.throttled_bytes
+    replicas = {}
+    for r in service.registry:
+        fresh = None
+        if r.config.events:
+            fresh = str(service.subscriber.freshness(r.name)[0])
+        replicas[r.name] = {
+            "healthy": r.healthy,
+            "in_flight": r.in_flight,
+            "pending": r.pending,
+            "freshness": fresh,
+            "entries_by_tier": entries.get(r.name),
+            "throttled_bytes": throttled.get(r.name, 0),
+        }
+    check = getattr(service.tokenizer, "check", None)
+    return {
+        "replicas": replicas,
+        "tokenizer_modes": {m: st.mode for m, st in check.models.items()} if check else {},
+        "index_bytes": service.index.stats().estimated_bytes,
+        "hint_keys": len(service.router.hints),
+    }
+
+
+def router_stats(service: RouterService) -> dict[str, Any]:
+    """``GET /index/stats``: the fleet, each replica, the domains and the router's parts."""
+    index = collect_stats(service.index, service.subscriber).to_dict()
+    service.router.sample_stored_blocks()
+    accuracy = service.accuracy.to_dict()
+    replicas: dict[str, Any] = {}
+    for r in service.registry:
+        entry = dict(
+            index["replicas"].get(r.name)
+            or {"block_size": None, "entries": 0, "entries_by_tier": {}, "feed": None}
+        )
+        if r.config.events:
+            state, reason = service.subscriber.freshness(r.name)
+            entry["freshness"], entry["freshness_reason"] = str(state), reason
+        else:
+            entry["freshness"], entry["freshness_reason"] = None, "no event feed configured"
+        acc = service.accuracy.replica(r.name)
+        entry["storage_domain"] = r.config.storage_domain
+        entry["health"] = r.snapshot()
+        entry["load"] = {
+            "in_flight": r.in_flight,
+            "peer_in_flight": r.peer_in_flight,
+            # Blocks sent to it to compute, not announced yet: new prefixes are
+            # balanced on them (router/routing/placement.py).
+            "unstored_blocks": service.router.unstored.blocks(r.name),
+            "peer_unstored_blocks": r.peer_unstored_blocks,
+            "running": r.running,
+            "waiting": r.waiting,
+            "kv_cache_usage": r.kv_usage,
+            "pending": r.pending,
+            "queue_s_per_request": None
+            if service.router.queue_delay is None
+            else round(service.router.queue_delay.per_request_s(r.name), 6),
+        }
+        entry["accuracy"] = acc
+        entry["predicted_cached_tokens"] = acc["predicted_cached_tokens"]
+        entry["delivered_cached_tokens"] = acc["delivered_cached_tokens"]
+        replicas[r.name] = entry
+    fleet = index["fleet"]
+    fleet["healthy_replicas"] = len(service.registry.healthy())
+    fleet["in_flight"] = sum(r.in_flight for r in service.registry)
+    fleet["accuracy"] = accuracy["fleet"]
+    fleet["predicted_cached_tokens"] = accuracy["fleet"]["predicted_cached_tokens"]
+    fleet["delivered_cached_tokens"] = accuracy["fleet"]["delivered_cached_tokens"]
+    return {
+        "taken_at": index["taken_at"],
+        "policy": service.settings.policy,
+        "fleet": fleet,
+        "replicas": replicas,
+        "storage_domains": index["storage_domains"],
+        "burst_hints": len(service.router.hints),
+        "routing_history": len(service.router.history),
+        "tokenizer": None if service.tokenizer is None else service.tokenizer.stats(),
+        "tokenizer_check": service.tokenizer_check,
+        "replicas_file": None if service.watcher is None else service.watcher.status(),
+        "start": service.warm.to_dict(service.subscriber.warm_outcomes()),
+        "discovery": None if service.discovery is None else service.discovery.status(),
+        "peer_load": service.peer_load.to_dict() if service.peer_load_on else None,
+        "queue_samples": None
+        if service.router.queue_delay is None
+        else {
+            "taken": service.router.queue_delay.next_sample,
+            "from_peers": service.router.queue_delay.shared_applied,
+        },
+    }

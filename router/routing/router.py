@@ -1,0 +1,398 @@
+"""From a parsed request to a ranked list of replicas: tokens, index matches, hints, policy.
+
+Everything a policy needs is gathered into ``ReplicaView``s here, for every policy, so that
+the predicted cached tokens of the chosen replica are recorded whatever the policy (that is
+what makes predicted-vs-delivered comparable across policies) and ``/debug/route`` shows the
+same numbers the decision used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvroute.indexer.index import PrefixIndex, PrefixMatch, domain_key
+from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.subscriber import FeedHealth
+from kvroute.indexer.tiers import Tier
+from kvroute.router.common.lru import LRU
+from kvroute.router.config import RouterSettings
+from kvroute.router.fleet.replicas import Replica
+from kvroute.router.routing.approx import RoutingHistory
+from kvroute.router.routing.decision_log import DecisionLog
+from kvroute.router.routing.hints import BurstHints
+from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
+from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
+from kvroute.router.routing.queue_model import LearnedQueueDelay
+from kvroute.router.tokens.requests import ParsedRequest
+from kvroute.router.tokens.tokenization import TokenizerBase
+
+__all__ = ["Decision", "Router", "home_affinity", "match_tiers", "predicted_cached_tokens"]
+
+# Each tier, fastest first, with its keys in ReplicaView.tokens_by_tier (confirmed,
+# unconfirmed), looked up once.
+_TIER_LABELS = tuple((t, t.label(), t.label(confirmed=False)) for t in sorted(Tier))
+# Which tiers' tokens a match loses first when capped (the tail of a match sits in the
+# slowest tier it reaches).
+_TIER_DROP_ORDER = tuple(
+    label
+    for _, confirmed, unconfirmed in reversed(_TIER_LABELS)
+    for label in (unconfirmed, confirmed)
+)
+
+
+def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int) -> int:
+    """vLLM recomputes the last prompt token even on a full hit, so at most the whole blocks
+    (or prefix-match units, ``block_size`` being the unit then) before it are served."""
+    if prompt_len <= 0 or block_size <= 0:
+        return 0
+    return min(match_tokens, ((prompt_len - 1) // block_size) * block_size)
+
+
+def match_tiers(match: PrefixMatch) -> dict[str, int]:
+    """A match's tokens per tier name: confirmed tiers by name, and the tiers of publishers
+    that never announce removals as ``<TIER>_UNCONFIRMED``."""
+    tiers: dict[str, int] = {}
+    for tier, label, _ in _TIER_LABELS:
+        n = match.tokens_in(tier)
+        if n:
+            tiers[label] = n
+    for tier, _, label in _TIER_LABELS:
+        n = match.unconfirmed_tokens_in(tier)
+        if n:
+            tiers[label] = n
+    return tiers
+
+
+def home_affinity(keys: Sequence[int], held_blocks: Sequence[int], fallback: bytes) -> bytes:
+    """What a request's home is remembered by, and its second choices hashed on
+    (``RouteContext.affinity``): the key of its first block past the prefix that a majority
+    of the replicas hold (``held_blocks``: each replica's cached blocks of this prompt). A
+    system prompt every replica holds is skipped, so users sharing it get different homes;
+    the key stays the same as a conversation grows and after its history is evicted
+    everywhere, so it finds the same home. A prompt shorter than one block uses
+    ``fallback``."""
+    if not keys:
+        return fallback
+    held = sorted(held_blocks)
+    common = held[(len(held) - 1) // 2] if held else 0
+    return keys[min(common, len(keys) - 1)].to_bytes(8, "little", signed=False)
+
+
+@dataclass(slots=True)
+class Decision:
+    policy: str
+    reason: str
+    ranked: list[Replica]
+    views: list[ReplicaView]
+    prompt_tokens: int | None
+    lora_name: str | None = None
+    keys: dict[int, list[int]] = field(default_factory=dict)
+    approx_keys: list[int] = field(default_factory=list)
+    affinity: bytes = b""
+    home: str | None = None
+    # A batch (several prompts, one request, one replica): each prompt's length, its
+    # predicted cached tokens per replica, and the keys of the prompts after the first.
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_predicted: dict[str, list[int]] = field(default_factory=dict)
+    batch_keys: dict[int, list[list[int]]] = field(default_factory=dict)
+    # What the replica that answered reported it served from cache (the dashboard's log).
+    delivered_by: str | None = None
+    delivered_cached_tokens: int | None = None
+
+    def view(self, name: str) -> ReplicaView | None:
+        return next((v for v in self.views if v.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "reason": self.reason,
+            "chosen": self.ranked[0].name if self.ranked else None,
+            "ranked": [r.name for r in self.ranked],
+            "prompt_tokens": self.prompt_tokens,
+            "lora_name": self.lora_name,
+            "home": self.home,
+            "replicas": [v.to_dict() for v in self.views],
+        }
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        index: PrefixIndex,
+        subscriber: FeedHealth | None,
+        tokenizer: TokenizerBase | None,
+        policy: Policy,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.subscriber = subscriber
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.hints = BurstHints(settings.hint_ttl_s, settings.hint_max_keys)
+        self.history = RoutingHistory(settings.approx_max_keys)
+        self.recent = DecisionLog()  # the last decisions sent, for GET /dashboard/data
+        # Where each prefix (its home_affinity) was first placed: where it goes back to once
+        # evicted everywhere (KvroutePolicy). Router-local, like the hints; a prefix this
+        # router never saw is placed by a rule every router computes alike (placement.py).
+        self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
+        # Blocks each replica stored lately, from the event feeds every router reads, and
+        # those this router sent it to compute that its feed has not announced yet.
+        self.stored_rate = StoredRate(settings.cost.placement_half_life_s)
+        self.unstored = UnstoredBlocks(settings.cost.placement_unstored_max_age_s)
+        c = settings.cost
+        self.queue_delay = (
+            LearnedQueueDelay(
+                c.queue_s_per_request,
+                weight=c.queue_learn_weight,
+                half_life_s=c.queue_learn_half_life_s,
+                max_s=c.queue_s_per_request_max,
+            )
+            if c.learn_queue_delay
+            else None
+        )
+
+    async def tokens(
+        self, req: ParsedRequest, candidates: list[Replica] | None = None
+    ) -> list[int] | None:
+        if self.tokenizer is None:
+            return None
+        # The ids carry a rendered prompt's multimodal items (PromptIds.mm) to the keys.
+        prompt = await self.tokenizer.prompt(req, _max_model_len(req.model, candidates or []))
+        return prompt.tokens
+
+    async def batch_tokens(
+        self, req: ParsedRequest, candidates: list[Replica]
+    ) -> list[list[int]] | None:
+        """Every prompt's ids: one list, or one per prompt of a batch (vLLM serves a batch
+        on one replica, so the router weighs all of its prompts)."""
+        if self.tokenizer is None:
+            return None
+        if not req.batch:
+            return [await self.tokens(req, candidates)]  # type: ignore[list-item]
+        return [
+            await self.tokens(replace(req, prompt=prompt, batch=None), candidates)  # type: ignore[misc]
+            for prompt in req.batch
+        ]
+
+    def sample_stored_blocks(self) -> None:
+        """Sample every feed's cumulative stored-block count (all streams of a replica), and
+        settle the blocks in progress they announce. Before each decision, and before this
+        router reports its blocks in progress (``GET /peer/load``, ``/index/stats``)."""
+        if not self.policy.uses_homes or self.subscriber is None:
+            return
+        counts: dict[str, int] = {}
+        resets: dict[str, int] = {}
+        for (replica, _), stats in self.subscriber.all_feed_stats().items():
+            counts[replica] = counts.get(replica, 0) + stats.blocks_stored
+            resets[replica] = resets.get(replica, 0) + stats.device_clears
+        self.unstored.settle(self.stored_rate.update(counts, resets))
+
+    def _placement_rate(self, replica: Replica) -> float:
+        """``StoredRate`` with the blocks in progress on ``replica`` (sent by this router or,
+        as of their last answer, by its peers) counted as stored now."""
+        unstored = self.unstored.blocks(replica.name) + replica.peer_unstored_blocks
+        return self.stored_rate.rate(replica.name, unstored)
+
+    def _freshness(self, replica: Replica) -> tuple[str | None, str | None]:
+        if replica.config.events is None or self.subscriber is None:
+            return None, "no event feed configured"
+        state, reason = self.subscriber.freshness(replica.name)
+        return str(state), reason
+
+    def _domain_freshness(self, replica: Replica) -> str | None:
+        """The freshness of the evictor feed of the replica's storage domain (None: not
+        attached, or the domain has no feed configured)."""
+        domain = replica.config.storage_domain
+        if domain is None or self.subscriber is None:
+            return None
+        if all(d.name != domain for d in self.settings.storage_domains):
+            return None
+        return str(self.subscriber.freshness(domain_key(domain))[0])
+
+    async def decide(
+        self, req: ParsedRequest, candidates: list[Replica], session_id: str | None = None
+    ) -> Decision:
+        prompts = await self.batch_tokens(req, candidates)
+        tokens = prompts[0] if prompts else None
+        lora = req.model if any(r.is_lora(req.model) for r in candidates) else None
+        views: dict[str, ReplicaView] = {}
+        self.sample_stored_blocks()
+        for r in candidates:
+            fresh, why = self._freshness(r)
+            views[r.name] = ReplicaView(
+                name=r.name,
+                pending=r.pending,
+                in_flight=r.in_flight,
+                running=r.running,
+                waiting=r.waiting,
+                kv_usage=r.kv_usage,
+                queue_s_per_request=None
+                if self.queue_delay is None
+                else self.queue_delay.per_request_s(r.name),
+                stored_rate=self._placement_rate(r) if self.policy.uses_homes else 0.0,
+                block_size=self.index.block_size(r.name),
+                freshness=fresh,
+                freshness_reason=why,
+                storage_domain=r.config.storage_domain,
+                storage_domain_freshness=self._domain_freshness(r),
+            )
+        total = None if prompts is None else sum(len(p) for p in prompts)
+        decision = Decision(self.policy.name, "", [], [], total)
+        decision.lora_name = lora
+        affinity = req.model.encode()
+        if tokens:
+            assert prompts is not None
+            batch = [
+                RequestKeys(p, lora_name=lora, cache_salt=req.cache_salt, mm=getattr(p, "mm", None))
+                for p in prompts
+            ]
+            request = batch[0]
+            if len(batch) > 1:
+                decision.batch_sizes = [len(p) for p in prompts]
+            self._match(decision, views, batch)
+            bs = next(iter(decision.keys))
+            held = [
+                v.predicted_cached_tokens // bs
+                for v in views.values()
+                if (v.block_size or self.settings.default_block_size) == bs
+            ]
+            # A prompt shorter than one block has no keys: its (few) tokens are its affinity.
+            affinity = home_affinity(decision.keys[bs], held, request.packed[: 4 * bs])
+        home = self.homes.get(affinity) if self.policy.uses_homes else None
+        decision.affinity = affinity
+        decision.home = home if home in views else None
+        ctx = RouteContext(
+            list(views.values()), decision.prompt_tokens, affinity, session_id, decision.home
+        )
+        ranking = self.policy.rank(ctx)
+        for view in ranking.views:
+            if (estimate := ranking.estimates.get(view.name)) is not None:
+                view.record(estimate)
+        by_name = {r.name: r for r in candidates}
+        decision.reason = ranking.reason
+        decision.views = ranking.views
+        decision.ranked = [by_name[v.name] for v in ranking.views]
+        return decision
+
+    def _match(
+        self, decision: Decision, views: dict[str, ReplicaView], requests: list[RequestKeys]
+    ) -> None:
+        """Each replica's match per prompt, summed over a batch's prompts. A prompt of a
+        batch may also hit the blocks an earlier prompt of the same batch computes (vLLM
+        caches a block as soon as it is scheduled): that share counts like a burst hint."""
+        groups: dict[int, list[str]] = {}
+        for view in views.values():
+            groups.setdefault(view.block_size or self.settings.default_block_size, []).append(
+                view.name
+            )
+        batch = len(requests) > 1
+        for bs, names in groups.items():
+            indexed = [name for name in names if views[name].block_size is not None]
+            earlier: set[int] = set()
+            for i, request in enumerate(requests):
+                n = request.n_tokens
+                keys = request.keys(bs)
+                if i == 0:
+                    decision.keys[bs] = keys
+                else:
+                    decision.batch_keys.setdefault(bs, []).append(keys)
+                matches = self.index.lookup(request, replicas=indexed) if indexed else {}
+                hints = self.hints.match(names, keys)
+                shared = 0
+                if batch:
+                    while shared < len(keys) and keys[shared] in earlier:
+                        shared += 1
+                    earlier.update(keys)
+                for name in names:
+                    view = views[name]
+                    cap, tiers = 0, {}
+                    m = matches.get(name)
+                    if m is not None and m.tokens:
+                        unit = m.partial_unit if m.partial_tokens else bs
+                        cap = predicted_cached_tokens(m.tokens, n, unit or bs)
+                        tiers = match_tiers(m)
+                        excess = m.tokens - cap
+                        for tier in _TIER_DROP_ORDER:
+                            if excess <= 0:
+                                break
+                            take = min(excess, tiers.get(tier, 0))
+                            if take:
+                                tiers[tier] -= take
+                                excess -= take
+                    hint = predicted_cached_tokens(max(hints.get(name, 0), shared) * bs, n, bs)
+                    view.match_tokens += cap
+                    for tier, count in tiers.items():
+                        if count:
+                            view.tokens_by_tier[tier] = view.tokens_by_tier.get(tier, 0) + count
+                    view.hint_tokens += hint
+                    view.predicted_cached_tokens += max(cap, hint)
+                    if batch:
+                        decision.batch_predicted.setdefault(name, []).append(max(cap, hint))
+        if self.policy.uses_routing_history:
+            request = requests[0]
+            n = request.n_tokens
+            abs_ = self.settings.approx_block_size
+            decision.approx_keys = request.keys(abs_)
+            approx = self.history.match(list(views), decision.approx_keys)
+            for name, blocks in approx.items():
+                views[name].approx_tokens = predicted_cached_tokens(blocks * abs_, n, abs_)
+                views[name].predicted_cached_tokens = max(
+                    views[name].predicted_cached_tokens, views[name].approx_tokens
+                )
+
+    def commit(self, decision: Decision, replica: Replica) -> None:
+        """The request went to ``replica``: remember it for siblings and routing history, and
+        as the prefix's home if it has none (or its home is no longer a candidate)."""
+        view = decision.view(replica.name)
+        if view is None:
+            return
+        self.recent.record(decision, replica.name)
+        if self.policy.uses_homes and decision.home is None and decision.affinity:
+            self.homes.put(decision.affinity, replica.name)
+        bs = view.block_size or self.settings.default_block_size
+        if self.policy.uses_homes and decision.prompt_tokens:
+            self.unstored.add(
+                replica.name, (decision.prompt_tokens - view.predicted_cached_tokens) // bs
+            )
+        keys = decision.keys.get(bs)
+        if keys:
+            self.hints.record(replica.name, keys)
+        for more in decision.batch_keys.get(bs, ()):
+            self.hints.record(replica.name, more)
+        if decision.approx_keys:
+            self.history.insert(replica.name, decision.approx_keys)
+
+    def first_byte(self, decision: Decision, replica: Replica, seconds: float) -> None:
+        """A streamed response's first byte came ``seconds`` after it was sent to
+        ``replica``: what the cost model did not explain is queueing, learned per replica."""
+        view = decision.view(replica.name)
+        if self.queue_delay is None or view is None:
+            return
+        explained = (view.compute_s or 0.0) + (view.load_s or 0.0)
+        if view.compute_s is None:  # a policy that does not estimate: price it like kvroute
+            uncached = max(0, (decision.prompt_tokens or 0) - view.predicted_cached_tokens)
+            explained = self.settings.cost.prefill_s_per_token * uncached
+        self.queue_delay.observe(replica.name, view.pending, explained, seconds)
+
+    def forget(self, replica: str) -> None:
+        self.hints.forget(replica)
+        self.history.forget(replica)
+        self.stored_rate.forget(replica)
+        self.unstored.forget(replica)
+        if self.queue_delay is not None:
+            self.queue_delay.forget(replica)
+
+
+def _max_model_len(model: str, candidates: list[Replica]) -> int | None:
+    """The largest context length the candidates' model cards give (vLLM's ``/v1/models``
+    reports ``max_model_len``): a prompt past it fits no candidate."""
+    lens = [
+        card["max_model_len"]
+        for r in candidates
+        if isinstance(card := r.models.get(model), dict)
+        and isinstance(card.get("max_model_len"), int)
+    ]
+    return max(lens) if lens and len(lens) == len(candidates) else None

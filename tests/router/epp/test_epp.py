@@ -1,0 +1,590 @@
+"""kvroute as a Gateway API Inference Extension endpoint picker (router/epp/server.py), end to end.
+
+A real ``kvroute serve --epp-port`` process in front of a simulated vLLM fleet (bench/sim:
+vLLM's HTTP API and ZMQ KV events), driven over Envoy's ext_proc protocol by a real
+``grpc.aio`` client built on the xds-protos stubs, playing the gateway's part message by
+message. Envoy itself cannot run here (no Envoy binary, no network), so what Envoy does with
+the answers (connect to the picked ``ip:port``, hand the response phases back) is played by
+the test: it sends the response headers and body itself, in the order Envoy would.
+
+Checked: the pick is the replica holding a returning prefix (what ``/debug/route`` would
+choose), given as the ``x-gateway-destination-endpoint`` header and as ``envoy.lb`` dynamic
+metadata; the gateway's subset hint restricts it; a body streamed in several chunks
+(FULL_DUPLEX_STREAMED) and a buffered one both work; the request counts in flight on the
+picked replica until the response ends or the stream closes; and every bad input gets an
+ImmediateResponse with OpenAI's error JSON and the HTTP endpoints' status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# grpcio and xds-protos are base dependencies (pyproject.toml): a missing one is a broken
+# install and fails here, never a skip.
+import grpc
+import httpx
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as modes
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
+from kvroute.bench.sim.latency import LatencyModel
+from kvroute.deploy.processes import free_port
+from kvroute.deploy.router_process import RouterProcess
+
+KEY = "sk-epp-test"
+AUTH = f"Bearer {KEY}"
+MODEL = "kvroute-sim"
+MAX_BODY = 64 * 1024
+DUPLEX = modes.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = modes.ProcessingMode.BUFFERED
+
+
+class Setup:
+    def __init__(self, fleet: SimFleet, router: RouterProcess, epp_port: int) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.epp = f"127.0.0.1:{epp_port}"
+        self.endpoints = {r.name: r.url.removeprefix("http://") for r in fleet.replicas}
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(
+            f"{self.router.url}/index/stats", headers=self.router.auth_headers(), timeout=10
+        ).json()
+
+    def in_flight(self) -> dict[str, int]:
+        return {n: r["load"]["in_flight"] for n, r in self.stats()["replicas"].items()}
+
+    def debug_route(self, body: dict[str, Any]) -> dict[str, Any]:
+        return httpx.post(
+            f"{self.router.url}/debug/route",
+            json=body,
+            headers=self.router.auth_headers(),
+            timeout=10,
+        ).json()
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    config = SimFleetConfig(
+        replicas=2,
+        max_model_len=4096,
+        default_max_tokens=2,
+        latency=LatencyModel(time_scale=0.005),
+        stream_interval_s=0.002,
+    )
+    with SimFleet(config) as fleet:
+        epp_port = free_port("127.0.0.1")
+        router = RouterProcess(
+            name="router-epp",
+            replicas=fleet.endpoints(),
+            tokenizer=fleet.model_dir,
+            api_key=KEY,
+            extra_args=[
+                "--epp-port",
+                str(epp_port),
+                "--health-interval-s",
+                "0.3",
+                "--max-body-bytes",
+                str(MAX_BODY),
+                "--no-tokenizer-check",
+                "--log-level",
+                "warning",
+            ],
+        )
+        with router:
+            assert router.wait_feeds_settled(30)
+            yield Setup(fleet, router, epp_port)
+
+
+# --- the gateway's side of the stream ----------------------------------------------------
+
+
+def header_map(
+    path: str = "/v1/chat/completions",
+    *,
+    method: str = "POST",
+    end_of_stream: bool = False,
+    authorization: str | None = AUTH,
+    subset: list[str] | None = None,
+    mode: int | None = DUPLEX,
+    extra: dict[str, str] | None = None,
+) -> pb.ProcessingRequest:
+    """The first message of a stream, as Envoy sends it: pseudo-headers and headers as raw
+    values, the subset hint in filter metadata, the body modes in ``protocol_config``."""
+    values = {":method": method, ":path": path, ":authority": "gateway", "x-request-id": "rq-1"}
+    values["content-type"] = "application/json"
+    if authorization is not None:
+        values["authorization"] = authorization
+    values.update(extra or {})
+    request = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+    if subset is not None:
+        hint = request.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+        # Present even when empty (an empty list is a refusal, not "no hint").
+        hint.fields["x-gateway-destination-endpoint-subset"].list_value.SetInParent()
+        for endpoint in subset:
+            hint.fields["x-gateway-destination-endpoint-subset"].list_value.values.add(
+                string_value=endpoint
+            )
+    if mode is not None:
+        request.protocol_config.request_body_mode = mode
+        request.protocol_config.response_body_mode = mode
+    return request
+
+
+def _body(data: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def _response_headers(status: int = 200, sse: bool = True) -> pb.ProcessingRequest:
+    content_type = "text/event-stream" if sse else "application/json"
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[
+                    core.HeaderValue(key=":status", raw_value=str(status).encode()),
+                    core.HeaderValue(key="content-type", raw_value=content_type.encode()),
+                ]
+            )
+        )
+    )
+
+
+def _response_body(data: bytes, end_of_stream: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+class Stream:
+    """One ext_proc stream over a real gRPC channel."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+
+    async def send(self, *requests: pb.ProcessingRequest) -> None:
+        for request in requests:
+            await self.call.write(request)
+
+    async def read(self, timeout_s: float = 10.0) -> pb.ProcessingResponse:
+        answer = await asyncio.wait_for(self.call.read(), timeout_s)
+        assert answer is not grpc.aio.EOF, "the picker ended the stream"
+        return answer
+
+    async def read_many(self, n: int) -> list[pb.ProcessingResponse]:
+        return [await self.read() for _ in range(n)]
+
+    async def ends(self) -> None:
+        """The picker closes its side (after an ImmediateResponse)."""
+        assert await asyncio.wait_for(self.call.read(), 10.0) is grpc.aio.EOF
+        assert await asyncio.wait_for(self.call.code(), 10.0) == grpc.StatusCode.OK
+
+
+def _run(setup: Setup, test: Callable[[Stream], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        async with grpc.aio.insecure_channel(setup.epp) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            try:
+                return await test(Stream(call))
+            finally:
+                call.cancel()
+
+    return asyncio.run(main())
+
+
+def _chat(system: str, user: str = "hello?", **more: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 2,
+        **more,
+    }
+
+
+def _destination(answer: pb.ProcessingResponse) -> tuple[str, str, dict[str, str], list[str]]:
+    """(header value, metadata value, all set headers, removed headers) of a pick."""
+    phase = answer.WhichOneof("response")
+    assert phase in ("request_headers", "request_body"), answer
+    common = getattr(answer, phase).response
+    headers = {
+        h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
+    }
+    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    return (
+        headers["x-gateway-destination-endpoint"],
+        lb.fields["x-gateway-destination-endpoint"].string_value,
+        headers,
+        list(common.header_mutation.remove_headers),
+    )
+
+
+async def _pick(stream: Stream, body: dict[str, Any], **headers: Any) -> str:
+    """A duplex pick: headers, the whole body; the picked endpoint (header == metadata)."""
+    raw = json.dumps(body).encode()
+    await stream.send(header_map(**headers), _body(raw))
+    answer, echoed = await stream.read_many(2)
+    header, metadata, _, _ = _destination(answer)
+    assert header == metadata
+    assert echoed.request_body.response.body_mutation.streamed_response.body == raw
+    return header
+
+
+def _error(answer: pb.ProcessingResponse) -> tuple[int, dict[str, Any], dict[str, str]]:
+    assert answer.WhichOneof("response") == "immediate_response", answer
+    immediate = answer.immediate_response
+    headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    body = json.loads(immediate.body)
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == immediate.status.code
+    assert headers["content-type"] == "application/json"
+    return immediate.status.code, body, headers
+
+
+def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# --- the tests ----------------------------------------------------------------------------
+
+
+def test_the_pick_is_the_replica_holding_a_returning_prefix(setup: Setup) -> None:
+    """A conversation computed on the second replica (sent to it directly) is picked there,
+    as the HTTP proxy would pick it (``/debug/route``); header and metadata agree."""
+    holder = setup.fleet.replicas[1]
+    body = _chat("You are the EPP test's assistant. " + "Keep every answer short. " * 40)
+    httpx.post(f"{holder.url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
+
+    def held() -> bool:
+        route = setup.debug_route(body)
+        view = next(v for v in route["replicas"] if v["name"] == holder.name)
+        return route["chosen"] == holder.name and view["match_tokens"] > 0
+
+    _wait(held)
+    endpoint = _run(setup, lambda s: _pick(s, body))
+    assert endpoint == setup.endpoints[holder.name]
+    _wait(lambda: sum(setup.in_flight().values()) == 0)  # the stream closed: released
+
+
+def test_the_subset_hint_restricts_the_pick(setup: Setup) -> None:
+    holder = setup.fleet.replicas[1]
+    other = setup.fleet.replicas[0]
+    body = _chat("Subset hint test. " + "Repeat the question first. " * 40)
+    httpx.post(f"{holder.url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
+    _wait(lambda: setup.debug_route(body)["chosen"] == holder.name)
+    allowed = [setup.endpoints[other.name], "10.255.0.1:8000"]  # and one the fleet lacks
+    assert _run(setup, lambda s: _pick(s, body, subset=allowed)) == setup.endpoints[other.name]
+
+    async def refused(stream: Stream, subset: list[str]) -> None:
+        await stream.send(header_map(subset=subset), _body(json.dumps(body).encode()))
+        status, error, headers = _error(await stream.read())
+        assert status == 503 and "subset" in error["error"]["message"]
+        assert "retry-after" in headers
+        await stream.ends()
+
+    _run(setup, lambda s: refused(s, ["10.255.0.1:8000"]))  # none eligible
+    _run(setup, lambda s: refused(s, []))  # an empty list
+
+
+def test_a_body_streamed_in_chunks_and_a_buffered_body(setup: Setup) -> None:
+    body = _chat("Chunked body test. " + "Think step by step. " * 60, stream=True)
+    raw = json.dumps(body).encode()
+    expected = setup.debug_route(body)["chosen"]
+
+    async def chunked(stream: Stream, mode: int | None) -> None:
+        await stream.send(header_map(mode=mode))
+        third = len(raw) // 3
+        await stream.send(_body(raw[:third], False), _body(raw[third : 2 * third], False))
+        await stream.send(_body(raw[2 * third :], True))
+        answer = await stream.read()
+        endpoint, _, headers, removed = _destination(answer)
+        assert answer.WhichOneof("response") == "request_headers"
+        assert answer.request_headers.response.clear_route_cache
+        assert endpoint == setup.endpoints[expected]
+        assert headers["content-length"] == str(len(raw))
+        # The router's key is not the replicas': not forwarded, as on HTTP (router/serving/auth.py).
+        assert removed == ["authorization"]
+        echoed = b""
+        while True:  # the body handed back, in order, the last chunk ending the stream
+            chunk = (await stream.read()).request_body.response.body_mutation.streamed_response
+            echoed += chunk.body
+            if chunk.end_of_stream:
+                break
+        assert echoed == raw
+
+    async def buffered(stream: Stream) -> None:
+        await stream.send(header_map(mode=BUFFERED))
+        assert (await stream.read()).WhichOneof("response") == "request_headers"
+        await stream.send(_body(raw, True))
+        answer = await stream.read()
+        assert answer.WhichOneof("response") == "request_body"
+        endpoint, metadata, _, _ = _destination(answer)
+        assert endpoint == metadata == setup.endpoints[expected]
+
+    _run(setup, lambda s: chunked(s, DUPLEX))
+    _run(setup, lambda s: chunked(s, None))  # no protocol_config: the Inference Extension's
+    _run(setup, buffered)
+
+
+def test_in_flight_rises_and_falls_with_the_response_phases(setup: Setup) -> None:
+    body = _chat("In-flight accounting test. " + "Answer in one word. " * 30, stream=True)
+    names = {v: k for k, v in setup.endpoints.items()}
+
+    async def phases(stream: Stream) -> None:
+        picked = names[await _pick(stream, body)]
+        assert setup.in_flight()[picked] == 1  # counted from the pick
+        await stream.send(_response_headers())
+        assert (await stream.read()).WhichOneof("response") == "response_headers"
+        assert setup.in_flight()[picked] == 1
+        await stream.send(_response_body(b'data: {"choices": []}\n\n', False))
+        echoed = (await stream.read()).response_body.response.body_mutation.streamed_response
+        assert echoed.body == b'data: {"choices": []}\n\n' and not echoed.end_of_stream
+        assert setup.in_flight()[picked] == 1
+        await stream.send(_response_body(b"data: [DONE]\n\n", True))
+        last = (await stream.read()).response_body.response.body_mutation.streamed_response
+        assert last.end_of_stream
+        assert setup.in_flight()[picked] == 0  # the response ended
+
+    async def abandoned(stream: Stream) -> None:
+        picked = names[await _pick(stream, body)]
+        assert setup.in_flight()[picked] == 1
+        stream.call.cancel()  # the gateway goes away mid-request
+
+    _run(setup, phases)
+    _run(setup, abandoned)
+    _wait(lambda: sum(setup.in_flight().values()) == 0)
+    metrics = httpx.get(f"{setup.router.url}/metrics", timeout=10).text
+    assert 'kvroute_epp_requests_total{endpoint="chat",outcome="picked"}' in metrics
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "param"),
+    [
+        ("invalid_json", 400, None),
+        ("not_an_object", 400, None),
+        ("no_messages", 400, "messages"),
+        ("unknown_model", 404, "model"),
+        ("too_large", 413, None),
+        ("no_key", 401, None),
+        ("wrong_key", 401, None),
+    ],
+)
+def test_bad_input_gets_an_immediate_response(
+    setup: Setup, case: str, status: int, param: str | None
+) -> None:
+    good = json.dumps(_chat("bad input test")).encode()
+    raw = {
+        "invalid_json": b'{"model": "kvroute-sim", "messages": [',
+        "not_an_object": b"[1, 2]",
+        "no_messages": json.dumps({"model": MODEL}).encode(),
+        "unknown_model": json.dumps(_chat("x") | {"model": "no-such-model"}).encode(),
+        "too_large": json.dumps(_chat("x" * MAX_BODY)).encode(),
+    }.get(case, good)
+    authorization = {"no_key": None, "wrong_key": "Bearer sk-wrong"}.get(case, AUTH)
+
+    async def refused(stream: Stream) -> None:
+        await stream.send(header_map(authorization=authorization))
+        if status != 401:  # the key is checked on the headers, before any body
+            half = len(raw) // 2
+            await stream.send(_body(raw[:half], False), _body(raw[half:], True))
+        got, error, headers = _error(await stream.read())
+        assert (got, error["error"]["param"]) == (status, param), error
+        assert headers["x-request-id"] == "rq-1"
+        await stream.ends()
+
+    _run(setup, refused)
+    assert sum(setup.in_flight().values()) == 0
+    # The server lives on: the next request is picked.
+    assert _run(setup, lambda s: _pick(s, _chat("after a bad one"))) in setup.endpoints.values()
+
+
+def _health(setup: Setup, service: str) -> bytes | grpc.StatusCode:
+    """grpc.health.v1.Health/Check, its messages written by hand: the wire bytes of the
+    answer (``08 01``: SERVING, ``08 02``: NOT_SERVING), or the call's error code."""
+
+    async def check() -> bytes | grpc.StatusCode:
+        async with grpc.aio.insecure_channel(setup.epp) as channel:
+            call = channel.unary_unary("/grpc.health.v1.Health/Check")
+            request = b"\x0a" + bytes([len(service)]) + service.encode() if service else b""
+            try:
+                return await asyncio.wait_for(call(request), 10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+    return asyncio.run(check())
+
+
+SERVING, NOT_SERVING = b"\x08\x01", b"\x08\x02"
+
+
+def test_the_grpc_health_service(setup: Setup) -> None:
+    for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert _health(setup, service) == SERVING, service
+    assert _health(setup, "no.such.Service") == grpc.StatusCode.NOT_FOUND
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    from cryptography import x509  # the test extra (pyproject.toml)
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvroute-epp")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "epp.crt", directory / "epp.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def test_tls_and_a_router_without_keys(setup: Setup, tmp_path: Path) -> None:
+    """``--epp-tls-cert/--epp-tls-key``: the picker over TLS. Without router keys the
+    client's Authorization is left for the replicas, as the HTTP proxy leaves it."""
+    cert, key = _self_signed(tmp_path)
+    port = free_port("127.0.0.1")
+    router = RouterProcess(
+        name="router-epp-tls",
+        replicas=setup.fleet.endpoints(),
+        tokenizer=setup.fleet.model_dir,
+        extra_args=[
+            *("--epp-port", str(port), "--epp-tls-cert", str(cert), "--epp-tls-key", str(key)),
+            *("--no-tokenizer-check", "--log-level", "warning"),
+        ],
+    )
+
+    async def pick() -> tuple[str, list[str]]:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            stream = Stream(call)
+            await stream.send(header_map(), _body(json.dumps(_chat("over TLS")).encode()))
+            endpoint, _, _, removed = _destination(await stream.read())
+            call.cancel()
+            return endpoint, removed
+
+    with router:
+        endpoint, removed = asyncio.run(pick())
+    assert endpoint in setup.endpoints.values()
+    assert removed == []
+
+
+def test_no_healthy_replica_is_a_503(setup: Setup) -> None:
+    """Last: it takes the fleet down."""
+    for replica in setup.fleet.replicas:
+        setup.fleet.kill(replica.name)
+    _wait(lambda: httpx.get(f"{setup.router.url}/health", timeout=5).status_code == 503)
+
+    async def refused(stream: Stream) -> None:
+        await stream.send(header_map(), _body(json.dumps(_chat("anyone?")).encode()))
+        status, _, headers = _error(await stream.read())
+        assert status == 503 and headers["retry-after"]
+        await stream.ends()
+
+    _run(setup, refused)
+    assert _health(setup, "readiness") == NOT_SERVING
+    assert _health(setup, "liveness") == SERVING
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"epp_port": 0},
+        {"epp_port": 70000},
+        {"epp_port": 8000, "port": 8000},
+        {"epp_port": 9002, "epp_tls_cert": "c.pem"},
+        {"epp_tls_cert": "c.pem", "epp_tls_key": "k.pem"},
+    ],
+)
+def test_the_epp_settings_are_checked(fields: dict[str, Any]) -> None:
+    from kvroute.router.config import ConfigError, RouterSettings
+
+    with pytest.raises(ConfigError):
+        RouterSettings(**fields)
+
+
+# --- pieces, without a server -------------------------------------------------------------
+
+
+def test_endpoints_subset_hints_and_the_mutation() -> None:
+    from kvroute.router.config import ReplicaConfig
+    from kvroute.router.epp.messages import destination_mutation, replica_endpoint, subset_hint
+    from kvroute.router.fleet.replicas import Replica
+    from kvroute.router.serving.auth import ReplicaAuth
+
+    def endpoint(url: str) -> str:
+        return replica_endpoint(Replica(ReplicaConfig(url=url)))
+
+    assert endpoint("http://10.0.0.7:8000") == "10.0.0.7:8000"
+    assert endpoint("http://10.0.0.7") == "10.0.0.7:80"
+    assert endpoint("http://[fd00::7]:8000/") == "[fd00::7]:8000"
+
+    assert subset_hint(header_map(subset=None)) is None
+    assert subset_hint(header_map(subset=["10.0.0.7:8000", " [FD00::7]:8000"])) == {
+        "10.0.0.7:8000",
+        "[fd00::7]:8000",
+    }
+    lenient = header_map()
+    hint = lenient.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+    hint.fields[
+        "x-gateway-destination-endpoint-subset"
+    ].string_value = "10.0.0.7:8000,10.0.0.8:8000"
+    assert subset_hint(lenient) == {"10.0.0.7:8000", "10.0.0.8:8000"}
+
+    rank = Replica(ReplicaConfig(url="http://10.0.0.7:8000", name="big#dp1", dp_rank=1))
+    keys = ReplicaAuth.of(["sk-router"], "sk-replica")
+    mutation = destination_mutation(rank, "10.0.0.7:8000", keys, 42)
+    set_headers = {h.header.key: h.header.raw_value for h in mutation.set_headers}
+    assert set_headers == {
+        "x-gateway-destination-endpoint": b"10.0.0.7:8000",
+        "x-data-parallel-rank": b"1",
+        "content-length": b"42",
+        "authorization": b"Bearer sk-replica",
+    }
+    assert list(mutation.remove_headers) == []
+    # A client's own x-gateway-destination-endpoint is replaced, never kept beside the pick.
+    overwrite = core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    assert {h.append_action for h in mutation.set_headers} == {overwrite}
+    plain = destination_mutation(rank, "10.0.0.7:8000", ReplicaAuth.of([], None))
+    assert [h.header.key for h in plain.set_headers] == [
+        "x-gateway-destination-endpoint",
+        "x-data-parallel-rank",
+    ]
+    assert list(plain.remove_headers) == []
