@@ -113,8 +113,16 @@ lower_st = st.sampled_from([Medium.CPU, Medium.STORAGE])
 
 
 @st.composite
-def operation(draw: st.DrawFn) -> tuple[str, Event]:
-    """One event of a replica's stream, of any kind a vLLM publisher sends."""
+def operation(
+    draw: st.DrawFn, *, chunk_grid: int = 0, tier_only_medium: Medium | None = None
+) -> tuple[str, Event]:
+    """One event of a replica's stream, of any kind a vLLM publisher sends.
+
+    By default a tier-only store names any blocks, in a tier sized stores use too. With
+    ``chunk_grid`` and ``tier_only_medium`` the stream is one real publisher's: vLLM's
+    offloading connector cuts a prompt into chunks of ``chunk_grid`` blocks from its first
+    block and names the last block of each chunk of the prompt, from the first chunk on, in a
+    tier of its own (sized lower stores then use the other lower tier)."""
     replica = draw(replica_st)
     doc = DOCS[draw(doc_st)]
     n_blocks = len(doc) // BS
@@ -122,14 +130,22 @@ def operation(draw: st.DrawFn) -> tuple[str, Event]:
     kind = draw(st.sampled_from([*kinds, "clear", "clear_tier"]))
     start = draw(st.integers(0, n_blocks - 1))
     n = draw(st.integers(1, n_blocks - start))
+    sized_st = lower_st
+    if tier_only_medium is not None:
+        sized_st = st.just(Medium.STORAGE if tier_only_medium is Medium.CPU else Medium.CPU)
     if kind == "device":
         return replica, stored(doc, start, n)
     if kind == "lower":
-        return replica, stored(doc, start, n, draw(lower_st))
+        return replica, stored(doc, start, n, draw(sized_st))
     if kind == "lower_by_hash":
-        return replica, stored(doc, start, n, draw(lower_st), with_extra_keys=False)
+        return replica, stored(doc, start, n, draw(sized_st), with_extra_keys=False)
     blocks = draw(st.lists(st.integers(0, n_blocks - 1), min_size=1, max_size=3))
     if kind == "tier_only":
+        if chunk_grid and tier_only_medium is not None:
+            chunks = n_blocks // chunk_grid
+            last = draw(st.integers(0, chunks - 1))
+            ends = [(c + 1) * chunk_grid - 1 for c in range(last + 1)]
+            return replica, tier_only(doc, ends, tier_only_medium)
         return replica, tier_only(doc, blocks, draw(lower_st))
     if kind == "remove":
         return replica, removed(doc, blocks, draw(st.sampled_from(list(Medium))))
