@@ -26,12 +26,13 @@ import pytest
 
 from kvroute.router.app import create_app
 from kvroute.router.config import ReplicaConfig, RouterSettings
+from tests.paths import REPO_ROOT
 from tests.router.servers import ServerThread, wait_until
 from tests.router.sim_replica import SimServer
 
 pytestmark = pytest.mark.vllm
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_events"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "vllm_events"
 
 
 def _republish(publisher: Any, payload: bytes) -> None:
