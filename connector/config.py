@@ -53,6 +53,11 @@ class ConnectorConfig:
     # replica then finds every chunk any of them wrote, live; an external evictor
     # (``kvroute storage gc``) bounds the directory. None: a private directory.
     storage_domain: str | None = None
+    # An operator's name for the checkpoint, used in the layout identity instead of the
+    # weight files' names, sizes and modification times (``fingerprint.py``): for
+    # replicas that load copies of one checkpoint with different file times. Must
+    # change whenever the weights change. None: the files' stats.
+    weights_id: str | None = None
     # How a CUDA worker moves a chunk's blocks between the KV cache and its staging
     # buffer: "auto" (one Triton launch for all layers where the layout allows, else one
     # kernel per layer), "triton" (fail at start if it cannot), "per_layer".
@@ -82,6 +87,8 @@ class ConnectorConfig:
             raise ValueError("disk_read_threads and disk_write_threads must be >= 1")
         if self.cuda_block_kernel not in CUDA_BLOCK_KERNELS:
             raise ValueError(f"cuda_block_kernel must be one of {CUDA_BLOCK_KERNELS}")
+        if self.weights_id is not None and not str(self.weights_id).strip():
+            raise ValueError("weights_id must be a non-empty string (or unset)")
         if self.storage_domain is not None:
             if not self.disk_dir:
                 raise ValueError("storage_domain needs disk_dir (the shared directory)")

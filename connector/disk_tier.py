@@ -1,9 +1,11 @@
 """Disk tier: where chunk files live, and the worker's background writer.
 
 Layout: ``<disk_dir>/<layout digest>/tp<r>-pp<p>/<key hex>.kvc``. The layout digest
-separates models, settings and parallel layouts (see ``identity``); the rank directory
-separates the workers of one layout, whose files for the same chunk hold different
-slices of its KV. The start-up scan is in ``disk_scan``.
+separates models, weights, settings and parallel layouts (see ``identity``); the rank
+directory separates the workers of one layout, whose files for the same chunk hold
+different slices of its KV. A data-parallel engine of rank d > 0 keeps its private
+files in ``<layout digest>/dp<d>/`` (``layout.engine_layout_dir``). The start-up scan is
+in ``disk_scan``.
 
 * ``DiskWriter`` (worker side): background threads write files so the forward pass
   never waits on disk (several at once: one file write leaves the device idle while

@@ -4,9 +4,10 @@ Under tensor or pipeline parallelism every worker holds a different slice of a c
 KV (other heads, other layers) with the same shape and the same key. A file therefore
 belongs to exactly one rank of exactly one layout, and both are checked on every read:
 
-* the *layout identity* (model, dtypes, page and chunk geometry, hash seed, TP and PP
-  sizes) names the directory ``<disk_dir>/<layout digest>/``, so a directory written at
-  one parallel layout is never even opened at another;
+* the *layout identity* (model, the checkpoint's fingerprint, dtypes, page and chunk
+  geometry, PP stage layers, hash seed, TP and PP sizes; ``layout.identity_fields``)
+  names the directory ``<disk_dir>/<layout digest>/``, so a directory written with other
+  weights or at another parallel layout is never even opened;
 * the *rank identity* (layout identity + TP rank/size + PP rank/size) is what a file's
   header carries and what a reader compares, and ``tp<r>-pp<p>`` names the rank's
   sub-directory, so a file renamed or copied into another rank's directory is foreign.

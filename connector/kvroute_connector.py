@@ -31,11 +31,21 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvroute.connector.config import ConnectorConfig
 from kvroute.connector.copiers import Copier, make_copier
-from kvroute.connector.cpu_tier import CpuPool, num_slots_for
+from kvroute.connector.cpu_tier import CpuPool
 from kvroute.connector.disk_scan import scan_layout
-from kvroute.connector.disk_tier import tier_directory, unlink_chunk_all_ranks
+from kvroute.connector.disk_tier import unlink_chunk_all_ranks
 from kvroute.connector.events import KVRouteReports, to_vllm_event
 from kvroute.connector.identity import RankInfo, all_ranks, layout_digest, layout_identity
+from kvroute.connector.layout import (
+    check_dcp,
+    check_stage_layers,
+    checkpoint_fingerprint,
+    dp_index,
+    engine_layout_dir,
+    identity_fields,
+    pool_slots,
+    stage_layers,
+)
 from kvroute.connector.plan import StepPlan
 from kvroute.connector.planner import Planner
 from kvroute.connector.shared_store import SharedStore
@@ -67,6 +77,7 @@ class KVRouteMetadata(KVConnectorMetadata):
     plan: StepPlan
     identity: str
     disk_dir: str | None
+    num_slots: int = -1  # the planner's RAM slots; a worker's pool must have as many
 
 
 def worker_rank(tp_size: int, pp_size: int) -> RankInfo:
@@ -136,16 +147,24 @@ class KVRouteConnector(KVConnectorBase_V1):
                 f"KVRouteConnector supports models with a single KV cache group (got {len(groups)})"
             )
         self.block_size = vllm_config.cache_config.block_size
+        pc = vllm_config.parallel_config
+        check_dcp(pc, self.block_size)
         self.bpc = self.cfg.blocks_per_chunk(self.block_size)
+        # This process's KV layers: the scheduler's config is PP stage 0's, a worker's
+        # its own stage's.
         self.num_layers = len(groups[0].layer_names)
         self.page_bytes = groups[0].kv_cache_spec.page_size_bytes
         self.chunk_bytes = self.num_layers * self.bpc * self.page_bytes
-        self.num_slots = num_slots_for(self.cfg.cpu_bytes, self.chunk_bytes)
         self.num_blocks = kv_cache_config.num_blocks
-        pc = vllm_config.parallel_config
         self.num_workers = pc.world_size
         self.tp_size = pc.tensor_parallel_size
         self.pp_size = pc.pipeline_parallel_size
+        # One slot count in every process: the pool is sized by the largest PP stage.
+        self.stage_layers = stage_layers(vllm_config, self.num_layers, self.tp_size, self.pp_size)
+        self.num_slots = pool_slots(
+            self.cfg.cpu_bytes, self.stage_layers, self.bpc, self.page_bytes
+        )
+        self.dp_index = dp_index(pc)
         self._rank: RankInfo | None = None
         self._planner: Planner | None = None
         self._executor: WorkerExecutor | None = None
@@ -159,24 +178,29 @@ class KVRouteConnector(KVConnectorBase_V1):
     # ================================================================ identity
     def _identity(self, vllm_config: VllmConfig) -> str:
         """The layout identity: everything that makes files interchangeable between
-        processes, the TP and PP sizes included (each rank adds its rank)."""
+        processes (the checkpoint's fingerprint, dtypes, geometry, hash seed), the TP
+        and PP sizes included (each rank adds its rank)."""
         algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
         seed = os.environ.get("PYTHONHASHSEED")
         if not hash_seed_is_deterministic(algo):
             seed = "random-" + os.urandom(16).hex()  # never matches another process
-        mc = vllm_config.model_config
-        fields = {
-            "model": str(mc.model),
-            "revision": str(getattr(mc, "revision", None)),
-            "dtype": str(mc.dtype),
-            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
-            "num_layers": self.num_layers,
-            "page_bytes": self.page_bytes,
-            "block_size": self.block_size,
-            "chunk_tokens": self.cfg.chunk_tokens,
-            "hash_algo": algo,
-            "hash_seed": seed if seed is not None else "default",
-        }
+        self.weights, model_dir = checkpoint_fingerprint(vllm_config, self.cfg.weights_id)
+        logger.info(
+            "kvroute: weights fingerprint %s (%s, %d files%s)",
+            self.weights.digest[:16],
+            self.weights.source,
+            self.weights.files,
+            f", {model_dir}" if model_dir is not None else "",
+        )
+        fields = identity_fields(
+            vllm_config,
+            weights=self.weights.digest,
+            num_layers=self.num_layers,
+            stage_layers=self.stage_layers,
+            page_bytes=self.page_bytes,
+            chunk_tokens=self.cfg.chunk_tokens,
+            hash_seed=seed if seed is not None else "default",
+        )
         return layout_identity(fields, tp_size=self.tp_size, pp_size=self.pp_size)
 
     def _init_scheduler(self, vllm_config: VllmConfig) -> None:
@@ -184,6 +208,7 @@ class KVRouteConnector(KVConnectorBase_V1):
         self.identity = self._identity(vllm_config)
         digest = layout_digest(self.identity)
         ranks = all_ranks(self.tp_size, self.pp_size)
+        check_stage_layers(self.stage_layers, 0, self.num_layers)
         self.disk_dir: str | None = None
         base = self.cfg.disk_path
         if base is not None:
@@ -203,7 +228,13 @@ class KVRouteConnector(KVConnectorBase_V1):
                     "sha256 hash algo; or set allow_nondeterministic_hash_seed for a "
                     "private, non-persistent disk tier."
                 )
-            self.disk_dir = str(tier_directory(base, digest))
+            # A DP engine's own directory (it deletes what it alone indexes), unless
+            # the directory is a storage domain.
+            self.disk_dir = str(
+                engine_layout_dir(
+                    base, digest, dp=self.dp_index, shared=self.cfg.storage_domain is not None
+                )
+            )
         disk_dir = Path(self.disk_dir) if self.disk_dir else None
         self._shared: SharedStore | None = None
         if disk_dir is not None and self.cfg.storage_domain is not None:
@@ -214,7 +245,8 @@ class KVRouteConnector(KVConnectorBase_V1):
             block_size=self.block_size,
             blocks_per_chunk=self.bpc,
             num_slots=self.num_slots,
-            chunk_payload_bytes=self.chunk_bytes,
+            # A bound: the largest stage's bytes for every rank's file.
+            chunk_payload_bytes=max(self.stage_layers) * self.bpc * self.page_bytes,
             identity=self.identity,
             disk_capacity_bytes=self.cfg.disk_bytes,
             disk_enabled=disk_dir is not None,
@@ -327,7 +359,12 @@ class KVRouteConnector(KVConnectorBase_V1):
                 cached.num_computed_tokens[i] + num_sched.get(req_id, 0),
                 request_extras(req, self.block_size),
             )
-        return KVRouteMetadata(plan=p.take_plan(), identity=self.identity, disk_dir=self.disk_dir)
+        return KVRouteMetadata(
+            plan=p.take_plan(),
+            identity=self.identity,
+            disk_dir=self.disk_dir,
+            num_slots=self.num_slots,
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._planner is not None
@@ -368,10 +405,11 @@ class KVRouteConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._paged = PagedKV.from_kv_caches(kv_caches, self.num_blocks)
         self._rank = worker_rank(self.tp_size, self.pp_size)
+        check_stage_layers(self.stage_layers, self._rank.pp_rank, self.num_layers)
         got = self._paged.num_layers * self.bpc * self._paged.block_bytes()
         if got != self.chunk_bytes:
             logger.warning(
-                "kvroute: worker chunk bytes %d differ from the scheduler's estimate %d",
+                "kvroute: worker chunk bytes %d differ from the KV cache config's %d",
                 got,
                 self.chunk_bytes,
             )
@@ -402,6 +440,14 @@ class KVRouteConnector(KVConnectorBase_V1):
         if self._executor is None:
             if self._paged is None:
                 raise RuntimeError("kvroute: register_kv_caches was not called")
+            if meta.num_slots != self.num_slots:
+                # Never copy into a slot number this pool does not have.
+                raise RuntimeError(
+                    f"kvroute: the scheduler plans {meta.num_slots} RAM slots but this "
+                    f"worker's pool has {self.num_slots} (PP stage "
+                    f"{self._rank.pp_rank if self._rank else '?'}, layers per stage "
+                    f"{self.stage_layers})"
+                )
             self._executor = WorkerExecutor(
                 self._paged,
                 blocks_per_chunk=self.bpc,
