@@ -65,6 +65,7 @@ _KNOWN_FIELDS = frozenset(
         "landing",
         "name",
         "partial_unit",
+        "pool_tiers",
         "refs",
         "size_confirmed",
         "slot",
@@ -125,6 +126,7 @@ class ReplicaState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ghost: list[tuple[int, int]] | None
     held: list[HeldRecord]
     confirmed_sources: list[str]
+    pool_tiers: list[int] = []
 
     @property
     def entries(self) -> int:
@@ -188,6 +190,7 @@ def export_state(index: InMemoryPrefixIndex, replica: str) -> ReplicaState | Non
             for (_cls, chunk), rec in held.items()
         ],
         confirmed_sources=sorted(state.confirmed_sources),
+        pool_tiers=sorted(state.pool_tiers),
     )
 
 
@@ -225,7 +228,7 @@ def validate(rec: ReplicaState) -> None:
     if sum(len(h.keys) for h in rec.held) != rec.unconfirmed_blocks:
         raise SnapshotError("unconfirmed block count disagrees with the holdings")
     classes = range(_W)
-    if any(c not in classes for c in rec.whole_loads) or any(
+    if any(c not in classes for c in (*rec.whole_loads, *rec.pool_tiers)) or any(
         h.cls not in range(3, _W) for h in rec.held
     ):
         raise SnapshotError("a class out of range")
@@ -278,6 +281,7 @@ def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) ->
         held = state.held.setdefault(h.source, OrderedDict())
         held[(h.cls, h.chunk)] = _Held(h.cls, tuple(h.keys), now + min(h.ttl_s, ttl))
     state.confirmed_sources = set(rec.confirmed_sources)
+    state.pool_tiers = set(rec.pool_tiers)
     index._entries += rec.entries
     if index._entries > index.max_entries:
         index._evict(index._entries - index.max_entries)

@@ -54,6 +54,8 @@ class IndexStats:
     unconfirmed_max_blocks: int = 0
     expired_unconfirmed_blocks: int = 0
     unknown_media: dict[str, int] = field(default_factory=dict)
+    unknown_event_types: dict[str, int] = field(default_factory=dict)
+    distrust_clears: int = 0
     unresolved_blocks: int = 0
     # storage domain -> blocks held, replicas attached, its evictor feed
     storage_domains: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -80,6 +82,10 @@ class IndexStats:
                 "freshness": self.freshness,
                 "unresolved_blocks": self.unresolved_blocks,
                 "unknown_media": self.unknown_media,
+                # Events of a type the decoder does not know, and the clears of lower tiers
+                # they caused (such an event may have changed what the index held)
+                "unknown_event_types": self.unknown_event_types,
+                "distrust_clears": self.distrust_clears,
                 # Tiers whose publishers never announce removals: believed until they age out.
                 "unconfirmed": {
                     "entries_by_tier": self.unconfirmed_by_tier,
@@ -142,6 +148,10 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
     for f in every_feed:
         for medium, n in f.unknown_media.items():
             unknown_media[medium] = unknown_media.get(medium, 0) + n
+    unknown_types: dict[str, int] = {}
+    for f in every_feed:
+        for tag, n in f.unknown_event_types.items():
+            unknown_types[tag] = unknown_types.get(tag, 0) + n
     entries = sum(r.entries for r in replicas)
     figures = index.stats()
     estimated = figures.estimated_bytes
@@ -191,6 +201,8 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         unconfirmed_max_blocks=figures.unconfirmed_max_blocks,
         expired_unconfirmed_blocks=figures.expired_unconfirmed_blocks,
         unknown_media=unknown_media,
+        unknown_event_types=unknown_types,
+        distrust_clears=sum(f.distrust_clears for f in every_feed),
         unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
         storage_domains=domains,
     )

@@ -84,6 +84,9 @@ class ApplyResult:
     unresolved: int = 0
     partial_blocks: int = 0
     unconfirmed_blocks: int = 0
+    # events of a type the decoder does not know: each made the index drop what its
+    # publisher could have changed (the replica's lower tiers)
+    distrusted: int = 0
     rejected: list[str] = field(default_factory=list)
 
     def merge(self, other: ApplyResult) -> None:
@@ -96,6 +99,7 @@ class ApplyResult:
         self.unresolved += other.unresolved
         self.partial_blocks += other.partial_blocks
         self.unconfirmed_blocks += other.unconfirmed_blocks
+        self.distrusted += other.distrusted
         self.rejected.extend(other.rejected)
 
 
@@ -155,6 +159,14 @@ class PrefixIndex(ABC):
         any confirmed event clears them; unconfirmed holdings never see removals, so only a
         restart of their publisher (``restarted``) drops them.
         """
+
+    @abstractmethod
+    def reset_connector(self, replica: str) -> None:
+        """The replica's KV connector was reset without an event (vLLM's
+        ``reset_prefix_cache(reset_connector=True)``: ``/reset_prefix_cache?reset_external=
+        true``, ``/pause``, ``/sleep``): forget what such a reset empties, its CPU tier
+        (confirmed and unconfirmed). Storage tiers outlive it (vLLM keeps its FS/OBJ tiers;
+        kvroute's connector announces what it drops)."""
 
     @abstractmethod
     def remove_replica(self, replica: str) -> None:

@@ -57,6 +57,8 @@ class OffloadedChunks(IndexStore):
 
         def _unhold(self, state: _ReplicaState, rec: _Held) -> int: ...
 
+        def _held_in(self, state: _ReplicaState, h: int, cls: int) -> bool: ...
+
     @staticmethod
     def _chunk_seen(state: _ReplicaState, cls: int, blocks: int) -> None:
         if blocks > state.chunk_blocks.get(cls, 0):
@@ -77,6 +79,10 @@ class OffloadedChunks(IndexStore):
         state.warm_chain = False  # from now on every parent link is kept
         state.whole_loads.add(cls)
         for h in hashes:
+            if (cls, h) in state.chunks or self._held_in(state, h, cls):
+                # vLLM's offloading connector never stores a chunk it holds: a re-store after
+                # a reset that published nothing, taken once (confirmed.py)
+                continue
             members = self._chunk_members(state, h, cls, result)
             if not members:
                 result.unresolved += 1

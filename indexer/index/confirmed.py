@@ -10,7 +10,10 @@ from vLLM's block hash to our key, with the parent links, reference counts and f
   without its LoRA, cache_salt or multimodal keys would give its tier to the plain prefix.
 - A hash stored more than once in one tier is held until removed as often (reference
   counts), as vLLM's event docs ask: its block pool keeps one copy per physical block and its
-  offloading connector announces blocks shared by two chunks once per chunk. A device store
+  offloading connector announces blocks shared by two chunks once per chunk. That connector
+  never stores a chunk it holds, though: a store of a chunk (named by its last block) the
+  tier already holds follows a reset that published nothing (``reset_external``), and is
+  taken once, so the stale copy goes with the chunk's next removal. A device store
   from the start of the prompt (no parent) is idempotent instead: that is also the shape of
   vLLM's re-announcement of prefix-cache hits, which is never followed by a removal.
 - A partial block (vLLM's prefix-match unit finer than its block size) is held under a key of
@@ -71,6 +74,12 @@ class ConfirmedHoldings(IndexStore):
             # The publisher does not say which extra keys its blocks had (vLLM's offloading
             # connector): only blocks the device events keyed can be placed.
             state.whole_loads.add(cls)
+            if self._held_in(state, event.block_hashes[-1], cls):
+                # vLLM's offloading connector never stores a chunk it holds (its CPU manager
+                # skips the keys present; a chunk is named by its last block): this is a
+                # re-store after a reset that published nothing. Taken once, so the chunk's
+                # next removal takes it out (counted twice, the stale copy would stay).
+                return
             self._want_ghost(state)
             ghost = state.ghost
             for h in event.block_hashes:
@@ -171,6 +180,11 @@ class ConfirmedHoldings(IndexStore):
         if parent is None:
             raise ValueError("BlockStored whose parent block is unknown (missed events?)")
         return parent
+
+    def _held_in(self, state: _ReplicaState, h: int, cls: int) -> bool:
+        """Whether the replica holds vLLM hash ``h`` in confirmed class ``cls``."""
+        key = state.engine_to_key.get(h)
+        return key is not None and bool(self._masks.get(key, 0) >> (_W * state.slot + cls) & 1)
 
     def _want_ghost(self, state: _ReplicaState) -> None:
         if state.ghost is None:

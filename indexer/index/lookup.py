@@ -117,8 +117,10 @@ class Lookups(IndexStore):
         for state in states:
             domain = self._replicas.get(self._attached.get(state.name, ""))
             if domain is not None:
-                dbit = 1 << (_W * domain.slot + _STORAGE)
-                lifts[dbit] = lifts.get(dbit, 0) | 1 << (_W * state.slot + _STORAGE)
+                # confirmed STORAGE, and unconfirmed STORAGE (vLLM's FS tier, REMOTE)
+                for cls in (_STORAGE, _STORAGE + 3):
+                    dbit = 1 << (_W * domain.slot + cls)
+                    lifts[dbit] = lifts.get(dbit, 0) | 1 << (_W * state.slot + cls)
         if not lifts:
             return get
         pairs = tuple(lifts.items())
@@ -234,8 +236,12 @@ class Lookups(IndexStore):
 
         cls = fastest_lower(blocks - 1)
         # A storage domain's chunks are what its replicas wrote: their length is learned there.
-        domain = self._replicas.get(self._attached.get(state.name, "")) if cls == _STORAGE else None
-        learned = state if domain is None else domain
+        domain = (
+            self._replicas.get(self._attached.get(state.name, ""))
+            if cls in (_STORAGE, _STORAGE + 3)
+            else None
+        )
+        learned = state if domain is None or cls not in domain.chunk_blocks else domain
         n = learned.chunk_blocks.get(cls, 1)
         end = max(c[0], blocks // n * n)
         if cls in learned.whole_loads and end - c[0] < n:

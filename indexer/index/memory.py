@@ -3,9 +3,7 @@
 It is the store of state.py with one mixin per concern of the index (README.md maps them):
 this module keeps the replicas (their slots, clears and snapshots) and applies a batch of one
 replica's events in order, each by the rules of its concern, under one lock that lookups take
-too. The rule kept here:
-
-- ``AllBlocksCleared`` without a medium is the block pool's: the device tier only.
+too. What a clear, a silent connector reset or an unknown event means is resets.py's.
 """
 
 from __future__ import annotations
@@ -22,9 +20,17 @@ from kvroute.indexer.index.confirmed import ConfirmedHoldings
 from kvroute.indexer.index.domains import StorageDomains
 from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
+from kvroute.indexer.index.resets import Resets
 from kvroute.indexer.index.state import _ReplicaState
 from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
-from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+from kvroute.indexer.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Medium,
+    UnknownEvent,
+)
 
 if TYPE_CHECKING:
     from kvroute.indexer.snapshot import ReplicaState
@@ -39,6 +45,7 @@ class InMemoryPrefixIndex(
     HybridGroups,
     UnconfirmedHoldings,
     StorageDomains,
+    Resets,
     Capacity,
     Lookups,
     PrefixIndex,
@@ -135,6 +142,7 @@ class InMemoryPrefixIndex(
             state.partial_unit = None
             state.chunk_blocks = {}
             state.chunk_obs = {}
+            state.pool_tiers = set()
 
     def clear_source(self, replica: str, source: str = "", *, restarted: bool) -> None:
         with self._lock:
@@ -152,6 +160,7 @@ class InMemoryPrefixIndex(
                     state.partial_unit = None
                     state.chunk_blocks = {}
                     state.chunk_obs = {}
+                    state.pool_tiers = set()
             if restarted:
                 self._drop_source_holdings(state, source)
 
@@ -173,16 +182,21 @@ class InMemoryPrefixIndex(
             state = self._state(replica)
             shared = self._attached.get(replica)
             domain = None if shared is None else self._state(shared)
+            now = self._clock()
             if state.held:
-                self._expire_state(state, self._clock())
+                self._expire_state(state, now)
+            if domain is not None and domain.held:
+                self._expire_state(domain, now)
             events = list(events)
             state.landing = self._landing(events)
-            for event in events:
+            for i, event in enumerate(events):
                 try:
                     if isinstance(event, BlockStored):
                         if event.group_idx:
                             self._store_group(state, event, result)
                             continue
+                        if event.pool_tier:
+                            self._note_pool_tier(state, event)
                         if event.confirmed:
                             state.confirmed_sources.add(source)
                             self._store(state, event, result)
@@ -190,6 +204,13 @@ class InMemoryPrefixIndex(
                                 self._share(state, domain, event, result)
                         else:
                             self._store_unconfirmed(state, event, source, result)
+                            if (
+                                domain is not None
+                                and event.medium is Medium.STORAGE
+                                and event.locality == "REMOTE"
+                            ):
+                                # vLLM's FS tier on a shared directory: the domain's files
+                                self._share_unconfirmed(state, domain, event, source)
                     elif isinstance(event, BlockRemoved):
                         if event.group_idx:
                             self._remove_group(state, event, result)
@@ -202,16 +223,15 @@ class InMemoryPrefixIndex(
                             if domain is not None and event.medium is Medium.STORAGE:
                                 target = domain
                             self._remove(target, event, result)
+                            if state.held and event.medium is not Medium.GPU:
+                                self._release_engine_holdings(state, event, source, result)
                         else:
                             self._remove_unconfirmed(state, event, source, result)
                     elif isinstance(event, AllBlocksCleared):
                         state.confirmed_sources.add(source)
-                        tier = Medium.GPU if event.medium is None else event.medium
-                        self._clear_class(state, int(tier))
-                        if tier is Medium.GPU:
-                            state.groups = {}
-                            result.device_cleared += 1
-                        result.cleared += 1
+                        self._clear(state, events, i, result)
+                    elif isinstance(event, UnknownEvent):
+                        self._distrust(state, source, result)
                     else:
                         result.rejected.append(f"not an event: {type(event).__name__}")
                         continue

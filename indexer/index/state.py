@@ -74,6 +74,7 @@ class _ReplicaState:
         "landing",
         "name",
         "partial_unit",
+        "pool_tiers",
         "refs",
         "size_confirmed",
         "slot",
@@ -126,6 +127,9 @@ class _ReplicaState:
         self.held: dict[str, OrderedDict[tuple[int, int], _Held]] = {}
         self.confirmed_sources: set[str] = set()
         self.unconfirmed_blocks = 0
+        # classes a lower-tier block pool stored in (SimpleCPUOffloadConnector): a bare
+        # AllBlocksCleared may be its reset (resets.py)
+        self.pool_tiers: set[int] = set()
 
 
 class IndexStore:

@@ -1,10 +1,19 @@
 """Unconfirmed holdings: what publishers that never announce a removal hold, kept apart from the
 confirmed classes, per source, until they expire.
 
-- Media whose publisher never removes anything (LMCache's, llm-d's FS backend) are held as
-  *unconfirmed*: apart from the confirmed tiers, counted separately by lookups, and dropped
-  after ``unconfirmed_ttl_s`` or beyond ``unconfirmed_max_blocks`` per replica. Chunks larger
-  than the replica's block size (LMCache's 256 tokens) are re-chunked through their tokens.
+- Media whose publisher never removes anything (LMCache's, llm-d's FS backend, vLLM's FS/OBJ
+  tiers, Mooncake's store) are held as *unconfirmed*: apart from the confirmed tiers, counted
+  separately by lookups, and dropped after ``unconfirmed_ttl_s`` or beyond
+  ``unconfirmed_max_blocks`` per replica. Chunks larger than the replica's block size
+  (LMCache's 256 tokens) are re-chunked through their tokens.
+- A store that names vLLM's own block hashes without their extra keys (``engine_hashes``:
+  vLLM's FS/OBJ tiers, Mooncake's store) is resolved through the replica's map of vLLM hashes
+  to keys, never keyed from its tokens: a LoRA or salted request's blocks keyed as plain
+  tokens would give its tier to the plain prefix.
+- vLLM's FS tier with ``locality="REMOTE"`` writes to a directory other replicas read: on a
+  replica attached to a storage domain its holdings are copied to the domain
+  (``_share_unconfirmed``), held once however many replicas wrote them, so every replica of
+  the domain sees them as its unconfirmed STORAGE tier (lookup.py).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import TYPE_CHECKING
 from kvroute.indexer.index.api import ApplyResult
 from kvroute.indexer.index.state import _W, IndexStore, _cls, _Held, _ReplicaState
 from kvroute.indexer.keys import block_keys, event_extra_keys, pack_tokens
-from kvroute.indexer.wire import BlockRemoved, BlockStored
+from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
 __all__ = ["UnconfirmedHoldings"]
 
@@ -32,12 +41,67 @@ class UnconfirmedHoldings(IndexStore):
         @staticmethod
         def _chunk_seen(state: _ReplicaState, cls: int, blocks: int) -> None: ...
 
+        def _want_ghost(self, state: _ReplicaState) -> None: ...
+
+    def _engine_key(self, state: _ReplicaState, h: int) -> int | None:
+        """Our key for vLLM hash ``h`` on this replica (held, recently forgotten, or held by
+        its storage domain), or None."""
+        key = state.engine_to_key.get(h)
+        if key is None and state.ghost is not None:
+            key = state.ghost.get(h)
+        if key is None and state.name in self._attached:
+            domain = self._replicas.get(self._attached[state.name])
+            if domain is not None:
+                key = domain.engine_to_key.get(h)
+        return key
+
+    def _store_engine_blocks(
+        self,
+        state: _ReplicaState,
+        event: BlockStored,
+        cls: int,
+        held: OrderedDict[tuple[int, int], _Held],
+        expires: float,
+        result: ApplyResult,
+    ) -> None:
+        """Blocks named by vLLM's hashes, each hash one block: held as one chunk (its last
+        hash), with the keys the device events gave those hashes."""
+        self._want_ghost(state)
+        chunk = (cls, event.block_hashes[-1])
+        keys: list[int] = []
+        for h in event.block_hashes:
+            key = self._engine_key(state, h)
+            if key is None:
+                result.unresolved += 1
+                continue
+            keys.append(key)
+        if event.medium is Medium.STORAGE and event.token_ids:
+            # vLLM's offloading connector: one chunk per event, loaded whole or not at all
+            self._chunk_seen(state, cls, len(event.block_hashes))
+            state.whole_loads.add(cls)
+        rec = held.get(chunk)
+        if rec is not None:
+            held.move_to_end(chunk)
+            if len(rec.keys) >= len(keys):
+                rec.expires = expires
+                return
+            # stored again, now with more of its blocks known: the fuller holding replaces it
+            del held[chunk]
+            self._unhold(state, rec)
+        if keys:
+            self._hold_unconfirmed(state, held, chunk, tuple(keys), cls, expires, result)
+
     def _store_unconfirmed(
         self, state: _ReplicaState, event: BlockStored, source: str, result: ApplyResult
     ) -> None:
         cls = _cls(event.medium, confirmed=False)
         held = state.held.setdefault(source, OrderedDict())
         expires = self._clock() + self.unconfirmed_ttl_s
+        if event.engine_hashes and (event.token_ids or event.block_size):
+            # vLLM's FS/OBJ tiers' self-describing chunks, Mooncake's blocks (one per event,
+            # tokens or not): every hash is a block of vLLM's.
+            self._store_engine_blocks(state, event, cls, held, expires, result)
+            return
         if not event.token_ids:
             # Tier-only (llm-d's FS backend): chunks named by their last block hash.
             state.warm_chain = False
@@ -170,6 +234,67 @@ class UnconfirmedHoldings(IndexStore):
         self._unhold(state, rec)
         self.expired_blocks += len(rec.keys)
         return len(rec.keys)
+
+    def _share_unconfirmed(
+        self, state: _ReplicaState, domain: _ReplicaState, event: BlockStored, source: str
+    ) -> None:
+        """``event``'s holdings (just applied to ``state``) copied to its storage domain: a
+        file in a shared directory is one file, held once however many replicas wrote it."""
+        cls = _cls(event.medium, confirmed=False)
+        held = state.held.get(source)
+        if not held:
+            return
+        if domain.block_size is None:
+            domain.block_size = state.block_size
+        elif state.block_size is not None and state.block_size != domain.block_size:
+            return  # another model's files: not this domain's to serve
+        n = state.chunk_blocks.get(cls)
+        if n is not None and n > domain.chunk_blocks.get(cls, 0):
+            domain.chunk_blocks[cls] = n
+        if cls in state.whole_loads:
+            domain.whole_loads.add(cls)
+        shared = domain.held.setdefault("", OrderedDict())
+        scratch = ApplyResult()
+        for h in event.block_hashes:
+            rec = held.get((cls, h))
+            if rec is None:
+                continue
+            mine = shared.get((cls, h))
+            if mine is not None:
+                mine.expires = max(mine.expires, rec.expires)
+                shared.move_to_end((cls, h))
+                continue
+            self._hold_unconfirmed(domain, shared, (cls, h), rec.keys, cls, rec.expires, scratch)
+
+    def _drop_class_holdings(
+        self, state: _ReplicaState, cls: int, source: str | None = None
+    ) -> int:
+        """Drop the replica's unconfirmed holdings in class ``cls`` (of ``source`` only, when
+        given); returns how many blocks they held."""
+        gone = 0
+        for name, held in state.held.items():
+            if source is not None and name != source:
+                continue
+            for chunk in [c for c, rec in held.items() if rec.cls == cls]:
+                rec = held.pop(chunk)
+                self._unhold(state, rec)
+                gone += len(rec.keys)
+        return gone
+
+    def _release_engine_holdings(
+        self, state: _ReplicaState, event: BlockRemoved, source: str, result: ApplyResult
+    ) -> None:
+        """A confirmed removal of blocks a pool tier stored without extra keys (the
+        SimpleCPUOffloadConnector's disk tier looks like vLLM's FS tier on the wire, so its
+        stores are held unconfirmed): its removals are honoured there too."""
+        held = state.held.get(source)
+        if not held:
+            return
+        cls = _cls(event.medium, confirmed=False)
+        for h in event.block_hashes:
+            rec = held.pop((cls, h), None)
+            if rec is not None:
+                result.blocks_removed += self._unhold(state, rec)
 
     def _drop_source_holdings(self, state: _ReplicaState, source: str) -> None:
         held = state.held.pop(source, None)

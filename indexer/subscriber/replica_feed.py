@@ -238,6 +238,8 @@ class ReplicaFeed(FeedRecovery):
         self.stats.events_rejected += len(batch.rejected)
         if batch.unknown_media:
             self.stats.unknown_media.update(batch.unknown_media)
+        if batch.unknown_types:
+            self.stats.unknown_event_types.update(batch.unknown_types)
         events = batch.events[first_event:] if first_event else batch.events
         result = self.index.apply(self.source.replica, events, source=self.source.stream)
         self.stats.events_applied += result.applied
@@ -251,5 +253,6 @@ class ReplicaFeed(FeedRecovery):
         self.stats.partial_blocks += result.partial_blocks
         self.stats.unconfirmed_blocks += result.unconfirmed_blocks
         self.stats.ignored_events += result.ignored
+        self.stats.distrust_clears += result.distrusted
         self.stats.last_event_wall = time.time()
         self.stats.last_event_ts = batch.ts

@@ -78,6 +78,9 @@ class FeedStats:
     last_event_ts: float | None = None
     rejected_reasons: Counter[str] = field(default_factory=Counter)
     unknown_media: Counter[str] = field(default_factory=Counter)
+    # events of a type no wire definition has, by type; and the lower-tier clears they caused
+    unknown_event_types: Counter[str] = field(default_factory=Counter)
+    distrust_clears: int = 0
 
     def snapshot(self) -> dict[str, object]:
         now = time.time()
@@ -113,6 +116,8 @@ class FeedStats:
             else round(now - self.last_event_wall, 3),
             "rejected_reasons": dict(self.rejected_reasons.most_common(10)),
             "unknown_media": dict(self.unknown_media.most_common(10)),
+            "unknown_event_types": dict(self.unknown_event_types.most_common(10)),
+            "distrust_clears": self.distrust_clears,
         }
 
 

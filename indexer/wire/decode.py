@@ -3,9 +3,12 @@ about what it does not: unknown fields are ignored, both the map-tagged encoding
 0.32/0.33) and the positional-array encoding (older vLLM, llm-d's FS backend) are accepted,
 events packed as nested msgpack bytes (llm-d's FS backend) are unpacked, and a malformed event
 is rejected with a reason while the rest of its batch is still applied. An event naming a
-medium no known publisher uses is counted in ``EventBatch.unknown_media`` and dropped. A
-batch vLLM's own classes decode goes through msgspec's typed decoder in C; anything else is
-decoded generically and brought to the same definitions by hand.
+medium no known publisher uses is counted in ``EventBatch.unknown_media`` and dropped. An
+event of a type no definition has is kept in its place as ``UnknownEvent`` (it may have
+cleared a tier: the index distrusts what it could have changed) and counted in
+``EventBatch.unknown_types``. A batch vLLM's own classes decode goes through msgspec's typed
+decoder in C; anything else is decoded generically and brought to the same definitions by
+hand.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from kvroute.indexer.wire.events import (
     Event,
     EventBatch,
     Frame,
+    Medium,
+    UnknownEvent,
+    UnknownEventType,
     UnknownMedium,
     WireError,
+    classify_store,
     kept_medium_name,
     medium_kind,
 )
@@ -128,6 +135,9 @@ def _tolerant_event(raw: object) -> WireEvent:
             raise ValueError("lora_name must be a string")
         lora_id = f.get("lora_id")
         locality = f.get("locality")
+        ownership = f.get("ownership")
+        group_idx = f.get("group_idx")
+        spec_kind = f.get("kv_cache_spec_kind")
         return WireBlockStored(
             block_hashes=hashes,  # type: ignore[arg-type]
             # A tier-only store's parent means nothing (llm-d's FS backend sends 0).
@@ -138,8 +148,11 @@ def _tolerant_event(raw: object) -> WireEvent:
             medium=_medium_field(f),
             lora_name=lora_name,
             extra_keys=None if extra is None else list(extra),
-            group_idx=_int_field(f.get("group_idx"), "group_idx", default=0),
+            # None stays None: Mooncake sends the field, LMCache does not (classify_store).
+            group_idx=None if group_idx is None else _int_field(group_idx, "group_idx"),
             locality=locality if isinstance(locality, str) else None,
+            ownership=ownership if isinstance(ownership, str) else None,
+            kv_cache_spec_kind=spec_kind if isinstance(spec_kind, str) else None,
         )
     if tag == "BlockRemoved":
         if "block_hashes" not in f:
@@ -151,7 +164,7 @@ def _tolerant_event(raw: object) -> WireEvent:
         )
     if tag == "AllBlocksCleared":
         return WireAllBlocksCleared(medium=_medium_field(f))
-    raise ValueError(f"unknown event type {tag!r}")
+    raise UnknownEventType(tag)
 
 
 def _hashes(values: list[int | bytes]) -> list[int]:
@@ -191,6 +204,13 @@ def _from_wire(wire: WireEvent) -> Event:
         if wire.extra_keys is not None and len(wire.extra_keys) != n:
             raise ValueError("extra_keys must hold one entry per block")
         kind = medium_kind(wire.medium)
+        confirmed, engine_hashes = classify_store(
+            wire.medium,
+            kind,
+            extra_keys=wire.extra_keys,
+            ownership=wire.ownership,
+            group_idx=wire.group_idx,
+        )
         parent = wire.parent_block_hash
         return BlockStored(
             block_hashes=_hashes(wire.block_hashes),
@@ -204,15 +224,28 @@ def _from_wire(wire: WireEvent) -> Event:
             extra_keys=wire.extra_keys,
             group_idx=wire.group_idx or 0,
             locality=wire.locality,
-            confirmed=kind.confirmed,
+            confirmed=confirmed,
             medium_name=kept_medium_name(wire.medium),
+            ownership=wire.ownership,
+            engine_hashes=engine_hashes,
+            # SimpleCPUOffloadConnector's block pool (see indexer/index/resets.py)
+            pool_tier=(
+                wire.locality == "LOCAL"
+                and wire.kv_cache_spec_kind is not None
+                and n == 1
+                and kind.tier is not Medium.GPU
+            ),
         )
     assert type(wire) is WireAllBlocksCleared
     return AllBlocksCleared(None if wire.medium is None else medium_kind(wire.medium).tier)
 
 
 def _from_raw(raw: object) -> Event:
-    return _from_wire(_tolerant_event(raw))
+    try:
+        wire = _tolerant_event(raw)
+    except UnknownEventType as exc:
+        return UnknownEvent(exc.tag)
+    return _from_wire(wire)
 
 
 def _add_events(batch: EventBatch, items: Sequence[Any], convert: Callable[[Any], Event]) -> None:
@@ -220,11 +253,15 @@ def _add_events(batch: EventBatch, items: Sequence[Any], convert: Callable[[Any]
     events, rejected = batch.events, batch.rejected
     for item in items:
         try:
-            events.append(convert(item))
+            event = convert(item)
         except UnknownMedium as exc:
             batch.unknown_media[exc.medium] += 1
         except (ValueError, TypeError, OverflowError) as exc:
             rejected.append(str(exc))
+        else:
+            if type(event) is UnknownEvent:
+                batch.unknown_types[event.type] += 1
+            events.append(event)
 
 
 def decode_batch(payload: bytes) -> EventBatch:

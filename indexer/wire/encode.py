@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from kvroute.indexer.wire.events import BlockRemoved, BlockStored, Event, WireError
+from kvroute.indexer.wire.events import BlockRemoved, BlockStored, Event, UnknownEvent, WireError
 from kvroute.indexer.wire.schema import (
     POSITIONAL_FIELDS,
     REPLAY_END_SEQ_BYTES,
@@ -49,8 +49,14 @@ def to_wire(event: Event) -> WireEvent:
             medium=_wire_medium(event),
             lora_name=event.lora_name,
             extra_keys=event.extra_keys,
-            group_idx=event.group_idx or None,
+            # Mooncake's store sends group 0 as 0 (classify_store tells it from LMCache by it).
+            group_idx=(
+                event.group_idx
+                if event.engine_hashes and event.medium_name == "cpu"
+                else event.group_idx or None
+            ),
             locality=event.locality,
+            ownership=event.ownership,
         )
     if isinstance(event, BlockRemoved):
         return WireBlockRemoved(
@@ -58,6 +64,8 @@ def to_wire(event: Event) -> WireEvent:
             medium=_wire_medium(event),
             group_idx=event.group_idx or None,
         )
+    if isinstance(event, UnknownEvent):
+        raise TypeError(f"an event of unknown type {event.type!r} has no wire definition")
     return WireAllBlocksCleared(None if event.medium is None else event.medium.name)
 
 

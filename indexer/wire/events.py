@@ -21,8 +21,11 @@ __all__ = [
     "Frame",
     "Medium",
     "MediumKind",
+    "UnknownEvent",
+    "UnknownEventType",
     "UnknownMedium",
     "WireError",
+    "classify_store",
     "is_device_clear",
     "medium_kind",
     "touches_lower_tier",
@@ -88,6 +91,35 @@ def medium_kind(value: object) -> MediumKind:
     raise UnknownMedium(value)
 
 
+def classify_store(
+    medium: str | None,
+    kind: MediumKind,
+    *,
+    extra_keys: object,
+    ownership: str | None,
+    group_idx: int | None,
+) -> tuple[bool, bool]:
+    """``(confirmed, engine_hashes)`` of a ``BlockStored``: whether its publisher announces
+    removals, and whether its hashes must be resolved through vLLM's (read from vLLM 0.32).
+
+    - ``"STORAGE"`` without ``extra_keys`` and without ``ownership``: vLLM's offloading
+      connector (it never sends extra keys) from a secondary tier other than KVCR (which sets
+      ``ownership="kvcr"`` and announces removals): the FS and OBJ tiers
+      (``v1/kv_offload/tiering/fs``, ``obj``), which store and never remove (files go when an
+      external evictor deletes them). Unconfirmed, resolved through vLLM's hashes.
+      kvroute's connector and its evictor always send ``extra_keys`` (one entry per block), so
+      their STORAGE stays confirmed.
+    - ``"cpu"`` with a ``group_idx``: Mooncake's store connector (LMCache never sends the
+      field). vLLM's own block hashes, one block per event, no extra keys even for a LoRA or
+      a salted request, no removals. Unconfirmed, resolved through vLLM's hashes.
+    """
+    if medium == "STORAGE" and extra_keys is None and ownership is None:
+        return False, True
+    if medium == "cpu" and group_idx is not None:
+        return False, True
+    return kind.confirmed, False
+
+
 def kept_medium_name(value: str | None) -> str | None:
     """The wire string to keep on an event: None when it is one of vLLM's own names (the
     encoder writes ``medium.name`` then), the publisher's spelling otherwise."""
@@ -106,6 +138,15 @@ class BlockStored:
     always sends one entry per block, its offloading connector never does.
     ``confirmed`` is False for media whose publisher never announces removals.
     ``medium_name`` keeps the publisher's spelling when it is not one of vLLM's own.
+    ``ownership`` is the secondary tier that stored the blocks (vLLM's ``"kvcr"``), None for
+    every other publisher.
+    ``engine_hashes`` is True for a store whose publisher never removes anything but names
+    vLLM's own block hashes without the extra keys behind them (vLLM's FS/OBJ tiers,
+    Mooncake's store, ``classify_store``): the index resolves it through the replica's map
+    of vLLM hashes to keys, never by keying its tokens.
+    ``pool_tier`` is True for a lower tier kept in a vLLM block pool of its own
+    (SimpleCPUOffloadConnector: ``locality="LOCAL"``, a ``kv_cache_spec_kind``, one block per
+    event), whose reset is a bare ``AllBlocksCleared``.
     """
 
     block_hashes: list[int]
@@ -120,6 +161,9 @@ class BlockStored:
     locality: str | None = None
     confirmed: bool = True
     medium_name: str | None = None
+    ownership: str | None = None
+    engine_hashes: bool = False
+    pool_tier: bool = False
 
 
 @dataclass(slots=True)
@@ -145,7 +189,24 @@ class AllBlocksCleared:
     medium: Medium | None = None
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(slots=True)
+class UnknownEvent:
+    """An event of a type this decoder does not know (``type`` is its tag), kept in its place
+    in the batch: it may have changed a tier (vLLM's proposed ``TierBlocksCleared``), so the
+    index stops vouching for what it could have changed instead of dropping it silently."""
+
+    type: str
+
+
+class UnknownEventType(ValueError):
+    """A tagged event whose tag no definition has; ``tag`` is what it said."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__(f"unknown event type {tag!r}")
+        self.tag = tag
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
 
 
 @dataclass(slots=True)
@@ -157,6 +218,7 @@ class EventBatch:
     data_parallel_rank: int | None = None
     rejected: list[str] = field(default_factory=list)
     unknown_media: Counter[str] = field(default_factory=Counter)
+    unknown_types: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,4 +239,6 @@ def touches_lower_tier(event: Event) -> bool:
     """Whether ``event`` changes a tier other than the confirmed device tier."""
     if isinstance(event, AllBlocksCleared):
         return not is_device_clear(event)
+    if isinstance(event, UnknownEvent):
+        return True
     return event.medium is not Medium.GPU or not event.confirmed

@@ -8,11 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.indexer.wire import (
+    MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Medium,
+    UnknownEvent,
     WireError,
+    classify_store,
     decode_batch,
     decode_frames,
     decode_replay_reply,
@@ -79,6 +82,7 @@ def test_map_tagged_block_stored_every_field() -> None:
         extra_keys=[["adapter", "salt"], None],
         group_idx=0,
         locality="LOCAL",
+        ownership="x",
     )
 
 
@@ -185,7 +189,6 @@ def test_llmd_fs_backend_nested_positional_events() -> None:
         (stored_map(block_size=0), "block_size 0"),
         (stored_map(extra_keys=[None]), "extra_keys"),
         (stored_map(lora_name=5), "lora_name"),
-        ({"type": "BlockExploded"}, "unknown event type"),
         ({"no_type": 1}, "type"),
         (["BlockRemoved"], "block_hashes"),
         (42, "neither"),
@@ -305,6 +308,13 @@ def events(draw: st.DrawFn) -> BlockStored | BlockRemoved | AllBlocksCleared:
 def test_encode_decode_round_trip(evs: list, positional: bool) -> None:
     batch = decode_batch(encode_batch(evs, ts=1.0, positional=positional))
     assert batch.rejected == []
+    # What the publisher's shape says of it comes back with the event (classify_store: a
+    # STORAGE store without extra keys is vLLM's FS/OBJ tier).
+    for e in evs:
+        if isinstance(e, BlockStored):
+            e.confirmed, e.engine_hashes = classify_store(
+                e.medium.name, MEDIA[e.medium.name], extra_keys=None, ownership=None, group_idx=None
+            )
     assert batch.events == evs
 
 
@@ -336,3 +346,74 @@ json_like = st.recursive(
 def test_forged_events_are_rejected_not_raised(raw_events: list) -> None:
     batch = decode_batch(enc([0.0, raw_events]))
     assert len(batch.events) + len(batch.rejected) == len(raw_events)
+
+
+# --- who sent it: vLLM 0.32's publishers, told apart by their events' shape ----------------
+
+
+def test_unknown_event_type_is_kept_in_place_and_counted() -> None:
+    """An event of a type no definition has (vLLM's proposed TierBlocksCleared) is neither
+    dropped nor rejected: it stays where it was in the batch, so the index can distrust what
+    it may have changed, and is counted by type."""
+    good = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    tier_clear = {"type": "TierBlocksCleared", "medium": "CPU"}
+    for encoded in (tier_clear, ["TierBlocksCleared", "CPU"]):
+        batch = decode_batch(enc([0.0, [good, encoded, good]]))
+        assert batch.events == [
+            BlockRemoved([3]),
+            UnknownEvent("TierBlocksCleared"),
+            BlockRemoved([3]),
+        ]
+        assert batch.rejected == [] and batch.unknown_types == {"TierBlocksCleared": 1}
+    assert touches_lower_tier(UnknownEvent("X"))
+
+
+def test_storage_without_extra_keys_or_ownership_is_vllm_fs_obj_tier() -> None:
+    """vLLM's offloading connector never sends extra keys; of its STORAGE tiers only KVCR
+    (``ownership="kvcr"``) announces removals: FS and OBJ stores are unconfirmed, resolved by
+    vLLM's hashes. kvroute's connector and evictor send extra keys: confirmed."""
+    fs = stored_map(medium="STORAGE", locality="REMOTE", kv_cache_spec_kind="full_attention")
+    tier_only = stored_map(medium="STORAGE", token_ids=[], block_size=0, parent_block_hash=None)
+    kvcr = stored_map(medium="STORAGE", token_ids=[], block_size=0, ownership="kvcr")
+    kvroute = stored_map(medium="STORAGE", extra_keys=[None, None], locality="LOCAL")
+    cpu = stored_map(medium="CPU")
+    batch = decode_batch(enc([0.0, [fs, tier_only, kvcr, kvroute, cpu]]))
+    got = [(e.confirmed, e.engine_hashes) for e in batch.events]
+    assert got == [(False, True), (False, True), (True, False), (True, False), (True, False)]
+    assert batch.events[0].locality == "REMOTE" and batch.events[2].ownership == "kvcr"
+
+
+def test_mooncake_cpu_has_a_group_lmcache_none() -> None:
+    """Mooncake's store connector sends ``medium="cpu"`` with ``group_idx`` (0 included) and
+    vLLM's hashes; LMCache's events never carry the field. Both never remove: unconfirmed."""
+    mooncake = stored_map(medium="cpu", block_hashes=[11], token_ids=[1, 2], group_idx=0)
+    tokenless = stored_map(medium="cpu", block_hashes=[11], token_ids=[], group_idx=0)
+    lmcache = stored_map(medium="cpu")
+    for positional in (False, True):
+        events = [mooncake, tokenless, lmcache]
+        if positional:  # the tolerant path decides alike
+            events = [*events, ["Unknown"]]
+        batch = decode_batch(enc([0.0, events]))
+        got = [(e.confirmed, e.engine_hashes) for e in batch.events if isinstance(e, BlockStored)]
+        assert got == [(False, True), (False, True), (False, False)]
+    # kvroute's encoder keeps group 0 on such an event (the simulator and tests publish it)
+    (again,) = decode_batch(
+        encode_batch([decode_batch(enc([0.0, [mooncake]])).events[0]], ts=0)
+    ).events
+    assert again.engine_hashes and again.group_idx == 0
+
+
+def test_pool_tier_is_simple_cpu_offload_shape() -> None:
+    """SimpleCPUOffloadConnector's stores: one block, ``locality="LOCAL"``, a spec kind."""
+    simple = stored_map(
+        medium="CPU",
+        block_hashes=[11],
+        token_ids=[1, 2],
+        locality="LOCAL",
+        kv_cache_spec_kind="full_attention",
+        group_idx=0,
+    )
+    kvroute = stored_map(medium="CPU", extra_keys=[None, None], locality="LOCAL")
+    offloading = stored_map(medium="CPU", kv_cache_spec_kind="full_attention", group_idx=0)
+    batch = decode_batch(enc([0.0, [simple, kvroute, offloading]]))
+    assert [e.pool_tier for e in batch.events] == [True, False, False]

@@ -19,7 +19,16 @@ from kvroute.indexer.wire import BlockStored, Event
 from tests.indexer.builders import BS, DOC, DOCS, OTHER, ehash, lmcache_chunk, operation, stored
 
 BOTTOM = ["api", "state"]
-MIXINS = ["confirmed", "chunks", "hybrid", "unconfirmed", "domains", "capacity", "lookup"]
+MIXINS = [
+    "confirmed",
+    "chunks",
+    "hybrid",
+    "unconfirmed",
+    "domains",
+    "resets",
+    "capacity",
+    "lookup",
+]
 MODULES = [*BOTTOM, *MIXINS, "memory"]
 
 
