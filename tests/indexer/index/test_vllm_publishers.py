@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvroute.indexer.index import InMemoryPrefixIndex, domain_key
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.wire import BlockStored, Event, Medium, decode_batch
-from tests.indexer.builders import BS, DOC, hashes_of, removed, stored
+from tests.indexer.builders import BS, DOC, hashes_of, removed, stored, tier_only
 
 N_BLOCKS = len(DOC) // BS
 
@@ -361,3 +361,49 @@ def test_a_simple_cpu_replica_never_holds_a_block_its_pools_lost(ops: list) -> N
         for i, held in enumerate(tiers):
             assert "GPU" not in held or i in gpu, (ops, i, held)
             assert "CPU" not in held or i in cpu, (ops, i, held)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.booleans(),
+    st.lists(
+        st.tuples(st.sampled_from(["store", "evict", "silent_reset"]), st.integers(0, 3)),
+        max_size=30,
+    ),
+)
+def test_after_a_silent_reset_an_entry_lives_only_until_its_chunk_is_stored_again(
+    self_describing: bool, ops: list
+) -> None:
+    """A model of vLLM's OffloadingConnector CPU tier (chunks of 2 blocks): it stores a
+    prompt's chunks in order, each only when it does not hold it, announces evictions, and its
+    reset announces nothing. The
+    index holds a chunk exactly when vLLM does, or when vLLM held it at a silent reset and has
+    not stored it since: once stored again, its next removal takes it out for good."""
+    index = InMemoryPrefixIndex()
+    index.apply("r", [stored(DOC, 0, N_BLOCKS)])  # the device keeps DOC: every hash known
+    held: set[int] = set()
+    stale: set[int] = set()
+    for op, k in ops:
+        if op == "store":
+            # a prompt's chunks, in order, those it does not hold (one step's batch)
+            missing = [c for c in range(k + 1) if c not in held]
+            if self_describing:
+                events = [stored(DOC, 2 * c, 2, Medium.CPU, with_extra_keys=False) for c in missing]
+            else:
+                events = [tier_only(DOC, [2 * c + 1], Medium.CPU) for c in missing]
+            index.apply("r", events)
+            held.update(missing)
+            stale.difference_update(missing)
+        elif op == "evict" and k in held:
+            blocks = [2 * k, 2 * k + 1] if self_describing else [2 * k + 1]
+            index.apply("r", [removed(DOC, blocks, Medium.CPU)])
+            held.discard(k)
+        elif op == "silent_reset":
+            stale |= held
+            held = set()
+        tiers = index.block_tiers("r", DOC)
+        for chunk in range(4):
+            want = chunk in held or chunk in stale
+            assert ("CPU" in tiers[2 * chunk + 1]) == want, (ops, chunk, held, stale)
+            # the chunk's first block: claimed whole once the chunk length is learned
+            assert "CPU" not in tiers[2 * chunk] or want, (ops, chunk, held, stale)
