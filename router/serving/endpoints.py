@@ -19,7 +19,10 @@ tokens. How a kind is ranked:
   each healthy replica in turn until one answers other than 404.
 - ``tokenize``, ``detokenize``, ``audio``, ``other`` (any path without a route of its own,
   any method): by load, the least pending healthy replica serving the body's ``model`` when
-  the body is JSON naming a known model. Bodies (multipart included) pass untouched.
+  the body is JSON naming a known model. Bodies (multipart included) pass untouched. An
+  accepted request that resets the replica's KV connector without an event
+  (``/reset_prefix_cache?reset_external=true``, ``/pause``, ``/sleep``...:
+  kvroute.router.serving.cache_resets) makes the index forget what that reset emptied.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvroute.router.errors import RouterError
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from kvroute.router.routing.router import Decision
+from kvroute.router.serving.cache_resets import resets_connector
 from kvroute.router.serving.proxy import (
     ClientGone,
     DisconnectWatch,
@@ -365,6 +369,10 @@ class ProxyEndpoint:
                     if upstream.status == 200:
                         # Before the client sees the id: it may ask for the response at once.
                         self._learn_id(scope, body, upstream.replica)
+                    if self.kind == "other" and 200 <= upstream.status < 300:
+                        # Before the client sees the answer: its next request must not be
+                        # routed on what the reset emptied.
+                        self._after_reset(scope, upstream.replica)
                     await send(
                         {
                             "type": "http.response.start",
@@ -389,6 +397,19 @@ class ProxyEndpoint:
         if watch.disconnected:
             outcome = "cancelled"
         metrics.request(self.label, outcome)
+
+    def _after_reset(self, scope: Scope, replica: Replica) -> None:
+        """A request that resets the replica's KV connector, accepted: no event will say what
+        it emptied, so the index forgets it now, for every rank of the replica's server
+        (kvroute.router.serving.cache_resets)."""
+        if not resets_connector(scope["method"], scope["path"], scope.get("query_string") or b""):
+            return
+        service = self.service
+        for member in service.registry.group(replica.group) or [replica]:
+            service.index.reset_connector(member.name)
+        log.info(
+            "%s reset its KV connector (%s): its CPU tier is forgotten", replica.name, scope["path"]
+        )
 
     def _remember(self, response_id: str, replica: Replica) -> None:
         if self.homes is not None:

@@ -1,0 +1,60 @@
+"""Requests that reset a replica's KV connector without any KV event, as vLLM 0.32's API server
+defines them. The router forwards them like any other path; when the replica accepts one, the
+index forgets what the reset emptied (``PrefixIndex.reset_connector``), since no event will.
+
+Read from vLLM 0.32:
+
+- ``POST /reset_prefix_cache?reset_external=true`` (``entrypoints/serve/dev/cache``):
+  ``Scheduler.reset_prefix_cache(reset_connector=True)`` calls the connector's ``reset_cache``
+  even when the device reset fails, and the answer is 200 ``{"success": false}`` then: any
+  2xx counts.
+- ``POST /pause`` (``entrypoints/rl/online``; ``clear_cache`` defaults to true, whatever the
+  ``mode``): ``EngineCore._finish_pause`` -> ``_reset_caches(reset_connector=True)``.
+- ``POST /sleep`` (``entrypoints/serve/dev/sleep``; ``level`` defaults to 1): a level of 1 or
+  more pauses with ``clear_cache=True``.
+- ``POST /release_kv_cache_memory``: ``_reset_caches()`` before dropping the KV cache.
+
+What the connector's reset empties: vLLM's OffloadingConnector its CPU tier
+(``TieringOffloadingManager.reset_cache``; the FS/OBJ tiers are kept), Mooncake's store
+everything (``remove_all``), kvroute's connector both tiers (announced), the
+SimpleCPUOffloadConnector its pool (announced by a bare clear). The device's own reset is
+announced by vLLM's block pool (``AllBlocksCleared``).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+__all__ = ["resets_connector"]
+
+# FastAPI's (pydantic's) bool query values; anything else is a 422 (no reset).
+_TRUE = {"1", "true", "on", "yes", "t", "y"}
+_FALSE = {"0", "false", "off", "no", "f", "n"}
+
+
+def _flag(query: dict[str, list[str]], name: str, default: bool) -> bool | None:
+    values = query.get(name)
+    if not values:
+        return default
+    value = values[-1].strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    return None
+
+
+def resets_connector(method: str, path: str, query_string: bytes) -> bool:
+    """Whether vLLM resets its KV connector when it accepts this request."""
+    if method.upper() != "POST":
+        return False
+    path = path.rstrip("/") or "/"
+    query = parse_qs(query_string.decode("latin-1"), keep_blank_values=True)
+    if path == "/reset_prefix_cache":
+        return _flag(query, "reset_external", False) is True
+    if path == "/pause":
+        return _flag(query, "clear_cache", True) is True
+    if path == "/sleep":
+        level = query.get("level", ["1"])[-1]
+        return level.strip().isdigit() and int(level) >= 1
+    return path == "/release_kv_cache_memory"
