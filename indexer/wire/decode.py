@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from kvroute.indexer.wire.events import (
+    LMCACHE_MEDIUM,
     MEDIA,
     AllBlocksCleared,
     BlockRemoved,
@@ -198,9 +199,16 @@ def _from_wire(wire: WireEvent) -> Event:
         if tokens and bs == 0:
             raise ValueError("BlockStored with token_ids but block_size 0")
         if tokens and len(tokens) != n * bs:
-            raise ValueError(
-                f"BlockStored token_ids has {len(tokens)} tokens for {n} blocks of {bs}"
-            )
+            if n == 1 and len(tokens) == bs + 1 and wire.medium == LMCACHE_MEDIUM:
+                # LMCache's cache engine lists a chunk's tokens as tokens[start:end + 1]
+                # (lmcache.utils.convert_tokens_to_list, inclusive end): a chunk followed
+                # by another carries the next chunk's first token too. The chunk (its hash,
+                # its KV) is the first block_size of them.
+                tokens = tokens[:bs]
+            else:
+                raise ValueError(
+                    f"BlockStored token_ids has {len(tokens)} tokens for {n} blocks of {bs}"
+                )
         if wire.extra_keys is not None and len(wire.extra_keys) != n:
             raise ValueError("extra_keys must hold one entry per block")
         kind = medium_kind(wire.medium)

@@ -12,6 +12,7 @@ from typing import Any
 from kvroute.indexer.tiers import Tier
 
 __all__ = [
+    "LMCACHE_MEDIUM",
     "MEDIA",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -50,6 +51,9 @@ class MediumKind:
     confirmed: bool = True
 
 
+# LMCache's medium on its list path (``LMCacheConnectorV1`` forwards LMCache's CacheStoreEvent).
+LMCACHE_MEDIUM = "cpu"
+
 # Every medium a known publisher sends, and nothing else: an unknown medium is counted and
 # its event dropped, never mapped to a tier by resemblance (a slow tier counted as GPU, or a
 # store that is never removed counted as confirmed, would make predictions false).
@@ -61,7 +65,7 @@ MEDIA: dict[str | None, MediumKind] = {
     "CPU": MediumKind(Medium.CPU),
     "STORAGE": MediumKind(Medium.STORAGE),
     # LMCache (LMCacheConnectorV1 forwards LMCache's own events): stores only
-    "cpu": MediumKind(Medium.CPU, confirmed=False),
+    LMCACHE_MEDIUM: MediumKind(Medium.CPU, confirmed=False),
     # llm-d's FS offloading backend, on its own socket: stores only (eviction is external)
     "SHARED_STORAGE": MediumKind(Medium.STORAGE, confirmed=False),
     "OBJECT_STORE": MediumKind(Medium.STORAGE, confirmed=False),

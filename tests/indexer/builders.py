@@ -95,11 +95,13 @@ def lmcache_chunk(
     tokens: list[int], start: int, size: int, chunk_hash: int, parent: int | None
 ) -> BlockStored:
     """LMCache's store event as vLLM's LMCacheConnectorV1 forwards it: one event per chunk,
-    LMCache's own hashes, the chunk's token count as block_size, medium "cpu"."""
+    LMCache's own hashes, the chunk's token count as block_size, medium "cpu", and LMCache
+    0.5.x's token list ``tokens[start:end + 1]`` (the next chunk's first token too, when
+    there is one: lmcache.utils.convert_tokens_to_list)."""
     return BlockStored(
         [chunk_hash],
         parent,
-        tokens[start : start + size],
+        tokens[start : start + size + 1],
         size,
         medium=Medium.CPU,
         confirmed=False,

@@ -417,3 +417,57 @@ def test_pool_tier_is_simple_cpu_offload_shape() -> None:
     offloading = stored_map(medium="CPU", kv_cache_spec_kind="full_attention", group_idx=0)
     batch = decode_batch(enc([0.0, [simple, kvroute, offloading]]))
     assert [e.pool_tier for e in batch.events] == [True, False, False]
+
+
+def _lmcache_event(tokens: list[int], start: int, end: int, medium: object = "cpu") -> dict:
+    """LMCache 0.5.x's CacheStoreEvent as vLLM's LMCacheConnectorV1 forwards it (positional
+    fields of BlockStored): token_ids is ``tokens[start:end + 1]`` (lmcache.utils.
+    convert_tokens_to_list), block_size the chunk's token count."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": [b"\x07" * 32],
+        "parent_block_hash": None if start == 0 else b"\x06" * 32,
+        "token_ids": tokens[start : end + 1],
+        "block_size": end - start,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
+
+
+def test_lmcache_inclusive_end_chunk_is_keyed_by_its_own_tokens() -> None:
+    """A chunk followed by another carries the next chunk's first token (257 ids for 256):
+    the event keeps the chunk's 256; the final chunk of a store carries exactly its own."""
+    tokens = list(range(1000, 1000 + 600))
+    batch = decode_batch(
+        enc([0.0, [_lmcache_event(tokens, 0, 256), _lmcache_event(tokens, 512, 600)]])
+    )
+    assert not batch.rejected
+    first, last = batch.events
+    assert isinstance(first, BlockStored) and isinstance(last, BlockStored)
+    assert first.token_ids == tokens[:256] and first.block_size == 256
+    assert (first.medium, first.confirmed, first.medium_name) == (Medium.CPU, False, "cpu")
+    assert last.token_ids == tokens[512:600] and last.block_size == 88
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"medium": "CPU"},  # vLLM's own offloading: exact counts, always
+        {"medium": "GPU"},
+        {"block_hashes": [1, 2]},  # one id more is LMCache's shape for one chunk only
+    ],
+)
+def test_one_token_too_many_is_still_rejected_outside_lmcache(over: dict) -> None:
+    tokens = list(range(300))
+    event = dict(_lmcache_event(tokens, 0, 256), **over)
+    batch = decode_batch(enc([0.0, [event]]))
+    assert batch.events == [] and "tokens for" in batch.rejected[0]
+
+
+def test_lmcache_tensor_path_medium_never_reaches_the_wire() -> None:
+    """On LMCache's tensor path the medium is a ``torch.device``: msgspec cannot encode it,
+    and vLLM's publisher drops the whole batch (its seq consumed, nothing buffered). A
+    stringified device that somehow arrives is an unknown medium, counted, never guessed."""
+    batch = decode_batch(enc([0.0, [_lmcache_event(list(range(256)), 0, 256, "cuda:0")]]))
+    assert batch.events == [] and batch.unknown_media == {"cuda:0": 1}
