@@ -107,6 +107,15 @@ class EventPublisher:
                 self._pub.send_multipart(encode_frames(self.topic, seq, payload), copy=False)
         return seq
 
+    def lose_at_source(self) -> int:
+        """Consume a sequence number, sending and buffering nothing: what vLLM's publisher
+        does with a batch it fails to encode (LMCache's events on its tensor path carry a
+        ``torch.device`` medium). Returns the lost seq."""
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+        return seq
+
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary frames (malformed-message tests); touches no sequence number."""
         with self._lock:

@@ -57,6 +57,8 @@ class IndexStats:
     unknown_event_types: dict[str, int] = field(default_factory=dict)
     distrust_clears: int = 0
     unresolved_blocks: int = 0
+    # batches publishers numbered but never sent or buffered (see FeedStats.lost_batches)
+    lost_batches: int = 0
     # storage domain -> blocks held, replicas attached, its evictor feed
     storage_domains: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -76,6 +78,9 @@ class IndexStats:
                 "events_rejected": self.events_rejected,
                 "malformed_messages": self.malformed_messages,
                 "gaps": self.gaps,
+                # Gaps no replay can fill, because the publisher never buffered the batch:
+                # kept, not cleared (docs/indexer.md, "Batches lost at the source").
+                "lost_batches": self.lost_batches,
                 "replays": self.replays,
                 "replay_failures": self.replay_failures,
                 "resets": self.resets,
@@ -204,5 +209,6 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         unknown_event_types=unknown_types,
         distrust_clears=sum(f.distrust_clears for f in every_feed),
         unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
+        lost_batches=sum(f.lost_batches for f in every_feed),
         storage_domains=domains,
     )

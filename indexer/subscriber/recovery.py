@@ -13,6 +13,10 @@ one are applied to the cleared replica (their blocks are true; chains that began
 part stay unresolved), and the feed is ``rebuilding``, unless those batches include a full
 clear, after which nothing was lost.
 
+A gap in a live stream asks the replay from the batch applied last: when it still holds that
+batch, unchanged, a seq missing after it was never buffered (vLLM's publisher consumes a seq for
+a batch it cannot encode): lost at the source, counted (``lost_batches``), never cleared.
+
 A replay may hold thousands of batches (vLLM buffers 10,000). ``AllBlocksCleared`` (vLLM's
 block pool on ``/reset_prefix_cache``) clears the device tier; when no batch before the last one
 touched another tier, that history cannot change what the index holds once the clear is
@@ -299,9 +303,24 @@ class FeedRecovery:
     # --- filling holes ------------------------------------------------------------------------
 
     def _catch_up(self, start: int, frame: Frame, why: str) -> None:
-        """Fill [start, frame.seq) from the replay socket, then apply ``frame``."""
+        """Fill [start, frame.seq) from the replay socket, then apply ``frame``.
+
+        A gap in a live stream asks from the batch applied last (``start - 1``): when the
+        replay still holds it, unchanged, it holds every batch the publisher buffered since
+        (vLLM's buffer drops its oldest first), so a seq missing from it was never buffered:
+        lost at the source (``_take_lost``), not a reason to clear."""
         self._set(Freshness.SYNCING, why)
-        frames = self._ask_replay(start)
+        anchored = start > 0 and self._last_digest is not None and self.expected == start
+        frames = self._ask_replay(start - 1 if anchored else start)
+        if (
+            anchored
+            and frames
+            and min(frames, key=lambda f: f.seq).seq == start - 1
+            and _digest(min(frames, key=lambda f: f.seq).payload) == self._last_digest
+        ):
+            self.stats.replays += 1
+            self._take_lost(start, frames, frame, why)
+            return
         if frames is None:
             self.stats.replay_failures += 1
             why = f"{why}; " + (
@@ -318,6 +337,35 @@ class FeedRecovery:
         while newest + 1 in by_seq:  # later batches the replay already delivered
             newest += 1
         self._take_history(start, _run_to(by_seq, start, newest), why)
+
+    def _take_lost(self, start: int, frames: list[Frame], frame: Frame, why: str) -> None:
+        """Apply a replay anchored on the last applied batch (see ``_catch_up``), and
+        ``frame``, in order. Each seq missing among them was numbered but never buffered by
+        the publisher: vLLM's publisher consumes a seq for a batch it fails to encode (LMCache's
+        events on its tensor path carry a ``torch.device`` medium) and buffers nothing. No
+        replay will ever hold it, and clearing would not bring it back: the stream keeps what
+        it holds, counts the loss (``lost_batches``) and stays live. What the lost batch held
+        is unknowable: its stores are missing (their successors are counted unresolved), and
+        a removal in it leaves that block held until it is stored and removed again, the
+        replica's device cache is reset, or the replica restarts (docs/indexer.md)."""
+        by_seq = {f.seq: f for f in frames if f.seq >= start}
+        by_seq[frame.seq] = frame
+        seqs = sorted(by_seq)
+        lost = 0
+        expect = start
+        for seq in seqs:
+            lost += seq - expect
+            self._apply(by_seq[seq])
+            expect = seq + 1
+        self.stats.lost_batches += lost
+        self._replayed = (start, self.expected or 0)
+        self._set(
+            Freshness.LIVE,
+            f"{why}: replayed {len(seqs)} batches; {lost} never buffered by the publisher "
+            "(lost at the source, counted in lost_batches; nothing cleared)"
+            if lost
+            else f"{why}: in sync after replaying {len(seqs)} batches",
+        )
 
     def _take_history(self, start: int, run: list[Frame], why: str) -> None:
         """Apply ``run``, consecutive replayed batches up to the newest, as everything since

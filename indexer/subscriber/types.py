@@ -64,6 +64,10 @@ class FeedStats:
     duplicates: int = 0
     gaps: int = 0
     missed_batches: int = 0
+    # Batches the publisher numbered but never buffered (vLLM's publisher drops a batch it
+    # cannot encode, such as LMCache's tensor-path events): proven lost at the source by a
+    # replay that holds the batches on both sides of the hole.
+    lost_batches: int = 0
     replays: int = 0
     replay_failures: int = 0
     resets: int = 0
@@ -101,6 +105,7 @@ class FeedStats:
             "duplicates": self.duplicates,
             "gaps": self.gaps,
             "missed_batches": self.missed_batches,
+            "lost_batches": self.lost_batches,
             "replays": self.replays,
             "replay_failures": self.replay_failures,
             "resets": self.resets,

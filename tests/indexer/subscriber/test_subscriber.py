@@ -814,3 +814,53 @@ def test_feed_threads_run_as_batch_work_and_the_caller_is_untouched(
         pub.publish([stored(DOC, 0, 2)])
         wait_until(lambda: blocks(index) == 2)  # and it still ingests
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_a_batch_lost_at_the_source_is_counted_not_cleared(
+    index: InMemoryPrefixIndex, subscriber: EventSubscriber
+) -> None:
+    """vLLM's publisher consumes a seq for a batch it cannot encode and buffers nothing
+    (LMCache's tensor path): the replay holds the batches on both sides of the hole, so the
+    hole is proven lost at the source; the stream keeps what it holds and stays live."""
+    other = list(range(900, 916))
+    with publisher() as pub:
+        connect(subscriber, pub)
+        time.sleep(0.3)
+        pub.publish([stored(DOC, 0, 4)])
+        wait_until(lambda: blocks(index) == 4)
+        pub.lose_at_source()
+        pub.publish([stored(other, 0, 2)], drop=True)  # also missed live: the replay has it
+        pub.lose_at_source()
+        pub.publish([stored(DOC, 4, 2)])
+        wait_until(lambda: blocks(index) == 6)
+        stats = subscriber.feed_stats()["r1"]
+        assert stats.lost_batches == 2 and stats.gaps == 1 and stats.clears == 0
+        assert stats.missed_batches == 0 and stats.last_seq == 4
+        assert index.lookup(other)["r1"].blocks == 2
+        state, reason = subscriber.freshness("r1")
+        assert state is Freshness.LIVE and "lost at the source" in reason
+        assert collect_stats(index, subscriber).to_dict()["fleet"]["lost_batches"] == 2
+        # The next batch is in sequence: nothing more is counted.
+        pub.publish([stored(other, 2, 2)])
+        wait_until(lambda: index.lookup(other)["r1"].blocks == 4)
+        assert subscriber.feed_stats()["r1"].lost_batches == 2
+
+
+def test_a_hole_behind_a_changed_anchor_is_not_taken_as_lost() -> None:
+    """Driven without sockets: the replay's first batch is not the one applied last (another
+    process, or a buffer that dropped it): no proof, so the usual rules apply (clear)."""
+    index = InMemoryPrefixIndex()
+    good = _frames([[stored(DOC, 0, 2)], [stored(DOC, 2, 2)], [stored(DOC, 4, 2)]])
+    other = _frames([[stored(list(range(900, 916)), 0, 2)]])[0]
+    asked: list[int] = []
+
+    def replay(start: int) -> list[Frame]:
+        asked.append(start)
+        return [Frame(TOPIC, 0, other.payload), good[2]] if start == 0 else good[start:]
+
+    feed = ReplicaFeed(EventSource("r", "tcp://unused"), index, replay=replay)
+    feed.handle(good[0])
+    feed.handle(good[2])  # gap: 1 missing; the anchor (batch 0) came back changed
+    assert asked == [0]
+    assert feed.stats.lost_batches == 0 and feed.stats.missed_batches == 1
+    assert feed.stats.freshness is Freshness.REBUILDING
