@@ -163,12 +163,16 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
     domains: dict[str, dict[str, Any]] = {}
     for d in index.domains():
         feed = feeds.get(domain_key(d.domain))
-        domains[d.domain] = {
+        # One entry per layout a domain holds chunks of: "NAME", "NAME#LAYOUT".
+        domains[domain_key(d.domain, d.layout)[len(DOMAIN_PREFIX) :]] = {
             "block_size": d.block_size,
             "blocks": d.blocks,
+            "unconfirmed_blocks": d.unconfirmed_blocks,
             "chunk_blocks": d.chunk_blocks,
+            "layout": d.layout,
             "attached": d.attached,
-            # None: no evictor feed configured (nothing removes what the index cannot see)
+            # None: no evictor feed configured (nothing removes what the index cannot see);
+            # one evictor feed serves every layout of its domain.
             "feed": None if feed is None else feed.snapshot(),
         }
     for name, feed in feeds.items():
@@ -176,7 +180,9 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
             domains[name[len(DOMAIN_PREFIX) :]] = {
                 "block_size": None,
                 "blocks": 0,
+                "unconfirmed_blocks": 0,
                 "chunk_blocks": None,
+                "layout": None,
                 "attached": [],
                 "feed": feed.snapshot(),
             }

@@ -34,18 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replica",
         action="append",
         default=[],
-        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP,dp=N|auto,storage_domain=D]",
+        metavar="URL[,events=EP,replay=EP,topic=T,name=N,aux=EP,dp=N|auto,storage_domain=D,"
+        "layout=L]",
         help="a vLLM replica and where it publishes KV events (repeatable); dp=N: a "
         "data-parallel server, each rank routed to as <name>#dp<r> (auto: ask the server); "
-        "storage_domain=D: it shares storage domain D (its chunks are hits for all of D)",
+        "storage_domain=D: it shares storage domain D (its chunks are hits for all of D); "
+        "layout=L: only with the replicas of D that read layout L (its layout digest)",
     )
     fleet.add_argument(
         "--storage-domain",
         action="append",
         default=[],
         metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
-        help="a storage domain's evictor feed (kvroute storage gc), repeatable: its "
-        "removals of shared chunks reach the index",
+        help="a storage domain's evictor feed (kvroute storage gc, or llm-d's PVC evictor "
+        "with topic=kv@SHARED_STORAGE@MODEL), repeatable: its removals of shared chunks "
+        "reach the index",
     )
     fleet.add_argument(
         "--replicas-file",

@@ -11,12 +11,13 @@ A server started with vLLM's data parallelism runs N engines behind one URL: ``d
 (router/fleet/dp.py).
 
 A replica that mounts a shared storage directory names it: ``storage_domain=D``; every chunk
-stored there is a hit for all of D's replicas (docs/indexer.md, storage domains).
+stored there is a hit for all of D's replicas of the same ``layout=L`` (docs/indexer.md,
+storage domains).
 
 Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]
-[,storage_domain=D]``.
+[,storage_domain=D][,layout=L]``.
 File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp,
-storage_domain}, ...]``
+storage_domain, layout}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
 (kvroute.router.fleet.discovery.file).
 """
@@ -61,6 +62,10 @@ class ReplicaConfig:
     # The shared storage (a directory all its replicas mount) this replica loads and stores
     # KV chunks in: every STORAGE block written into the domain is a hit for all of them.
     storage_domain: str | None = None
+    # Which chunks of the domain it can read: its layout (kvroute's connector: the layout
+    # digest naming its directory; llm-d's FS backend: its FileMapper folder). Replicas of
+    # one domain share chunks only within a layout; None: every replica that names none.
+    layout: str | None = None
     # Which process is behind the URL, when a discovery source knows (a Kubernetes pod's
     # UID): a new value is a new replica, so its index entries are cleared, never inherited.
     incarnation: str | None = None
@@ -68,6 +73,10 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if self.storage_domain is not None:
             check_storage_domain_name(self.storage_domain)
+        if self.layout is not None:
+            if self.storage_domain is None:
+                raise ConfigError("replica layout= needs storage_domain= (it keys the domain)")
+            check_storage_domain_name(self.layout, "layout")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"replica url must be http(s)://host:port, got {self.url!r}")
@@ -450,15 +459,14 @@ def check_api_key(key: object, what: str) -> None:
         raise ConfigError(f"{what} must be printable ASCII without spaces")
 
 
-def check_storage_domain_name(name: object) -> None:
-    """A domain name is a label (it keys the index and shows in stats): letters, digits,
-    ``-_.``; no ``:`` or ``#`` (kept for the index's pseudo-replica keys)."""
+def check_storage_domain_name(name: object, what: str = "storage domain name") -> None:
+    """A domain name (or a replica's layout) is a label (it keys the index and shows in
+    stats): letters, digits, ``-_.``; no ``:`` or ``#`` (kept for the index's pseudo-replica
+    keys)."""
     if (
         not isinstance(name, str)
         or not name
         or len(name) > 128
         or not all(c.isalnum() or c in "-_." for c in name)
     ):
-        raise ConfigError(
-            f"storage domain name must be 1-128 letters, digits, '-', '_' or '.', got {name!r}"
-        )
+        raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {name!r}")

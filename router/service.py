@@ -354,7 +354,7 @@ class RouterService:
     def _add_target(self, config: ReplicaConfig) -> Replica:
         replica = self.registry.add(config)
         # In feed order: after the removal of the replica's previous entry, if any
-        self._feed_ops.submit(self.index.attach, config.key, config.storage_domain)
+        self._feed_ops.submit(self.index.attach, config.key, config.storage_domain, config.layout)
         sources = []
         if config.events:
             sources.append(EventSource(config.key, config.events, config.replay, config.topic))

@@ -73,10 +73,11 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
             "aux",
             "dp",
             "storage_domain",
+            "layout",
         ):
             raise ConfigError(
                 f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux=, dp=, storage_domain="
+                "name=, aux=, dp=, storage_domain=, layout="
             )
         if name == "aux":
             aux.append(val)
@@ -118,12 +119,13 @@ def parse_replica(item: object) -> ReplicaConfig:
         "aux",
         "dp",
         "storage_domain",
+        "layout",
     }
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
     if not isinstance(item.get("url"), str):
         raise ConfigError(f"replica entry needs a url: {item!r}")
-    for key in ("events", "replay", "topic", "name", "storage_domain"):
+    for key in ("events", "replay", "topic", "name", "storage_domain", "layout"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
     aux = item.get("aux") or []
@@ -140,6 +142,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         aux=tuple(aux),
         dp=_parse_dp(item.get("dp")),
         storage_domain=item.get("storage_domain"),
+        layout=item.get("layout"),
     )
 
 

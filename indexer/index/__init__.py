@@ -25,6 +25,7 @@ from kvroute.indexer.index.api import (
     PrefixMatch,
     ReplicaIndexSummary,
     domain_key,
+    split_domain_key,
 )
 from kvroute.indexer.index.memory import InMemoryPrefixIndex
 
@@ -38,4 +39,5 @@ __all__ = [
     "PrefixMatch",
     "ReplicaIndexSummary",
     "domain_key",
+    "split_domain_key",
 ]

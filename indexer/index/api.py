@@ -24,16 +24,27 @@ __all__ = [
     "PrefixMatch",
     "ReplicaIndexSummary",
     "domain_key",
+    "split_domain_key",
 ]
 
 # The index key of a storage domain: a pseudo-replica whose STORAGE holdings are the domain's
-# (its evictor's stream is applied under this name).
+# (its evictor's stream is applied under this name). A domain's holdings are kept per layout
+# (``domain:NAME#LAYOUT``): a chunk written at one layout (model revision, dtype, TP/PP) is
+# no use to a replica of another, even in the same directory.
 DOMAIN_PREFIX = "domain:"
+LAYOUT_SEP = "#"
 
 
-def domain_key(domain: str) -> str:
-    """The pseudo-replica a storage domain's holdings and its evictor's events live under."""
-    return DOMAIN_PREFIX + domain
+def domain_key(domain: str, layout: str | None = None) -> str:
+    """The pseudo-replica a storage domain's holdings (of one layout; None: replicas that
+    name none) live under; ``domain_key(domain)`` is also where its evictor's events go."""
+    return DOMAIN_PREFIX + domain + ("" if layout is None else LAYOUT_SEP + layout)
+
+
+def split_domain_key(key: str) -> tuple[str, str | None]:
+    """(domain, layout) of a pseudo-replica key made by ``domain_key``."""
+    name, sep, layout = key[len(DOMAIN_PREFIX) :].partition(LAYOUT_SEP)
+    return name, (layout if sep else None)
 
 
 @dataclass(slots=True)
@@ -123,6 +134,8 @@ class DomainSummary:
     blocks: int
     attached: list[str]
     chunk_blocks: int | None = None
+    layout: str | None = None
+    unconfirmed_blocks: int = 0  # llm-d's shared storage (SHARED_STORAGE, OBJECT_STORE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +225,10 @@ class PrefixIndex(ABC):
         ``SnapshotError``); returns the entries installed."""
         raise NotImplementedError(f"{type(self).__name__} cannot import a snapshot")
 
-    def attach(self, replica: str, domain: str | None) -> None:
-        """Attach the replica to a storage domain (None: detach). A backend without domains
-        refuses: a shared prefix would silently count nowhere."""
+    def attach(self, replica: str, domain: str | None, layout: str | None = None) -> None:
+        """Attach the replica to a storage domain (None: detach), for the chunks of its
+        ``layout`` (None: every replica of the domain that names none). A backend without
+        domains refuses: a shared prefix would silently count nowhere."""
         if domain is not None:
             raise NotImplementedError(f"{type(self).__name__} has no storage domains")
 

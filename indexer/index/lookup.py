@@ -4,7 +4,8 @@ serves it. The read path: nothing here writes to the index.
 The device prefix first, then, from the first block the device lacks, blocks a lower tier
 holds, ending on a whole chunk of that tier (``_walk``, ``_trim``); a partial block past the
 device prefix (``_probe_partials``); a storage domain's holdings as the STORAGE tier of the
-replicas attached to it (``_lifted``); and a hybrid model's cap (hybrid.py).
+replicas attached to it, and its llm-d shared storage chunks as their unconfirmed STORAGE
+(``_lifted``); and a hybrid model's cap (hybrid.py).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from kvroute.indexer.index.state import (
     _TIERS,
     _W,
     IndexStore,
+    _cls,
     _ReplicaState,
 )
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.wire import Medium
 
 __all__ = ["Lookups"]
+
+# The classes a storage domain holds for its replicas: STORAGE, confirmed and not.
+_DOMAIN_CLASSES = (_STORAGE, _cls(Medium.STORAGE, confirmed=False))
 
 
 class Lookups(IndexStore):
@@ -117,8 +122,8 @@ class Lookups(IndexStore):
         for state in states:
             domain = self._replicas.get(self._attached.get(state.name, ""))
             if domain is not None:
-                # confirmed STORAGE, and unconfirmed STORAGE (vLLM's FS tier, REMOTE)
-                for cls in (_STORAGE, _STORAGE + 3):
+                # kvroute's (confirmed), llm-d's and vLLM's REMOTE FS tier (unconfirmed)
+                for cls in _DOMAIN_CLASSES:
                     dbit = 1 << (_W * domain.slot + cls)
                     lifts[dbit] = lifts.get(dbit, 0) | 1 << (_W * state.slot + cls)
         if not lifts:
@@ -238,7 +243,7 @@ class Lookups(IndexStore):
         # A storage domain's chunks are what its replicas wrote: their length is learned there.
         domain = (
             self._replicas.get(self._attached.get(state.name, ""))
-            if cls in (_STORAGE, _STORAGE + 3)
+            if cls in _DOMAIN_CLASSES
             else None
         )
         learned = state if domain is None or cls not in domain.chunk_blocks else domain

@@ -146,6 +146,11 @@ class InMemoryPrefixIndex(
 
     def clear_source(self, replica: str, source: str = "", *, restarted: bool) -> None:
         with self._lock:
+            # A domain's evictor stream vouches for every layout of the domain.
+            for layout in self._layouts(replica):
+                self._clear_confirmed(layout)
+                if restarted:
+                    self._drop_source_holdings(layout, source)
             state = self._replicas.get(replica)
             if state is None:
                 return
@@ -183,6 +188,8 @@ class InMemoryPrefixIndex(
             shared = self._attached.get(replica)
             domain = None if shared is None else self._state(shared)
             now = self._clock()
+            # A domain's evictor stream: its removals apply to every layout of the domain.
+            layouts = self._layouts(replica)
             if state.held:
                 self._expire_state(state, now)
             if domain is not None and domain.held:
@@ -202,6 +209,13 @@ class InMemoryPrefixIndex(
                             self._store(state, event, result)
                             if domain is not None and event.medium is Medium.STORAGE:
                                 self._share(state, domain, event, result)
+                        elif (
+                            domain is not None
+                            and event.medium is Medium.STORAGE
+                            and not event.engine_hashes
+                        ):
+                            # llm-d's FS backend on a shared volume: the domain's chunks
+                            self._store_unconfirmed(state, event, source, result, into=domain)
                         else:
                             self._store_unconfirmed(state, event, source, result)
                             if (
@@ -215,7 +229,11 @@ class InMemoryPrefixIndex(
                         if event.group_idx:
                             self._remove_group(state, event, result)
                             continue
-                        if event.confirmed:
+                        if layouts:
+                            if event.confirmed:
+                                state.confirmed_sources.add(source)
+                            self._remove_from_layouts([state, *layouts], event, source, result)
+                        elif event.confirmed:
                             state.confirmed_sources.add(source)
                             # An attached replica's STORAGE removal (a bad file it deleted)
                             # leaves the domain.

@@ -43,6 +43,8 @@ class UnconfirmedHoldings(IndexStore):
 
         def _want_ghost(self, state: _ReplicaState) -> None: ...
 
+        def _layouts(self, key: str) -> list[_ReplicaState]: ...  # storage domains
+
     def _engine_key(self, state: _ReplicaState, h: int) -> int | None:
         """Our key for vLLM hash ``h`` on this replica (held, recently forgotten, or held by
         its storage domain), or None."""
@@ -92,10 +94,19 @@ class UnconfirmedHoldings(IndexStore):
             self._hold_unconfirmed(state, held, chunk, tuple(keys), cls, expires, result)
 
     def _store_unconfirmed(
-        self, state: _ReplicaState, event: BlockStored, source: str, result: ApplyResult
+        self,
+        state: _ReplicaState,
+        event: BlockStored,
+        source: str,
+        result: ApplyResult,
+        into: _ReplicaState | None = None,
     ) -> None:
+        """``into``: the storage domain (its layout's holder) an attached replica's shared
+        storage chunks go to, resolved through the writer's blocks, held for the domain
+        (source ``""``: the domain's evictor stream removes them)."""
         cls = _cls(event.medium, confirmed=False)
-        held = state.held.setdefault(source, OrderedDict())
+        holder = state if into is None else into
+        held = holder.held.setdefault(source if into is None else "", OrderedDict())
         expires = self._clock() + self.unconfirmed_ttl_s
         if event.engine_hashes and (event.token_ids or event.block_size):
             # vLLM's FS/OBJ tiers' self-describing chunks, Mooncake's blocks (one per event,
@@ -106,6 +117,10 @@ class UnconfirmedHoldings(IndexStore):
             # Tier-only (llm-d's FS backend): chunks named by their last block hash.
             state.warm_chain = False
             state.whole_loads.add(cls)
+            if into is not None:
+                into.whole_loads.add(cls)
+                if into.block_size is None:
+                    into.block_size = state.block_size
             for h in event.block_hashes:
                 rec = held.get((cls, h))
                 if rec is not None:
@@ -117,7 +132,11 @@ class UnconfirmedHoldings(IndexStore):
                     result.unresolved += 1
                     continue
                 keys = tuple(state.engine_to_key[m] for m in members)
-                self._hold_unconfirmed(state, held, (cls, h), keys, cls, expires, result)
+                self._hold_unconfirmed(holder, held, (cls, h), keys, cls, expires, result)
+            if into is not None:
+                n = state.chunk_blocks.get(cls)
+                if n is not None and n > into.chunk_blocks.get(cls, 0):
+                    into.chunk_blocks[cls] = n
             return
         # Self-describing chunks with the publisher's own hashes (LMCache): re-keyed through
         # their tokens at the replica's block size, chained through the parent chunk.
@@ -152,7 +171,7 @@ class UnconfirmedHoldings(IndexStore):
                 rec.expires = expires
                 held.move_to_end((cls, h))
             else:
-                self._hold_unconfirmed(state, held, (cls, h), keys, cls, expires, result)
+                self._hold_unconfirmed(holder, held, (cls, h), keys, cls, expires, result)
             if size % bs:
                 break  # a final partial chunk: nothing can chain from it
             parent = keys[-1]
@@ -321,5 +340,6 @@ class UnconfirmedHoldings(IndexStore):
                 list(self._replicas.values())
                 if replica is None
                 else [s for s in (self._replicas.get(replica),) if s is not None]
+                + self._layouts(replica)
             )
             return sum(self._expire_state(s, now) for s in states if s.held)

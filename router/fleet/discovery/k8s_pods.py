@@ -11,7 +11,8 @@ where it publishes (the defaults are vLLM's: events on 5557, replay on 5558, top
   replica per port, ``<pod>:<port>``, server i publishing on the event/replay ports + i.
 * ``kvroute.io/events-port``, ``kvroute.io/replay-port``: ``none`` for no feed / no replay.
 * ``kvroute.io/topic``, ``kvroute.io/dp`` (ranks N, or ``auto``: router/fleet/dp.py),
-  ``kvroute.io/storage-domain``.
+  ``kvroute.io/storage-domain``, ``kvroute.io/layout`` (which of the domain's chunks it
+  reads: docs/indexer.md, storage domains).
 
 The pod's UID is the replica's incarnation: a pod recreated under the same name (a
 StatefulSet) is a new replica whose index entries are cleared, as is one with a new IP.
@@ -46,6 +47,7 @@ ANNOTATIONS = (
     "topic",
     "dp",
     "storage-domain",
+    "layout",
     "router-port",
 )
 DEFAULT_HTTP_PORT = 8000
@@ -162,6 +164,7 @@ def pod_replicas(pod: dict[str, Any], target_ports: Sequence[int] = ()) -> list[
                     name=name if len(ports) == 1 else f"{name}:{port}",
                     dp=dp,
                     storage_domain=annotations.get(PREFIX + "storage-domain") or None,
+                    layout=annotations.get(PREFIX + "layout") or None,
                     incarnation=meta.get("uid"),
                 )
             )

@@ -45,6 +45,7 @@ def test_public_names_are_the_packages() -> None:
         "PrefixMatch",
         "ReplicaIndexSummary",
         "domain_key",
+        "split_domain_key",
     }
     assert imported_elsewhere == set(index_pkg.__all__)
     modules = [importlib.import_module(f"kvroute.indexer.index.{m}") for m in MODULES]

@@ -44,6 +44,7 @@ def test_annotations_set_ports_topic_and_storage_domain() -> None:
             "kvroute.io/replay-port": "none",
             "kvroute.io/topic": "kv@vllm-1",
             "kvroute.io/storage-domain": "nfs-a",
+            "kvroute.io/layout": "9a1b2c3d4e5f6a7b",
         },
     )
     (r,) = pod_replicas(pod)
@@ -53,7 +54,7 @@ def test_annotations_set_ports_topic_and_storage_domain() -> None:
         None,
         "kv@vllm-1",
     )
-    assert r.storage_domain == "nfs-a"
+    assert (r.storage_domain, r.layout) == ("nfs-a", "9a1b2c3d4e5f6a7b")
     no_feed = make_pod("x", "10.0.0.1", annotations={"kvroute.io/events-port": "none"})
     assert pod_replicas(no_feed)[0].events is None and pod_replicas(no_feed)[0].replay is None
 

@@ -225,3 +225,21 @@ def test_domain_storage_tokens_are_believed_by_the_domain_feed() -> None:
     assert load_s("connecting", "d", None) == full  # no evictor feed: nothing evicts unseen
     assert load_s("live", "d", "stale") == pytest.approx(0.25 * full)
     assert load_s("live", "d", "connecting") == 0
+
+
+def test_layouts_parse_from_flags_files_and_pod_annotations() -> None:
+    from kvroute.router.config import ConfigError
+    from kvroute.router.fleet.discovery.k8s_pods import ANNOTATIONS
+    from kvroute.router.specs import parse_replica, parse_replica_flag
+
+    flag = parse_replica_flag("http://h:1,storage_domain=pvc,layout=Qwen_Qwen3-0.6B_3f2a9c1b7d4e")
+    assert (flag.storage_domain, flag.layout) == ("pvc", "Qwen_Qwen3-0.6B_3f2a9c1b7d4e")
+    item = parse_replica({"url": "http://h:1", "storage_domain": "d", "layout": "9a1b2c3d4e5f6a7b"})
+    assert item.layout == "9a1b2c3d4e5f6a7b"
+    assert parse_replica("http://h:1,storage_domain=d").layout is None
+    assert "layout" in ANNOTATIONS
+    with pytest.raises(ConfigError, match="needs storage_domain"):
+        parse_replica_flag("http://h:1,layout=x")
+    for bad in ("a#b", "a:b", ""):
+        with pytest.raises(ConfigError, match="layout"):
+            ReplicaConfig("http://h:1", storage_domain="d", layout=bad)
