@@ -6,6 +6,10 @@ test runs it again into a temporary directory, in its own process (it pins ``PYT
 and vLLM's module-level hash seed), and compares every fixture with the committed one: every
 batch payload byte for byte except the 8 bytes of its float64 ``ts``, the seqs and steps, the
 auxiliary (llm-d) frames the same way, and the probes' truth.
+
+``lmcache_shape`` runs LMCache's own code, which is not a dependency of kvroute: it is
+regenerated when ``$KVROUTE_LMCACHE_PATH`` names a directory holding LMCache 0.5.6 (``pip
+install --no-deps --target DIR lmcache==0.5.6 aiofile caio``), and skipped otherwise.
 """
 
 from __future__ import annotations
@@ -61,16 +65,28 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+LMCACHE = "lmcache_shape.json"
+
+
+def _skipped_without_lmcache(regenerated: Path, name: str) -> None:
+    if name == LMCACHE and not (regenerated / name).exists():
+        pytest.skip("LMCache is not importable here: set KVROUTE_LMCACHE_PATH (see generate.py)")
+
+
 def test_the_same_scenarios_are_generated(regenerated: Path) -> None:
     committed = sorted(p.name for p in FIXTURES.glob("*.json"))
     assert committed, "no committed fixtures"
-    assert sorted(p.name for p in regenerated.glob("*.json")) == committed
+    fresh = sorted(p.name for p in regenerated.glob("*.json"))
+    if LMCACHE not in fresh:
+        committed.remove(LMCACHE)
+    assert fresh == committed
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.json")))
 def test_regenerated_fixture_equals_the_committed_one(regenerated: Path, name: str) -> None:
     import vllm
 
+    _skipped_without_lmcache(regenerated, name)
     committed = json.loads((FIXTURES / name).read_text())
     fresh = json.loads((regenerated / name).read_text())
     assert committed["vllm_version"] == vllm.__version__, (

@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvroute.indexer.index import InMemoryPrefixIndex
@@ -160,8 +161,29 @@ def test_tier_only_chunks_are_learned_then_resolved_whole() -> None:
     assert summary.chunk_blocks == {"CPU": 4}
 
 
+def test_lmcache_chunks_as_lmcache_builds_them_decode_whole() -> None:
+    """LMCache 0.5.6's own store (tests/fixtures/vllm_events/generate.py) lists a chunk's
+    tokens with an inclusive end: 257 ids for a 256-token chunk followed by another. Every
+    event decodes, to the chunk's own tokens; the tensor path's ``torch.device`` medium is
+    what vLLM's encoder refuses (the batch is lost at the source)."""
+    fx = load("lmcache_shape")
+    sizes = []
+    for batch in fx["batches"]:
+        raw = base64.b64decode(batch["payload_b64"])
+        decoded = decode_batch(raw)
+        assert not decoded.rejected and not decoded.unknown_media
+        wire = msgspec.msgpack.decode(raw)[1]
+        for event, ev in zip(wire, decoded.events, strict=True):
+            if event.get("medium") == "cpu":
+                sizes.append((len(event["token_ids"]), event["block_size"]))
+                assert ev.token_ids == event["token_ids"][: event["block_size"]]
+    assert (257, 256) in sizes and (88, 88) in sizes
+    assert all(n in (size, size + 1) for n, size in sizes)
+    assert "torch.device" in fx["config"]["lmcache"]["tensor_path"]
+
+
 def test_a_store_of_foreign_chunk_hashes_is_unconfirmed_and_bounded() -> None:
-    """LMCache's chunks (its own 32-byte hashes, medium "cpu", never removed) are held apart
+    """LMCache's chunks (its own chunk hashes, medium "cpu", never removed) are held apart
     from the confirmed tiers and re-chunked at the replica's block size."""
     fx = load("lmcache_shape")
     index = InMemoryPrefixIndex()
