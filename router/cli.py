@@ -229,6 +229,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.hint_ttl_s,
         help="burst-hint lifetime (0 disables hints)",
     )
+    routing.add_argument(
+        "--lmcache-controller",
+        default=None,
+        metavar="URL",
+        help="LMCache's controller: asked (POST /lookup) what the replicas naming their "
+        "LMCache instance (lmcache_instance=ID) hold of each prompt",
+    )
+    routing.add_argument(
+        "--lmcache-lookup-timeout-s", type=float, default=d.lmcache_lookup_timeout_s
+    )
     routing.add_argument("--session-header", default=d.session_header)
     cost = parser.add_argument_group("cost model (seconds; see docs/router.md)")
     cost.add_argument("--prefill-s-per-token", type=float, default=c.prefill_s_per_token)
@@ -454,6 +464,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         healthy_after=args.healthy_after,
         ready_grace_s=args.ready_grace_s,
         hint_ttl_s=args.hint_ttl_s,
+        lmcache_controller=args.lmcache_controller,
+        lmcache_lookup_timeout_s=args.lmcache_lookup_timeout_s,
         session_header=args.session_header,
         cost=cost,
     )

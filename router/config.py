@@ -66,6 +66,9 @@ class ReplicaConfig:
     # digest naming its directory; llm-d's FS backend: its FileMapper folder). Replicas of
     # one domain share chunks only within a layout; None: every replica that names none.
     layout: str | None = None
+    # Its LMCache instance id, as LMCache's controller names it (RouterSettings.
+    # lmcache_controller): the controller's answer is then its LMCache tier.
+    lmcache_instance: str | None = None
     # Which process is behind the URL, when a discovery source knows (a Kubernetes pod's
     # UID): a new value is a new replica, so its index entries are cleared, never inherited.
     incarnation: str | None = None
@@ -260,6 +263,10 @@ class RouterSettings:
     k8s_discovery: K8sDiscoverySettings | None = None
     # Feeds of the storage domains' evictors (replicas attach by ReplicaConfig.storage_domain)
     storage_domains: list[StorageDomainConfig] = field(default_factory=list)
+    # LMCache's controller (router/routing/lmcache.py): asked per prompt for the replicas
+    # that name their LMCache instance (ReplicaConfig.lmcache_instance)
+    lmcache_controller: str | None = None
+    lmcache_lookup_timeout_s: float = 0.05
     policy: str = "kvroute"
     tokenizer: str | None = None
     tokenizer_mode: Literal["local", "remote"] = "local"
@@ -393,6 +400,8 @@ class RouterSettings:
         domains = [d.name for d in self.storage_domains]
         if len(domains) != len(set(domains)):
             raise ConfigError(f"storage domain names must be unique: {domains}")
+        if self.lmcache_lookup_timeout_s <= 0:
+            raise ConfigError("lmcache_lookup_timeout_s must be > 0")
         if self.unconfirmed_ttl_s <= 0 or self.unconfirmed_max_blocks < 0:
             raise ConfigError("unconfirmed_ttl_s must be > 0, unconfirmed_max_blocks >= 0")
         if (

@@ -294,6 +294,7 @@ class RouterService:
         await asyncio.to_thread(self.subscriber.close)
         await self.client.aclose()
         await self.health_client.aclose()
+        await self.router.aclose()
         if self.upstream is not None:
             self.upstream.close()
 

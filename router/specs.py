@@ -74,10 +74,11 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
             "dp",
             "storage_domain",
             "layout",
+            "lmcache_instance",
         ):
             raise ConfigError(
                 f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux=, dp=, storage_domain=, layout="
+                "name=, aux=, dp=, storage_domain=, layout=, lmcache_instance="
             )
         if name == "aux":
             aux.append(val)
@@ -120,12 +121,21 @@ def parse_replica(item: object) -> ReplicaConfig:
         "dp",
         "storage_domain",
         "layout",
+        "lmcache_instance",
     }
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
     if not isinstance(item.get("url"), str):
         raise ConfigError(f"replica entry needs a url: {item!r}")
-    for key in ("events", "replay", "topic", "name", "storage_domain", "layout"):
+    for key in (
+        "events",
+        "replay",
+        "topic",
+        "name",
+        "storage_domain",
+        "layout",
+        "lmcache_instance",
+    ):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
     aux = item.get("aux") or []
@@ -143,6 +153,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         dp=_parse_dp(item.get("dp")),
         storage_domain=item.get("storage_domain"),
         layout=item.get("layout"),
+        lmcache_instance=item.get("lmcache_instance"),
     )
 
 

@@ -101,10 +101,25 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         "start": service.warm.to_dict(service.subscriber.warm_outcomes()),
         "discovery": None if service.discovery is None else service.discovery.status(),
         "peer_load": service.peer_load.to_dict() if service.peer_load_on else None,
+        "lmcache_controller": _lmcache(service),
         "queue_samples": None
         if service.router.queue_delay is None
         else {
             "taken": service.router.queue_delay.next_sample,
             "from_peers": service.router.queue_delay.shared_applied,
         },
+    }
+
+
+def _lmcache(service: RouterService) -> dict[str, Any] | None:
+    """LMCache's controller as the router asks it (router/routing/lmcache.py)."""
+    c = service.router.lmcache
+    if c is None:
+        return None
+    return {
+        "url": c.url,
+        "lookups": c.lookups,
+        "failures": c.failures,
+        "last_error": c.last_error,
+        "last_latency_s": c.last_latency_s,
     }

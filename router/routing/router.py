@@ -22,6 +22,7 @@ from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.approx import RoutingHistory
 from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.hints import BurstHints
+from kvroute.router.routing.lmcache import LMCacheController
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
 from kvroute.router.routing.queue_model import LearnedQueueDelay
@@ -40,6 +41,9 @@ _TIER_DROP_ORDER = tuple(
     for _, confirmed, unconfirmed in reversed(_TIER_LABELS)
     for label in (unconfirmed, confirmed)
 )
+
+# LMCache's tier (lmcache.py): what its events say, and what its controller says
+_CPU, _CPU_UNCONFIRMED = Tier.CPU.label(), Tier.CPU.label(confirmed=False)
 
 
 def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int) -> int:
@@ -132,6 +136,12 @@ class Router:
         self.tokenizer = tokenizer
         self.policy = policy
         self.hints = BurstHints(settings.hint_ttl_s, settings.hint_max_keys)
+        # LMCache's controller, for replicas that name their LMCache instance (lmcache.py)
+        self.lmcache = (
+            LMCacheController(settings.lmcache_controller, settings.lmcache_lookup_timeout_s)
+            if settings.lmcache_controller
+            else None
+        )
         self.history = RoutingHistory(settings.approx_max_keys)
         self.recent = DecisionLog()  # the last decisions sent, for GET /dashboard/data
         # Where each prefix (its home_affinity) was first placed: where it goes back to once
@@ -253,6 +263,8 @@ class Router:
             if len(batch) > 1:
                 decision.batch_sizes = [len(p) for p in prompts]
             self._match(decision, views, batch)
+            if self.lmcache is not None and len(prompts) == 1:
+                await self._ask_lmcache(prompts[0], candidates, views)
             bs = next(iter(decision.keys))
             held = [
                 v.predicted_cached_tokens // bs
@@ -342,6 +354,34 @@ class Router:
                 views[name].predicted_cached_tokens = max(
                     views[name].predicted_cached_tokens, views[name].approx_tokens
                 )
+
+    async def _ask_lmcache(
+        self, tokens: Sequence[int], candidates: list[Replica], views: dict[str, ReplicaView]
+    ) -> None:
+        """What LMCache's controller says each replica naming its instance holds replaces
+        the index's unconfirmed CPU tokens of that replica (lmcache.py)."""
+        assert self.lmcache is not None
+        instances = {r.name: r.config.lmcache_instance for r in candidates}
+        instances = {name: i for name, i in instances.items() if i}
+        if not instances:
+            return
+        counts = await self.lmcache.lookup(tokens)
+        if counts is None:
+            return
+        for name, instance in instances.items():
+            view = views[name]
+            base = view.match_tokens - view.tokens_by_tier.pop(_CPU_UNCONFIRMED, 0)
+            held = min(counts.get(instance, 0), max(0, len(tokens) - 1))
+            if held > base:
+                view.tokens_by_tier[_CPU] = view.tokens_by_tier.get(_CPU, 0) + held - base
+            view.match_tokens = max(base, held)
+            view.predicted_cached_tokens = max(
+                view.match_tokens, view.hint_tokens, view.approx_tokens
+            )
+
+    async def aclose(self) -> None:
+        if self.lmcache is not None:
+            await self.lmcache.aclose()
 
     def commit(self, decision: Decision, replica: Replica) -> None:
         """The request went to ``replica``: remember it for siblings and routing history, and
