@@ -471,3 +471,18 @@ def test_lmcache_tensor_path_medium_never_reaches_the_wire() -> None:
     stringified device that somehow arrives is an unknown medium, counted, never guessed."""
     batch = decode_batch(enc([0.0, [_lmcache_event(list(range(256)), 0, 256, "cuda:0")]]))
     assert batch.events == [] and batch.unknown_media == {"cuda:0": 1}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([4, 8, 16]), st.integers(0, 3))
+def test_lmcache_chunks_decode_to_their_own_tokens(n: int, chunk: int, skipped: int) -> None:
+    """Every chunk LMCache's store lists (``tokens[start:end + 1]``, the first ``skipped``
+    chunks left out as when LMCache already held them) decodes to exactly its own tokens."""
+    tokens = list(range(5000, 5000 + n))
+    starts = list(range(0, n, chunk))[skipped:]
+    events = [_lmcache_event(tokens, s, min(s + chunk, n)) for s in starts]
+    batch = decode_batch(enc([0.0, events]))
+    assert not batch.rejected and len(batch.events) == len(starts)
+    for s, ev in zip(starts, batch.events, strict=True):
+        assert isinstance(ev, BlockStored)
+        assert ev.token_ids == tokens[s : s + chunk] and ev.block_size == len(ev.token_ids)

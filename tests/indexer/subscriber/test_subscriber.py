@@ -864,3 +864,36 @@ def test_a_hole_behind_a_changed_anchor_is_not_taken_as_lost() -> None:
     assert asked == [0]
     assert feed.stats.lost_batches == 0 and feed.stats.missed_batches == 1
     assert feed.stats.freshness is Freshness.REBUILDING
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["sent", "sent", "lost", "dropped"]), min_size=1, max_size=30))
+def test_losses_at_the_source_are_counted_and_nothing_true_is_cleared(fates: list[str]) -> None:
+    """A publisher that numbers every batch, loses some before buffering them (``lost``: vLLM
+    failing to encode) and some on the wire after buffering them (``dropped``: ZMQ). The
+    feed ends live with every buffered batch applied, each lost one counted once, and never
+    clears: no block a buffered batch stored is missing."""
+    fates = ["sent", *fates]  # the stream's first batch arrives (a join is not anchored)
+    index = InMemoryPrefixIndex()
+    buffered: list[Frame] = []
+    feed = ReplicaFeed(
+        EventSource("r", "tcp://unused"),
+        index,
+        replay=lambda s: [f for f in buffered if f.seq >= s],
+    )
+    docs = [list(range(1000 * (i + 1), 1000 * (i + 1) + BS)) for i in range(len(fates))]
+    for seq, fate in enumerate(fates):
+        if fate == "lost":
+            continue
+        frame = Frame(TOPIC, seq, encode_batch([stored(docs[seq], 0, 1)], ts=0.0))
+        buffered.append(frame)
+        if fate == "sent":
+            feed.handle(frame)
+    # What the feed could notice: everything up to the last batch it received live.
+    last_live = max(s for s, f in enumerate(fates) if f == "sent")
+    noticed = fates[: last_live + 1]
+    assert feed.stats.clears == 0 and feed.stats.freshness is Freshness.LIVE
+    assert feed.stats.lost_batches == noticed.count("lost")
+    for seq, fate in enumerate(noticed):
+        held = index.lookup(docs[seq] + [1]).get("r")
+        assert (held is not None and held.blocks == 1) == (fate != "lost"), (seq, fate)
