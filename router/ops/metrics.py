@@ -82,8 +82,15 @@ class _StateCollector(Collector):
             "Event bytes dropped unread because the replica's publisher was over its budget",
             labels=["replica"],
         )
+        lost = CounterMetricFamily(
+            "kvroute_event_lost_batches",
+            "Event batches the replica's publisher numbered but never sent or buffered "
+            "(lost at the source; docs/indexer.md)",
+            labels=["replica"],
+        )
         for name, r in snap["replicas"].items():
             throttled.add_metric([name], r.get("throttled_bytes", 0))
+            lost.add_metric([name], r.get("lost_batches", 0))
             healthy.add_metric([name], 1.0 if r["healthy"] else 0.0)
             in_flight.add_metric([name], r["in_flight"])
             pending.add_metric([name], r["pending"])
@@ -91,7 +98,7 @@ class _StateCollector(Collector):
                 fresh.add_metric([name, r["freshness"]], 1.0)
             for tier, n in (r.get("entries_by_tier") or {}).items():
                 entries.add_metric([name, tier], n)
-        yield from (healthy, in_flight, pending, fresh, entries, throttled)
+        yield from (healthy, in_flight, pending, fresh, entries, throttled, lost)
         modes = GaugeMetricFamily(
             "kvroute_tokenizer_mode",
             "1 for how the model's prompts are tokenized now (local, or remote after a mismatch)",

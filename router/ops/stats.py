@@ -19,8 +19,10 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
     """Per replica health, load, freshness and index entries, read at each scrape."""
     entries = {s.replica: s.entries_by_tier for s in service.index.summary()}
     throttled: dict[str, int] = {}
+    lost: dict[str, int] = {}
     for (replica, _), stats in service.subscriber.all_feed_stats().items():
         throttled[replica] = throttled.get(replica, 0) + stats.throttled_bytes
+        lost[replica] = lost.get(replica, 0) + stats.lost_batches
     replicas = {}
     for r in service.registry:
         fresh = None
@@ -33,6 +35,7 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
             "freshness": fresh,
             "entries_by_tier": entries.get(r.name),
             "throttled_bytes": throttled.get(r.name, 0),
+            "lost_batches": lost.get(r.name, 0),
         }
     check = getattr(service.tokenizer, "check", None)
     return {

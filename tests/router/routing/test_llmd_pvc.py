@@ -118,7 +118,7 @@ def _views(url: str) -> dict[str, dict]:
 def test_the_pvc_is_a_hit_for_its_layout_and_the_evictor_shrinks_it(
     pvc_fleet: tuple[str, list[EventPublisher]],
 ) -> None:
-    url, (_, _, evictor) = pvc_fleet
+    url, (vllm, _, evictor) = pvc_fleet
     key = f"pvc#{CASE['layout']}"
     # W's first chunk came before the chunk length was known: its last block only (4 + 1), P's 16
     wait_until(lambda: _stats(url)["storage_domains"].get(key, {}).get("unconfirmed_blocks") == 21)
@@ -133,3 +133,14 @@ def test_the_pvc_is_a_hit_for_its_layout_and_the_evictor_shrinks_it(
         evictor.send_raw(_frames(frame))
     wait_until(lambda: _stats(url)["storage_domains"][key]["unconfirmed_blocks"] == 17)
     assert _views(url)["r1"]["tokens_by_tier"] == {"STORAGE_UNCONFIRMED": 12 * BS}
+    # r0's vLLM publisher loses a batch at the source (LMCache's tensor path would): counted,
+    # nothing cleared, the stream stays live.
+    vllm.lose_at_source()
+    tokens = list(range(1, 1 + BS))
+    vllm.publish([BlockStored([0xC0_0000], None, tokens, BS, Medium.GPU, extra_keys=[None])])
+    wait_until(lambda: _stats(url)["fleet"]["lost_batches"] == 1)
+    r0 = _stats(url)["replicas"]["r0"]
+    assert r0["feed"]["freshness"] == "live" and r0["feed"]["clears"] == 0
+    assert r0["entries"] == 25
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    assert 'kvroute_event_lost_batches_total{replica="r0"} 1.0' in metrics
