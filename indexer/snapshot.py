@@ -60,12 +60,14 @@ _KNOWN_FIELDS = frozenset(
         "confirmed_sources",
         "engine_to_key",
         "ghost",
+        "group_specs",
         "groups",
         "held",
         "landing",
         "name",
         "partial_unit",
         "pool_tiers",
+        "primary",
         "refs",
         "size_confirmed",
         "slot",
@@ -127,6 +129,10 @@ class ReplicaState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     held: list[HeldRecord]
     confirmed_sources: list[str]
     pool_tiers: list[int] = []
+    # Hybrid models: the keyed KV cache group, and each group's (kind, window, block size).
+    # Absent from a record of a router before them: group 0 keyed, kinds unknown.
+    primary: int | None = None
+    group_specs: list[tuple[int, str | None, int | None, int]] = []
 
     @property
     def entries(self) -> int:
@@ -191,6 +197,8 @@ def export_state(index: InMemoryPrefixIndex, replica: str) -> ReplicaState | Non
         ],
         confirmed_sources=sorted(state.confirmed_sources),
         pool_tiers=sorted(state.pool_tiers),
+        primary=state.primary,
+        group_specs=[(g, *spec) for g, spec in state.group_specs.items()],
     )
 
 
@@ -282,6 +290,8 @@ def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) ->
         held[(h.cls, h.chunk)] = _Held(h.cls, tuple(h.keys), now + min(h.ttl_s, ttl))
     state.confirmed_sources = set(rec.confirmed_sources)
     state.pool_tiers = set(rec.pool_tiers)
+    state.primary = rec.primary
+    state.group_specs = {g: (kind, window, size) for g, kind, window, size in rec.group_specs}
     index._entries += rec.entries
     if index._entries > index.max_entries:
         index._evict(index._entries - index.max_entries)

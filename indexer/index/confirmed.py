@@ -63,6 +63,8 @@ class ConfirmedHoldings(IndexStore):
             self._store_tier_only(state, event.block_hashes, cls, result)
             return
         bs = event.block_size
+        if len(event.token_ids) != len(event.block_hashes) * bs:
+            raise ValueError("BlockStored with a block mask in the keyed group")
         if cls == _GPU:
             self._store_device(state, event, result)
             return
@@ -126,8 +128,12 @@ class ConfirmedHoldings(IndexStore):
         chain.update(zip(hashes, (event.parent_block_hash, *hashes[:-1]), strict=False))
         if state.warm_chain and len(chain) > 2 * _WARM_CHAIN:
             state.chain = dict(islice(chain.items(), len(chain) - _WARM_CHAIN, None))
-        # From the start of a prompt, a store of blocks already held is vLLM re-announcing a
-        # prefix-cache hit (never removed): idempotent. Anywhere else it is another copy.
+        # From the start of a prompt (no parent), a store of blocks already held is vLLM
+        # re-announcing a prefix-cache hit (kv_cache_report_mode "full": the same physical
+        # blocks, never removed) or a second physical copy (a request that did not read the
+        # prefix cache), which is removed once per copy. The two look the same on the wire,
+        # so such a store is idempotent: at worst the index loses the block at the first
+        # copy's removal, never keeps one vLLM dropped. Anywhere else it is another copy.
         self._hold_run(state, hashes, keys, _GPU, result, count_dup=parent is not None)
 
     def _device_block_size(

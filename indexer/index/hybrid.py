@@ -1,57 +1,149 @@
-"""Hybrid models: the device blocks of the other KV cache groups (Mamba, sliding window).
+"""Hybrid models: a replica whose KV cache has several groups (full attention, sliding window,
+Mamba), and the hit vLLM serves from them. The rules are vLLM 0.32's (kv_cache_coordinator.py,
+single_type_kv_cache_manager.py, block_pool.py, kv_cache_manager.py):
 
-- On a hybrid model a hit must end where every KV-cache group holds its block: the other
-  groups' device blocks are tracked and cut the device prefix back (``_cap_hybrid``).
+- Groups are numbered in the order vLLM met their layer kinds: group 0 is whichever kind came
+  first, not necessarily full attention. vLLM's ``take_events`` names each store's group kind
+  (``kv_cache_spec_kind``) and window. Every group's blocks are named by the same hash chain
+  (one hash per ``hash_block_size`` tokens; a block by the hash of its last unit), so one hash
+  means one token prefix in every group.
+- The keyed group (``state.primary``) is the first full-attention group (full, MLA, sink full):
+  it caches every block, so its device stores are keyed from their tokens like a plain
+  model's. A replica whose stores name no kind (vLLM before the field) keys group 0. Every
+  other group's device blocks are placed through the keyed group's hash map (same hash, same
+  key): a sliding-window or Mamba group may cache only some blocks (its block mask: fewer
+  hashes than the store's tokens hold blocks), which only that map can place. A group's store
+  applied before the keyed group's store of the same step is placed at the end of the batch.
+  Lower-tier events of the other groups are ignored.
+- A hit is vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` without EAGLE: capped at
+  the prompt's length - 1, the keyed group's hit first (its device prefix, then the longest
+  partial piece of the next block), then each other group in turn, full-attention kinds first,
+  lowers the length to what it can serve at or below it, until no group lowers it:
+  full attention serves every block of the prefix; a sliding window (``w`` tokens, blocks of
+  ``b``) the ``ceil((w - 1) / b)`` blocks ending at the hit (or, short of that, the blocks it
+  holds from the prompt's start); Mamba its state at the hit's end (the latest position at or
+  below the length whose block, or partial piece, it holds). Other kinds (chunked local,
+  unknown) are held to the full-attention rule, which is never more than vLLM serves. Hits
+  end on a multiple of the groups' common block size, or of the prefix-match unit once the
+  replica publishes partial blocks. Lower tiers of hybrid replicas are not counted (their
+  other groups' copies are not tracked).
+- A store from the prompt's start (no parent) whose last block the group already holds is
+  vLLM re-announcing a prefix-cache hit (``kv_cache_report_mode: "full"``): it lists every block
+  of the hit, also those a Mamba or sliding-window group does not hold, and is never removed.
+  Nothing of it is taken.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from math import lcm
 
 from kvroute.indexer.index.api import ApplyResult, PrefixMatch
-from kvroute.indexer.index.state import IndexStore, _ReplicaState
+from kvroute.indexer.index.state import _GPU, _W, IndexStore, _ReplicaState
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
 __all__ = ["HybridGroups"]
 
+# vLLM's KVCacheSpecKind values, by the hit rule of their manager.
+_FULL = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+_WINDOW = frozenset({"sliding_window", "sliding_window_mla"})
+_MAMBA = frozenset({"mamba"})
+
+Held = Callable[[int | None], bool]
+
 
 class HybridGroups(IndexStore):
-    """Stores and removals of KV cache groups > 0, and the cap they put on a device hit."""
+    """The replica's KV cache groups: which one is keyed, the others' device blocks, and the
+    hit vLLM's coordinator serves over all of them."""
+
+    # (replica, group, vLLM hash) of other groups' stores the batch has not placed yet
+    _deferred: list[tuple[_ReplicaState, int, int]]
+
+    # --- groups -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _learn_group(state: _ReplicaState, event: BlockStored) -> None:
+        """Record what a device store says of its group; the first full-attention group (group
+        0 when stores name no kind) becomes the keyed one."""
+        group = event.group_idx
+        old = state.group_specs.get(group)
+        kind = event.spec_kind if event.spec_kind is not None else (old and old[0])
+        window = event.sliding_window if event.sliding_window is not None else (old and old[1])
+        # A partial block's store is one unit long: the group's block size is its largest.
+        size = max(event.block_size, old[2] if old else 0)
+        spec = (kind or None, window or None, size)
+        if spec != old:
+            state.group_specs[group] = spec
+        if state.primary is None and (kind in _FULL or (kind is None and group == 0)):
+            state.primary = group
+
+    @staticmethod
+    def _keyed(state: _ReplicaState, group: int) -> bool:
+        """Whether events of ``group`` are the keyed (full-attention) group's."""
+        if state.primary is not None:
+            return group == state.primary
+        spec = state.group_specs.get(group)
+        return group == 0 and (spec is None or spec[0] is None)
 
     def _store_group(self, state: _ReplicaState, event: BlockStored, result: ApplyResult) -> None:
-        """A device store of KV cache group > 0 (Mamba, sliding window). Its blocks carry the
-        same vLLM hashes as group 0's at the same positions, so they are placed through the
-        replica's hash map; a lower tier of such a group is not tracked (never claimed)."""
+        """A device store of a group other than the keyed one, placed by vLLM hash."""
         if event.medium is not Medium.GPU or not event.confirmed:
             result.ignored += 1
             return
-        by_hash, by_key = state.groups.setdefault(event.group_idx, ({}, {}))
-        for h in event.block_hashes:
+        group = event.group_idx
+        by_hash, by_key = state.groups.setdefault(group, ({}, {}))
+        hashes = event.block_hashes
+        if event.parent_block_hash is None and hashes[-1] in by_hash:
+            return  # a prefix-cache hit re-announced (or a copy we cannot tell from one)
+        engine_to_key = state.engine_to_key
+        for h in hashes:
             rec = by_hash.get(h)
-            if rec is None:
-                key = state.engine_to_key.get(h)
-                if key is None:
-                    result.unresolved += 1
-                    continue
-                by_hash[h] = [key, 1]
-                by_key[key] = by_key.get(key, 0) + 1
-            else:
+            if rec is not None:
                 rec[1] += 1
+                continue
+            key = engine_to_key.get(h)
+            if key is None:
+                self._deferred.append((state, group, h))
+                continue
+            by_hash[h] = [key, 1]
+            by_key[key] = by_key.get(key, 0) + 1
+
+    def _place_deferred(self, result: ApplyResult) -> None:
+        """End of a batch: the other groups' blocks whose keyed-group store came later in it."""
+        for state, group, h in self._deferred:
+            held = state.groups.get(group)
+            key = state.engine_to_key.get(h)
+            if held is None or key is None:
+                result.unresolved += 1
+                continue
+            by_hash, by_key = held
+            rec = by_hash.get(h)
+            if rec is not None:
+                rec[1] += 1
+                continue
+            by_hash[h] = [key, 1]
+            by_key[key] = by_key.get(key, 0) + 1
+        self._deferred.clear()
+
+    def _forget_deferred(self, state: _ReplicaState) -> None:
+        if self._deferred:
+            self._deferred[:] = [d for d in self._deferred if d[0] is not state]
 
     def _remove_group(self, state: _ReplicaState, event: BlockRemoved, result: ApplyResult) -> None:
         if event.medium is not Medium.GPU or not event.confirmed:
             result.ignored += 1
             return
         group = state.groups.get(event.group_idx)
-        if group is None:
-            result.unresolved += len(event.block_hashes)
-            return
-        by_hash, by_key = group
+        by_hash, by_key = group if group is not None else ({}, {})
         for h in event.block_hashes:
             rec = by_hash.get(h)
             if rec is None:
-                result.unresolved += 1
+                pending = (state, event.group_idx, h)
+                if pending in self._deferred:
+                    self._deferred.remove(pending)  # stored and removed in the same batch
+                else:
+                    result.unresolved += 1
                 continue
             rec[1] -= 1
             if rec[1] <= 0:
@@ -63,6 +155,8 @@ class HybridGroups(IndexStore):
                 else:
                     by_key.pop(key, None)
 
+    # --- the hit ----------------------------------------------------------------------------
+
     def _cap_hybrid(
         self,
         request: RequestKeys,
@@ -71,28 +165,164 @@ class HybridGroups(IndexStore):
         block_size: int,
         out: dict[str, PrefixMatch],
     ) -> None:
-        """On a hybrid model vLLM's hit is the longest device prefix at whose end every other
-        group holds its block too (a Mamba group's state at that point). Lower tiers of such
-        replicas are not counted: their other groups' copies are not tracked."""
+        """Replace each hybrid replica's match by vLLM's hit over all its groups (device only:
+        lower tiers of hybrid replicas are not counted)."""
         for state in states:
-            if not state.groups:
+            sides = sorted((set(state.group_specs) | set(state.groups)) - {state.primary})
+            if not sides:
                 continue
-            holders = [by_key for _by_hash, by_key in state.groups.values()]
             match = out[state.name]
-            device = match.blocks_by_tier.get(Medium.GPU, 0)
-            if match.partial_tokens and device == match.blocks:
-                unit = state.partial_unit or block_size
-                pieces = dict(request.partial_keys(block_size, device, unit))
-                key = pieces.get(match.partial_tokens)
-                if key is not None and all(key in h for h in holders):
-                    match.blocks_by_tier = {Medium.GPU: device}
-                    match.unconfirmed_by_tier = {}
-                    continue
-            b = device
-            while b and not all(keys[b - 1] in h for h in holders):
-                b -= 1
-            match.blocks = b
-            match.blocks_by_tier = {Medium.GPU: b} if b else {}
+            hit = self._hybrid_hit(state, request, keys, block_size, match, sides)
+            blocks, partial = divmod(hit, block_size)
+            match.blocks = blocks
+            match.blocks_by_tier = {Medium.GPU: blocks} if blocks else {}
             match.unconfirmed_by_tier = {}
-            match.partial_tokens = 0
-            match.partial_unit = None
+            match.partial_tokens = partial
+            match.partial_unit = state.partial_unit if partial else None
+
+    def _hybrid_hit(
+        self,
+        state: _ReplicaState,
+        request: RequestKeys,
+        keys: Sequence[int],
+        block_size: int,
+        match: PrefixMatch,
+        sides: list[int],
+    ) -> int:
+        """vLLM's hit in tokens: the keyed group's, then lowered by every other group's rule
+        until none lowers it (``find_longest_cache_hit``'s fixed point)."""
+        limit = request.n_tokens - 1  # vLLM recomputes the last prompt token
+        if limit <= 0 or state.primary is None:
+            return 0
+        unit = state.partial_unit
+        specs = state.group_specs
+        sizes = [specs[g][2] if g in specs and specs[g][2] else block_size for g in sides]
+        align = unit or lcm(block_size, *sizes)
+        pieces: dict[int, dict[int, int]] = {}
+
+        def key_at(pos: int) -> int | None:
+            """Our key of the token prefix ending at ``pos`` (a block's, or a partial piece's)."""
+            b, r = divmod(pos, block_size)
+            if not r:
+                return keys[b - 1] if 0 < b <= len(keys) else None
+            if not unit:
+                return None
+            found = pieces.get(b)
+            if found is None:
+                found = pieces[b] = dict(request.partial_keys(block_size, b, unit))
+            return found.get(r)
+
+        hit = self._keyed_hit(state, request, match, block_size, unit, align, limit)
+        kinds = {g: specs[g][0] if g in specs else None for g in sides}
+        order = sorted(sides, key=lambda g: (kinds[g] not in _FULL, g))
+        while hit > 0:
+            lowered = hit
+            for g, size in zip(order, (sizes[sides.index(g)] for g in order), strict=True):
+                by_key = state.groups.get(g, ({}, {}))[1]
+
+                def held(key: int | None, by_key: dict[int, int] = by_key) -> bool:
+                    return key is not None and key in by_key
+
+                kind = kinds[g]
+                if kind in _MAMBA or kind is None:
+                    lowered = _mamba_hit(held, key_at, size, unit, align, lowered)
+                elif kind in _WINDOW and specs[g][1]:
+                    window = specs[g][1]
+                    assert window is not None
+                    lowered = _window_hit(held, key_at, size, window, align, lowered)
+                else:
+                    lowered = _full_hit(held, key_at, size, align, lowered)
+            if lowered >= hit or len(order) == 1:
+                # one pass is the fixed point of full attention and one other group
+                hit = min(hit, lowered)
+                break
+            hit = lowered
+        return hit
+
+    def _keyed_hit(
+        self,
+        state: _ReplicaState,
+        request: RequestKeys,
+        match: PrefixMatch,
+        block_size: int,
+        unit: int | None,
+        align: int,
+        limit: int,
+    ) -> int:
+        """The keyed (full-attention) group's hit: its device prefix, then the longest partial
+        piece of the next block it holds (FullAttentionManager.find_longest_cache_hit)."""
+        blocks = min(match.blocks_by_tier.get(Medium.GPU, 0), limit // block_size)
+        hit = blocks * block_size
+        if unit:
+            bit = 1 << (_W * state.slot + _GPU)
+            get = self._masks.get
+            for tokens, key in reversed(request.partial_keys(block_size, blocks, unit)):
+                if hit + tokens <= limit and get(key, 0) & bit:
+                    hit += tokens
+                    break
+        return hit - hit % align
+
+
+def _mamba_hit(
+    held: Held,
+    key_at: Callable[[int], int | None],
+    size: int,
+    unit: int | None,
+    align: int,
+    limit: int,
+) -> int:
+    """MambaManager.find_longest_cache_hit: the latest position at or below ``limit`` where the
+    group holds its state (any unit boundary once partial hits are on)."""
+    if unit and unit < size:
+        pos = limit // unit * unit
+        while pos > 0:
+            if held(key_at(pos)):
+                return pos
+            pos -= unit
+        return 0
+    i = limit // size
+    while i > 0:
+        pos = i * size
+        if not pos % align and held(key_at(pos)):
+            return pos
+        i -= 1
+    return 0
+
+
+def _window_hit(
+    held: Held,
+    key_at: Callable[[int], int | None],
+    size: int,
+    window: int,
+    align: int,
+    limit: int,
+) -> int:
+    """SlidingWindowManager.find_longest_cache_hit: the latest run of ``ceil((window - 1) /
+    size)`` held blocks ending at or below ``limit`` (on an aligned end), else the blocks held
+    from the prompt's start."""
+    need = -(-(window - 1) // size)
+    run = 0
+    for i in range(limit // size - 1, -1, -1):
+        if held(key_at((i + 1) * size)):
+            if not run and size != align and (i + 1) * size % align:
+                continue
+            run += 1
+            if run >= need:
+                return (i + run) * size
+        else:
+            run = 0
+    blocks = run
+    while size != align and blocks * size % align:
+        blocks -= 1
+    return blocks * size
+
+
+def _full_hit(
+    held: Held, key_at: Callable[[int], int | None], size: int, align: int, limit: int
+) -> int:
+    """Full attention: every block of the prefix."""
+    blocks = 0
+    while (blocks + 1) * size <= limit and held(key_at((blocks + 1) * size)):
+        blocks += 1
+    hit = blocks * size
+    return hit - hit % align

@@ -78,6 +78,7 @@ class InMemoryPrefixIndex(
         self._entries = 0
         # replica -> the pseudo-replica of the storage domain it is attached to
         self._attached: dict[str, str] = {}
+        self._deferred = []
         self._lock = threading.RLock()
 
     # --- replicas -----------------------------------------------------------------------------
@@ -140,6 +141,8 @@ class InMemoryPrefixIndex(
             state.block_size = None
             state.size_confirmed = False
             state.partial_unit = None
+            state.primary = None
+            state.group_specs = {}
             state.chunk_blocks = {}
             state.chunk_obs = {}
             state.pool_tiers = set()
@@ -163,6 +166,8 @@ class InMemoryPrefixIndex(
                     state.block_size = None
                     state.size_confirmed = False
                     state.partial_unit = None
+                    state.primary = None
+                    state.group_specs = {}
                     state.chunk_blocks = {}
                     state.chunk_obs = {}
                     state.pool_tiers = set()
@@ -199,7 +204,9 @@ class InMemoryPrefixIndex(
             for i, event in enumerate(events):
                 try:
                     if isinstance(event, BlockStored):
-                        if event.group_idx:
+                        if event.medium is Medium.GPU and event.confirmed:
+                            self._learn_group(state, event)
+                        if not self._keyed(state, event.group_idx):
                             self._store_group(state, event, result)
                             continue
                         if event.pool_tier:
@@ -226,7 +233,7 @@ class InMemoryPrefixIndex(
                                 # vLLM's FS tier on a shared directory: the domain's files
                                 self._share_unconfirmed(state, domain, event, source)
                     elif isinstance(event, BlockRemoved):
-                        if event.group_idx:
+                        if not self._keyed(state, event.group_idx):
                             self._remove_group(state, event, result)
                             continue
                         if layouts:
@@ -258,6 +265,8 @@ class InMemoryPrefixIndex(
                     continue
                 result.applied += 1
             state.landing = {}
+            if self._deferred:
+                self._place_deferred(result)
             if self._entries > self.max_entries:
                 self._evict(self._entries - self.max_entries)
             if len(self._interned) > 1 << 16:

@@ -45,6 +45,8 @@ class Resets(IndexStore):
 
         def _clear_class(self, state: _ReplicaState, cls: int) -> None: ...
 
+        def _forget_deferred(self, state: _ReplicaState) -> None: ...  # hybrid.py
+
         def _drop_class_holdings(
             self, state: _ReplicaState, cls: int, source: str | None = None
         ) -> int: ...
@@ -79,6 +81,7 @@ class Resets(IndexStore):
         if device:
             self._clear_class(state, _GPU)
             state.groups = {}
+            self._forget_deferred(state)
             result.device_cleared += 1
         if pool:
             for cls in sorted(state.pool_tiers):

@@ -69,12 +69,14 @@ class _ReplicaState:
         "confirmed_sources",
         "engine_to_key",
         "ghost",
+        "group_specs",
         "groups",
         "held",
         "landing",
         "name",
         "partial_unit",
         "pool_tiers",
+        "primary",
         "refs",
         "size_confirmed",
         "slot",
@@ -117,9 +119,15 @@ class _ReplicaState:
         # (class, chunk's last hash) -> [the chunk's block hashes, times stored], for tier-only
         # stores: their removal names the last hash only
         self.chunks: dict[tuple[int, int], list[Any]] = {}
-        # hybrid models: group (> 0) -> vLLM hash -> [our key, holdings], and our key ->
+        # hybrid models: the KV cache group whose device stores are keyed from their tokens
+        # (full attention; None until known), and each group's (kind, sliding window, block
+        # size) as its stores announce them (hybrid.py)
+        self.primary: int | None = None
+        self.group_specs: dict[int, tuple[str | None, int | None, int]] = {}
+        # the other groups: group -> vLLM hash -> [our key, holdings], and our key ->
         # holdings, of the device blocks that group caches (a Mamba group keeps its state at
-        # a few positions only; vLLM's hit must end on one)
+        # a few positions only, a sliding-window group the blocks of its window; vLLM's hit
+        # must satisfy every group's rule)
         self.groups: dict[int, tuple[dict[int, list[int]], dict[int, int]]] = {}
         # recently forgotten hash -> key; None until a store needs resolving by hash only
         self.ghost: dict[int, int] | None = None

@@ -139,6 +139,7 @@ def _tolerant_event(raw: object) -> WireEvent:
         ownership = f.get("ownership")
         group_idx = f.get("group_idx")
         spec_kind = f.get("kv_cache_spec_kind")
+        window = f.get("kv_cache_spec_sliding_window")
         return WireBlockStored(
             block_hashes=hashes,  # type: ignore[arg-type]
             # A tier-only store's parent means nothing (llm-d's FS backend sends 0).
@@ -151,6 +152,7 @@ def _tolerant_event(raw: object) -> WireEvent:
             extra_keys=None if extra is None else list(extra),
             # None stays None: Mooncake sends the field, LMCache does not (classify_store).
             group_idx=None if group_idx is None else _int_field(group_idx, "group_idx"),
+            kv_cache_spec_sliding_window=None if window is None else _int_field(window, "window"),
             locality=locality if isinstance(locality, str) else None,
             ownership=ownership if isinstance(ownership, str) else None,
             kv_cache_spec_kind=spec_kind if isinstance(spec_kind, str) else None,
@@ -205,7 +207,9 @@ def _from_wire(wire: WireEvent) -> Event:
                 # by another carries the next chunk's first token too. The chunk (its hash,
                 # its KV) is the first block_size of them.
                 tokens = tokens[:bs]
-            else:
+            elif len(tokens) % bs or len(tokens) < n * bs:
+                # Fewer hashes than blocks is a group's block mask (sliding window, Mamba):
+                # the tokens still span every block. Anything else cannot be placed.
                 raise ValueError(
                     f"BlockStored token_ids has {len(tokens)} tokens for {n} blocks of {bs}"
                 )
@@ -243,6 +247,8 @@ def _from_wire(wire: WireEvent) -> Event:
                 and n == 1
                 and kind.tier is not Medium.GPU
             ),
+            spec_kind=wire.kv_cache_spec_kind,
+            sliding_window=wire.kv_cache_spec_sliding_window,
         )
     assert type(wire) is WireAllBlocksCleared
     return AllBlocksCleared(None if wire.medium is None else medium_kind(wire.medium).tier)

@@ -55,6 +55,8 @@ def to_wire(event: Event) -> WireEvent:
                 if event.engine_hashes and event.medium_name == "cpu"
                 else event.group_idx or None
             ),
+            kv_cache_spec_kind=event.spec_kind,
+            kv_cache_spec_sliding_window=event.sliding_window,
             locality=event.locality,
             ownership=event.ownership,
         )

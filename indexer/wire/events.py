@@ -151,6 +151,13 @@ class BlockStored:
     ``pool_tier`` is True for a lower tier kept in a vLLM block pool of its own
     (SimpleCPUOffloadConnector: ``locality="LOCAL"``, a ``kv_cache_spec_kind``, one block per
     event), whose reset is a bare ``AllBlocksCleared``.
+
+    ``spec_kind`` and ``sliding_window`` are vLLM's ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window``: the kind of the KV cache group ``group_idx`` (vLLM's
+    ``KVCacheSpecKind`` values: ``"full_attention"``, ``"sliding_window"``, ``"mamba"``...) and
+    its window; None where the publisher does not say. A store of a group that caches only
+    some blocks (a sliding-window or Mamba group's block mask) lists fewer hashes than its
+    ``token_ids`` hold blocks: the tokens still span every block from the parent on.
     """
 
     block_hashes: list[int]
@@ -168,6 +175,8 @@ class BlockStored:
     ownership: str | None = None
     engine_hashes: bool = False
     pool_tier: bool = False
+    spec_kind: str | None = None
+    sliding_window: int | None = None
 
 
 @dataclass(slots=True)

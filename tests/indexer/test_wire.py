@@ -83,6 +83,7 @@ def test_map_tagged_block_stored_every_field() -> None:
         group_idx=0,
         locality="LOCAL",
         ownership="x",
+        spec_kind="full_attention",
     )
 
 
