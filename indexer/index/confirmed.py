@@ -44,7 +44,7 @@ __all__ = ["ConfirmedHoldings"]
 class ConfirmedHoldings(IndexStore):
     """Stores, removals and clears of the confirmed classes (GPU, CPU, STORAGE)."""
 
-    if TYPE_CHECKING:  # offloaded chunks (chunks.py)
+    if TYPE_CHECKING:  # offloaded chunks (chunks.py), hybrid models (hybrid.py)
 
         def _store_tier_only(
             self, state: _ReplicaState, hashes: list[int], cls: int, result: ApplyResult
@@ -52,6 +52,9 @@ class ConfirmedHoldings(IndexStore):
 
         @staticmethod
         def _chunk_seen(state: _ReplicaState, cls: int, blocks: int) -> None: ...
+
+        # hybrid models (hybrid.py)
+        def _recomputed(self, state: _ReplicaState, keys: list[int], block_size: int) -> bool: ...
 
     # --- confirmed stores -----------------------------------------------------------------------
 
@@ -134,7 +137,10 @@ class ConfirmedHoldings(IndexStore):
         # prefix cache), which is removed once per copy. The two look the same on the wire,
         # so such a store is idempotent: at worst the index loses the block at the first
         # copy's removal, never keeps one vLLM dropped. Anywhere else it is another copy.
-        self._hold_run(state, hashes, keys, _GPU, result, count_dup=parent is not None)
+        # On a hybrid model, such a store of blocks its hit could not have served is a new
+        # computation from token 0 (hybrid.py): its held blocks are second copies.
+        count_dup = parent is not None or self._recomputed(state, keys, bs)
+        self._hold_run(state, hashes, keys, _GPU, result, count_dup=count_dup)
 
     def _device_block_size(
         self, state: _ReplicaState, event: BlockStored, result: ApplyResult

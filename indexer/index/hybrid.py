@@ -92,25 +92,16 @@ class HybridGroups(IndexStore):
             result.ignored += 1
             return
         group = event.group_idx
-        by_hash, by_key = state.groups.setdefault(group, ({}, {}))
+        by_hash, _by_key = state.groups.setdefault(group, ({}, {}))
         hashes = event.block_hashes
         if event.parent_block_hash is None and hashes[-1] in by_hash:
             return  # a prefix-cache hit re-announced (or a copy we cannot tell from one)
-        engine_to_key = state.engine_to_key
-        for h in hashes:
-            rec = by_hash.get(h)
-            if rec is not None:
-                rec[1] += 1
-                continue
-            key = engine_to_key.get(h)
-            if key is None:
-                self._deferred.append((state, group, h))
-                continue
-            by_hash[h] = [key, 1]
-            by_key[key] = by_key.get(key, 0) + 1
+        # Placed at the batch's end: the keyed group's store of the same step may come later,
+        # and that store is judged against the groups as they were before the step.
+        self._deferred.extend((state, group, h) for h in hashes)
 
     def _place_deferred(self, result: ApplyResult) -> None:
-        """End of a batch: the other groups' blocks whose keyed-group store came later in it."""
+        """End of a batch: the other groups' stores of the batch, placed by hash."""
         for state, group, h in self._deferred:
             held = state.groups.get(group)
             key = state.engine_to_key.get(h)
@@ -168,67 +159,103 @@ class HybridGroups(IndexStore):
         """Replace each hybrid replica's match by vLLM's hit over all its groups (device only:
         lower tiers of hybrid replicas are not counted)."""
         for state in states:
-            sides = sorted((set(state.group_specs) | set(state.groups)) - {state.primary})
-            if not sides:
+            if not self._hybrid(state):
                 continue
             match = out[state.name]
-            hit = self._hybrid_hit(state, request, keys, block_size, match, sides)
+            unit = state.partial_unit
+
+            def pieces(b: int, unit: int | None = unit) -> list[tuple[int, int]]:
+                return request.partial_keys(block_size, b, unit) if unit else []
+
+            device = match.blocks_by_tier.get(Medium.GPU, 0)
+            hit = self._hybrid_hit(state, keys, request.n_tokens, block_size, device, pieces)
             blocks, partial = divmod(hit, block_size)
             match.blocks = blocks
             match.blocks_by_tier = {Medium.GPU: blocks} if blocks else {}
             match.unconfirmed_by_tier = {}
             match.partial_tokens = partial
-            match.partial_unit = state.partial_unit if partial else None
+            match.partial_unit = unit if partial else None
+
+    @staticmethod
+    def _hybrid(state: _ReplicaState) -> bool:
+        return bool(state.groups) or any(g != state.primary for g in state.group_specs)
+
+    def _recomputed(self, state: _ReplicaState, keys: Sequence[int], block_size: int) -> bool:
+        """Whether a keyed-group store from the prompt's start of these blocks is a new
+        computation: on a hybrid model vLLM recomputes from token 0 the blocks its full-
+        attention group holds when another group cuts the hit short (a Mamba state or a
+        window evicted), and stores second copies of them; a re-announced hit
+        (kv_cache_report_mode "full") lists only blocks its hit served."""
+        if state.primary is None:
+            return False
+        bit = 1 << (_W * state.slot + _GPU)
+        get = self._masks.get
+        device = 0
+        while device < len(keys) and get(keys[device], 0) & bit:
+            device += 1
+        n_tokens = len(keys) * block_size + 1  # at most the whole store could have been a hit
+        hit = self._hybrid_hit(state, keys, n_tokens, block_size, device, lambda _b: [])
+        return hit < len(keys) * block_size
 
     def _hybrid_hit(
         self,
         state: _ReplicaState,
-        request: RequestKeys,
         keys: Sequence[int],
+        n_tokens: int,
         block_size: int,
-        match: PrefixMatch,
-        sides: list[int],
+        device: int,
+        pieces: Callable[[int], list[tuple[int, int]]],
     ) -> int:
-        """vLLM's hit in tokens: the keyed group's, then lowered by every other group's rule
-        until none lowers it (``find_longest_cache_hit``'s fixed point)."""
-        limit = request.n_tokens - 1  # vLLM recomputes the last prompt token
+        """vLLM's hit in tokens for a prompt of ``n_tokens`` keyed ``keys`` whose first
+        ``device`` blocks the keyed group holds (``pieces(b)``: the partial pieces of block b,
+        shortest first): the keyed group's hit, lowered by every other group's rule until none
+        lowers it (``find_longest_cache_hit``'s fixed point)."""
+        limit = n_tokens - 1  # vLLM recomputes the last prompt token
         if limit <= 0 or state.primary is None:
             return 0
         unit = state.partial_unit
         specs = state.group_specs
-        sizes = [specs[g][2] if g in specs and specs[g][2] else block_size for g in sides]
-        align = unit or lcm(block_size, *sizes)
-        pieces: dict[int, dict[int, int]] = {}
+        sides = sorted((set(specs) | set(state.groups)) - {state.primary})
+        sizes = {g: specs[g][2] if g in specs and specs[g][2] else block_size for g in sides}
+        align = unit or lcm(block_size, *sizes.values())
+        found: dict[int, dict[int, int]] = {}
 
         def key_at(pos: int) -> int | None:
             """Our key of the token prefix ending at ``pos`` (a block's, or a partial piece's)."""
             b, r = divmod(pos, block_size)
             if not r:
                 return keys[b - 1] if 0 < b <= len(keys) else None
-            if not unit:
-                return None
-            found = pieces.get(b)
-            if found is None:
-                found = pieces[b] = dict(request.partial_keys(block_size, b, unit))
-            return found.get(r)
+            piece = found.get(b)
+            if piece is None:
+                piece = found[b] = dict(pieces(b))
+            return piece.get(r)
 
-        hit = self._keyed_hit(state, request, match, block_size, unit, align, limit)
+        # The keyed group: its device prefix, then the longest partial piece of the next block
+        # it holds (FullAttentionManager.find_longest_cache_hit).
+        blocks = min(device, limit // block_size)
+        hit = blocks * block_size
+        bit = 1 << (_W * state.slot + _GPU)
+        get = self._masks.get
+        for tokens, key in reversed(pieces(blocks)):
+            if hit + tokens <= limit and get(key, 0) & bit:
+                hit += tokens
+                break
+        hit -= hit % align
         kinds = {g: specs[g][0] if g in specs else None for g in sides}
         order = sorted(sides, key=lambda g: (kinds[g] not in _FULL, g))
         while hit > 0:
             lowered = hit
-            for g, size in zip(order, (sizes[sides.index(g)] for g in order), strict=True):
+            for g in order:
                 by_key = state.groups.get(g, ({}, {}))[1]
 
                 def held(key: int | None, by_key: dict[int, int] = by_key) -> bool:
                     return key is not None and key in by_key
 
-                kind = kinds[g]
+                kind, size = kinds[g], sizes[g]
+                window = specs[g][1] if g in specs else None
                 if kind in _MAMBA or kind is None:
                     lowered = _mamba_hit(held, key_at, size, unit, align, lowered)
-                elif kind in _WINDOW and specs[g][1]:
-                    window = specs[g][1]
-                    assert window is not None
+                elif kind in _WINDOW and window:
                     lowered = _window_hit(held, key_at, size, window, align, lowered)
                 else:
                     lowered = _full_hit(held, key_at, size, align, lowered)
@@ -238,29 +265,6 @@ class HybridGroups(IndexStore):
                 break
             hit = lowered
         return hit
-
-    def _keyed_hit(
-        self,
-        state: _ReplicaState,
-        request: RequestKeys,
-        match: PrefixMatch,
-        block_size: int,
-        unit: int | None,
-        align: int,
-        limit: int,
-    ) -> int:
-        """The keyed (full-attention) group's hit: its device prefix, then the longest partial
-        piece of the next block it holds (FullAttentionManager.find_longest_cache_hit)."""
-        blocks = min(match.blocks_by_tier.get(Medium.GPU, 0), limit // block_size)
-        hit = blocks * block_size
-        if unit:
-            bit = 1 << (_W * state.slot + _GPU)
-            get = self._masks.get
-            for tokens, key in reversed(request.partial_keys(block_size, blocks, unit)):
-                if hit + tokens <= limit and get(key, 0) & bit:
-                    hit += tokens
-                    break
-        return hit - hit % align
 
 
 def _mamba_hit(

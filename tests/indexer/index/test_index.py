@@ -137,7 +137,7 @@ def test_tier_only_chunks_resolve_to_their_blocks_once_the_chunk_length_is_known
     # Stored before the replica's first tier-only store: its recent parent links are kept.
     index.apply("a", [stored(OTHER, 0, 8), tier_only(OTHER, [1], Medium.CPU)])
     assert index.block_tiers("a", OTHER)[:2] == [{"GPU"}, {"GPU", "CPU"}]  # learning
-    index.apply("a", [stored(DOC, 0, 8)])
+    index.apply("a", [stored(DOC, 2, 6)])  # DOC hits OTHER's first 2 blocks
     index.apply("a", [tier_only(DOC, [3, 1], Medium.CPU)])  # later chunk first
     assert index.summary()[0].chunk_blocks == {"CPU": 2}
     assert index.block_tiers("a", OTHER)[:2] == [{"GPU", "CPU"}] * 2  # resolved again
