@@ -73,6 +73,7 @@ _KNOWN_FIELDS = frozenset(
         "slot",
         "tier_counts",
         "unconfirmed_blocks",
+        "unplaced",
         "unsized",
         "warm_chain",
         "whole_loads",

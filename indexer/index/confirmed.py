@@ -35,7 +35,15 @@ from kvroute.indexer.index.state import (
     IndexStore,
     _ReplicaState,
 )
-from kvroute.indexer.keys import block_keys, event_extra_keys, pack_tokens, partial_key, root_key
+from kvroute.indexer.keys import (
+    ExtraKeys,
+    block_extra_keys,
+    block_keys,
+    event_extra_keys,
+    pack_tokens,
+    partial_key,
+    root_key,
+)
 from kvroute.indexer.wire import BlockRemoved, BlockStored
 
 __all__ = ["ConfirmedHoldings"]
@@ -43,6 +51,11 @@ __all__ = ["ConfirmedHoldings"]
 
 class ConfirmedHoldings(IndexStore):
     """Stores, removals and clears of the confirmed classes (GPU, CPU, STORAGE)."""
+
+    # The keyed device store just applied, and the one before the event being applied:
+    # (replica, keys, token ids, parent key, block 0's extra keys)
+    _last_full: tuple[_ReplicaState, list[int], list[int], int | None, ExtraKeys] | None
+    _prev_full: tuple[_ReplicaState, list[int], list[int], int | None, ExtraKeys] | None
 
     if TYPE_CHECKING:  # offloaded chunks (chunks.py), hybrid models (hybrid.py)
 
@@ -127,6 +140,8 @@ class ConfirmedHoldings(IndexStore):
             state.size_confirmed = True  # partial blocks come one at a time
         extra = event_extra_keys(event.extra_keys, event.lora_name, len(hashes))
         keys = block_keys(pack_tokens(event.token_ids), bs, parent=parent, extra_keys=extra)
+        # A partial block published right after this store may lie inside its blocks.
+        self._last_full = (state, keys, event.token_ids, parent, extra[0] if extra else None)
         chain = state.chain
         chain.update(zip(hashes, (event.parent_block_hash, *hashes[:-1]), strict=False))
         if state.warm_chain and len(chain) > 2 * _WARM_CHAIN:
@@ -150,17 +165,22 @@ class ConfirmedHoldings(IndexStore):
         bs, known = event.block_size, state.block_size
         assert known is not None
         if bs < known and known % bs == 0 and len(event.block_hashes) == 1:
+            extra = event_extra_keys(event.extra_keys, event.lora_name, 1)
+            last = extra[0] if extra else None
             try:
                 parent = self._parent_key(state, event.parent_block_hash)
             except ValueError:
-                # The parent is a partial unit vLLM hashed but never published (a unit
-                # below half the block): nothing to key this one with.
-                result.unresolved += 1
-                return
-            if parent is None:
-                parent = root_key(known)
-            extra = event_extra_keys(event.extra_keys, event.lora_name, 1)
-            key = partial_key(parent, event.token_ids, extra[0] if extra else None)
+                # The parent is a unit vLLM hashed but never published (the boundary is not
+                # the block's first unit): only a block stored right before may hold it.
+                found = self._partial_in_block(state, event, last)
+                if found is None:
+                    result.unresolved += 1
+                    return
+                key = found
+            else:
+                key = partial_key(
+                    root_key(known) if parent is None else parent, event.token_ids, last
+                )
             state.partial_unit = bs
             h = event.block_hashes[0]
             state.chain[h] = event.parent_block_hash
@@ -176,6 +196,41 @@ class ConfirmedHoldings(IndexStore):
             self._store_device(state, event, result)
             return
         raise ValueError(f"block_size {bs} differs from the replica's {known}")
+
+    def _partial_in_block(
+        self, state: _ReplicaState, event: BlockStored, last: ExtraKeys
+    ) -> int | None:
+        """The key of a partial block whose parent unit vLLM never published, when the keyed
+        store just before it (the same request's ``cache_blocks``: vLLM publishes a prompt's
+        final unit boundary right after the full blocks it cached, and again on a block just
+        completed) holds its block: the one unit offset of those blocks whose tokens are the
+        partial's, at least the second unit of its block. None when there is no such store
+        or more than one offset fits."""
+        prev = self._prev_full
+        if prev is None or prev[0] is not state or state.block_size is None:
+            return None
+        _state, keys, tokens, parent, first_extra = prev
+        bs, unit, piece = state.block_size, event.block_size, event.token_ids
+        fits = [
+            (j, m)
+            for j in range(len(keys))
+            for m in range(2, bs // unit)
+            if tokens[j * bs + (m - 1) * unit : j * bs + m * unit] == piece
+        ]
+        if len(fits) != 1:
+            return None
+        j, m = fits[0]
+        key = keys[j - 1] if j else (root_key(bs) if parent is None else parent)
+        lora = block_extra_keys(event.lora_name)
+        base = j * bs
+        for i in range(1, m):
+            # vLLM's extra keys of unit i: the LoRA name; the cache_salt on the prompt's first
+            key = partial_key(
+                key,
+                tokens[base + (i - 1) * unit : base + i * unit],
+                first_extra if j == 0 and i == 1 else lora,
+            )
+        return partial_key(key, piece, last)
 
     def _parent_key(self, state: _ReplicaState, parent_hash: int | None) -> int | None:
         if parent_hash is None:
@@ -354,6 +409,7 @@ class ConfirmedHoldings(IndexStore):
         state.chain = {}
         state.unsized = {}
         state.groups = {}
+        state.unplaced = {}
         if state.ghost is not None:
             state.ghost = {}
 

@@ -27,10 +27,12 @@ single_type_kv_cache_manager.py, block_pool.py, kv_cache_manager.py):
   end on a multiple of the groups' common block size, or of the prefix-match unit once the
   replica publishes partial blocks. Lower tiers of hybrid replicas are not counted (their
   other groups' copies are not tracked).
-- A store from the prompt's start (no parent) whose last block the group already holds is
-  vLLM re-announcing a prefix-cache hit (``kv_cache_report_mode: "full"``): it lists every block
-  of the hit, also those a Mamba or sliding-window group does not hold, and is never removed.
-  Nothing of it is taken.
+- A store from the prompt's start (no parent) that lists every block of its tokens and whose
+  last block the group already holds is vLLM re-announcing a prefix-cache hit
+  (``kv_cache_report_mode: "full"``), or a copy we cannot tell from one: a re-announcement
+  lists every block of the hit, also those a Mamba or sliding-window group does not hold, and
+  is never removed. Nothing of it is taken. A store with a block mask is a computation: its
+  held blocks are second copies.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Callable, Sequence
 from math import lcm
 
 from kvroute.indexer.index.api import ApplyResult, PrefixMatch
-from kvroute.indexer.index.state import _GPU, _W, IndexStore, _ReplicaState
+from kvroute.indexer.index.state import _GPU, _MAX_UNPLACED, _W, IndexStore, _ReplicaState
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
@@ -94,30 +96,46 @@ class HybridGroups(IndexStore):
         group = event.group_idx
         by_hash, _by_key = state.groups.setdefault(group, ({}, {}))
         hashes = event.block_hashes
-        if event.parent_block_hash is None and hashes[-1] in by_hash:
-            return  # a prefix-cache hit re-announced (or a copy we cannot tell from one)
+        if (
+            event.parent_block_hash is None
+            and hashes[-1] in by_hash
+            and len(hashes) * event.block_size == len(event.token_ids)
+        ):
+            # A prefix-cache hit re-announced, which lists every block of the hit (or a copy
+            # we cannot tell from one). A store with a block mask is a computation.
+            return
         # Placed at the batch's end: the keyed group's store of the same step may come later,
         # and that store is judged against the groups as they were before the step.
         self._deferred.extend((state, group, h) for h in hashes)
 
-    def _place_deferred(self, result: ApplyResult) -> None:
-        """End of a batch: the other groups' stores of the batch, placed by hash."""
-        for state, group, h in self._deferred:
-            held = state.groups.get(group)
-            key = state.engine_to_key.get(h)
-            if held is None or key is None:
-                result.unresolved += 1
+    def _place_deferred(self, state: _ReplicaState, result: ApplyResult) -> None:
+        """End of a batch: the other groups' stores of the batch, placed by hash; a hash no
+        keyed store has placed yet waits (``unplaced``) for one that does (a partial block
+        resolved later)."""
+        unplaced = state.unplaced
+        for owner, group, h in self._deferred:
+            if owner is state:
+                unplaced[(group, h)] = unplaced.pop((group, h), 0) + 1
+        self._deferred.clear()
+        while len(unplaced) > _MAX_UNPLACED:
+            del unplaced[next(iter(unplaced))]
+            result.unresolved += 1
+        engine_to_key = state.engine_to_key
+        for (group, h), n in list(unplaced.items()):
+            key = engine_to_key.get(h)
+            if key is None:
                 continue
-            by_hash, by_key = held
+            del unplaced[(group, h)]
+            by_hash, by_key = state.groups.setdefault(group, ({}, {}))
             rec = by_hash.get(h)
             if rec is not None:
-                rec[1] += 1
+                rec[1] += n
                 continue
-            by_hash[h] = [key, 1]
+            by_hash[h] = [key, n]
             by_key[key] = by_key.get(key, 0) + 1
-        self._deferred.clear()
 
     def _forget_deferred(self, state: _ReplicaState) -> None:
+        state.unplaced = {}
         if self._deferred:
             self._deferred[:] = [d for d in self._deferred if d[0] is not state]
 
@@ -131,8 +149,13 @@ class HybridGroups(IndexStore):
             rec = by_hash.get(h)
             if rec is None:
                 pending = (state, event.group_idx, h)
+                waiting = state.unplaced.get(pending[1:], 0)
                 if pending in self._deferred:
                     self._deferred.remove(pending)  # stored and removed in the same batch
+                elif waiting > 1:
+                    state.unplaced[pending[1:]] = waiting - 1
+                elif waiting:
+                    del state.unplaced[pending[1:]]
                 else:
                     result.unresolved += 1
                 continue

@@ -79,6 +79,7 @@ class InMemoryPrefixIndex(
         # replica -> the pseudo-replica of the storage domain it is attached to
         self._attached: dict[str, str] = {}
         self._deferred = []
+        self._last_full = self._prev_full = None
         self._lock = threading.RLock()
 
     # --- replicas -----------------------------------------------------------------------------
@@ -201,7 +202,10 @@ class InMemoryPrefixIndex(
                 self._expire_state(domain, now)
             events = list(events)
             state.landing = self._landing(events)
+            self._last_full = None
             for i, event in enumerate(events):
+                # a keyed device store is remembered for the event right after it only
+                self._prev_full, self._last_full = self._last_full, None
                 try:
                     if isinstance(event, BlockStored):
                         if event.medium is Medium.GPU and event.confirmed:
@@ -265,8 +269,8 @@ class InMemoryPrefixIndex(
                     continue
                 result.applied += 1
             state.landing = {}
-            if self._deferred:
-                self._place_deferred(result)
+            if self._deferred or state.unplaced:
+                self._place_deferred(state, result)
             if self._entries > self.max_entries:
                 self._evict(self._entries - self.max_entries)
             if len(self._interned) > 1 << 16:

@@ -40,6 +40,7 @@ _GHOST_MAX = 8192
 # that store describes (vLLM offloads a chunk a step or two after computing it).
 _WARM_CHAIN = 4096
 _MAX_UNSIZED = 1024
+_MAX_UNPLACED = 1024
 _CLASS_NAMES = tuple(
     [t.name for t in (Medium.GPU, Medium.CPU, Medium.STORAGE)]
     + [t.name + "_UNCONFIRMED" for t in (Medium.GPU, Medium.CPU, Medium.STORAGE)]
@@ -82,6 +83,7 @@ class _ReplicaState:
         "slot",
         "tier_counts",
         "unconfirmed_blocks",
+        "unplaced",
         "unsized",
         "warm_chain",
         "whole_loads",
@@ -129,6 +131,9 @@ class _ReplicaState:
         # a few positions only, a sliding-window group the blocks of its window; vLLM's hit
         # must satisfy every group's rule)
         self.groups: dict[int, tuple[dict[int, list[int]], dict[int, int]]] = {}
+        # (group, vLLM hash) -> holdings of other groups' blocks whose hash no keyed store
+        # has placed yet (a partial block resolved later), oldest first, at most _MAX_UNPLACED
+        self.unplaced: dict[tuple[int, int], int] = {}
         # recently forgotten hash -> key; None until a store needs resolving by hash only
         self.ghost: dict[int, int] | None = None
         # source -> (class, chunk id) -> unconfirmed holding, oldest first

@@ -46,15 +46,12 @@ SHORT = {
         "LMCache's final 80-token chunk is shorter than its 256-token chunks: held, but a"
         " lookup counts whole chunks only"
     ),
-    (
-        "partial_blocks_unit16",
-        "P1's prompt + 1",
-    ): "unit 16: the partial's parent unit is unpublished",
+    ("partial_blocks_unit16", "P1's prompt + 1"): (
+        "unit 16: P1's partial block ends on its block's second unit; vLLM published the unit"
+        " before it nowhere (its tokens are in no event) and the block never completed"
+    ),
     ("partial_blocks_unit16", "P1's first 96 tokens + a different tail"): "same",
-    ("partial_blocks_unit16", "P2's prompt + 1"): "same",
     ("partial_blocks_unit16", "P1's prompt + 1 after P2"): "same",
-    ("partial_blocks_unit16", "after filler 0: P2's prompt + 1"): "same",
-    ("partial_blocks_unit16", "after filler 1: P2's prompt + 1"): "same",
 }
 # vLLM's reset_prefix_cache(reset_external=True) empties its CPU tier without an event: the
 # index keeps the chunks (docs/indexer.md, "What the index cannot know").
