@@ -14,10 +14,17 @@ from vLLM's block hash to our key, with the parent links, reference counts and f
   never stores a chunk it holds, though: a store of a chunk (named by its last block) the
   tier already holds follows a reset that published nothing (``reset_external``), and is
   taken once, so the stale copy goes with the chunk's next removal. A device store
-  from the start of the prompt (no parent) is idempotent instead: that is also the shape of
-  vLLM's re-announcement of prefix-cache hits, which is never followed by a removal.
-- A partial block (vLLM's prefix-match unit finer than its block size) is held under a key of
-  its own (kvroute.indexer.keys.partial_key); a lookup probes it past the last full block.
+  from the start of the prompt (no parent) whose blocks vLLM's hit would all have served is
+  idempotent instead: that is the shape of vLLM's re-announcement of a prefix-cache hit
+  (``kv_cache_report_mode: "full"``), never followed by a removal. One that lists a block the
+  hit could not have served is a computation from token 0 (hybrid.py's ``_recomputed``).
+- A partial block (vLLM's prefix-match unit finer than its block size: the prompt's last unit
+  boundary inside a block) is held under a key of its own (kvroute.indexer.keys.partial_key),
+  the chain of its block's units up to the boundary; a lookup probes it past the last full
+  block. vLLM publishes only the boundary's last unit, parented on the unit hash before it:
+  a published block when the boundary is its block's first unit, else a unit never published,
+  and then the partial is keyed only from the keyed store right before it in its batch (the
+  block completed, the partial registered again on it: ``_partial_in_block``).
 """
 
 from __future__ import annotations
