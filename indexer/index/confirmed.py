@@ -76,6 +76,8 @@ class ConfirmedHoldings(IndexStore):
         # hybrid models (hybrid.py)
         def _recomputed(self, state: _ReplicaState, keys: list[int], block_size: int) -> bool: ...
 
+        _computed: set[tuple[_ReplicaState, int]]
+
     # --- confirmed stores -----------------------------------------------------------------------
 
     def _store(self, state: _ReplicaState, event: BlockStored, result: ApplyResult) -> None:
@@ -162,6 +164,8 @@ class ConfirmedHoldings(IndexStore):
         # On a hybrid model, such a store of blocks its hit could not have served is a new
         # computation from token 0 (hybrid.py): its held blocks are second copies.
         count_dup = parent is not None or self._recomputed(state, keys, bs)
+        if parent is None and count_dup:
+            self._computed.add((state, hashes[-1]))  # the other groups' stores of this step too
         self._hold_run(state, hashes, keys, _GPU, result, count_dup=count_dup)
 
     def _device_block_size(

@@ -61,6 +61,10 @@ class HybridGroups(IndexStore):
 
     # (replica, group, vLLM hash) of other groups' stores the batch has not placed yet
     _deferred: list[tuple[_ReplicaState, int, int]]
+    # other groups' stores from the prompt's start of blocks they hold, and the last hashes
+    # of the batch's keyed stores from the prompt's start that were computations
+    _starts: list[tuple[_ReplicaState, int, list[int]]]
+    _computed: set[tuple[_ReplicaState, int]]
 
     # --- groups -----------------------------------------------------------------------------
 
@@ -98,20 +102,30 @@ class HybridGroups(IndexStore):
         hashes = event.block_hashes
         if (
             event.parent_block_hash is None
-            and hashes[-1] in by_hash
             and len(hashes) * event.block_size == len(event.token_ids)
+            and hashes[-1] in by_hash
         ):
-            # A prefix-cache hit re-announced, which lists every block of the hit (or a copy
-            # we cannot tell from one). A store with a block mask is a computation.
+            # From the prompt's start, every block listed, ending on a block the group holds:
+            # a re-announced hit (which lists every block of the hit) or a computation from
+            # token 0. The keyed group's store of the same step, ending on the same hash,
+            # tells which (``_store_device``): decided at the batch's end.
+            self._starts.append((state, group, hashes))
             return
         # Placed at the batch's end: the keyed group's store of the same step may come later,
-        # and that store is judged against the groups as they were before the step.
+        # and that store is judged against the groups as they were before the step. A store
+        # with a block mask is a computation (a re-announcement lists every block).
         self._deferred.extend((state, group, h) for h in hashes)
 
     def _place_deferred(self, state: _ReplicaState, result: ApplyResult) -> None:
         """End of a batch: the other groups' stores of the batch, placed by hash; a hash no
         keyed store has placed yet waits (``unplaced``) for one that does (a partial block
         resolved later)."""
+        for owner, group, hashes in self._starts:
+            if owner is state and (state, hashes[-1]) in self._computed:
+                self._deferred.extend((state, group, h) for h in hashes)
+            # else a re-announced hit, or a copy we cannot tell from one: nothing to take
+        self._starts.clear()
+        self._computed.clear()
         unplaced = state.unplaced
         for owner, group, h in self._deferred:
             if owner is state:
@@ -136,8 +150,8 @@ class HybridGroups(IndexStore):
 
     def _forget_deferred(self, state: _ReplicaState) -> None:
         state.unplaced = {}
-        if self._deferred:
-            self._deferred[:] = [d for d in self._deferred if d[0] is not state]
+        self._deferred[:] = [d for d in self._deferred if d[0] is not state]
+        self._starts[:] = [d for d in self._starts if d[0] is not state]
 
     def _remove_group(self, state: _ReplicaState, event: BlockRemoved, result: ApplyResult) -> None:
         if event.medium is not Medium.GPU or not event.confirmed:

@@ -79,6 +79,8 @@ class InMemoryPrefixIndex(
         # replica -> the pseudo-replica of the storage domain it is attached to
         self._attached: dict[str, str] = {}
         self._deferred = []
+        self._starts = []
+        self._computed = set()
         self._last_full = self._prev_full = None
         self._lock = threading.RLock()
 
@@ -269,8 +271,9 @@ class InMemoryPrefixIndex(
                     continue
                 result.applied += 1
             state.landing = {}
-            if self._deferred or state.unplaced:
+            if self._deferred or self._starts or state.unplaced:
                 self._place_deferred(state, result)
+            self._computed.clear()
             if self._entries > self.max_entries:
                 self._evict(self._entries - self.max_entries)
             if len(self._interned) > 1 << 16:
