@@ -27,12 +27,14 @@ single_type_kv_cache_manager.py, block_pool.py, kv_cache_manager.py):
   end on a multiple of the groups' common block size, or of the prefix-match unit once the
   replica publishes partial blocks. Lower tiers of hybrid replicas are not counted (their
   other groups' copies are not tracked).
-- A store from the prompt's start (no parent) that lists every block of its tokens and whose
-  last block the group already holds is vLLM re-announcing a prefix-cache hit
-  (``kv_cache_report_mode: "full"``), or a copy we cannot tell from one: a re-announcement
-  lists every block of the hit, also those a Mamba or sliding-window group does not hold, and
-  is never removed. Nothing of it is taken. A store with a block mask is a computation: its
-  held blocks are second copies.
+- A store from the prompt's start (no parent) of blocks already held is vLLM re-announcing a
+  prefix-cache hit (``kv_cache_report_mode: "full"``: every group's hit, listing every block,
+  also those a Mamba or sliding-window group does not hold; never removed) or a computation
+  from token 0 (second copies). The keyed group's store is a computation when it lists a
+  block this hit could not have served (``_recomputed``); another group's store with a block
+  mask is one; another group's store listing every block follows the keyed group's store of
+  the same step that ends on the same hash (``_starts``, decided at the batch's end), and is
+  otherwise taken as a re-announcement: nothing of it is taken.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ class HybridGroups(IndexStore):
         device = 0
         while device < len(keys) and get(keys[device], 0) & bit:
             device += 1
+        if device < len(keys) or not self._hybrid(state):
+            return device < len(keys)  # a plain model's hit is its held prefix
         n_tokens = len(keys) * block_size + 1  # at most the whole store could have been a hit
         hit = self._hybrid_hit(state, keys, n_tokens, block_size, device, lambda _b: [])
         return hit < len(keys) * block_size

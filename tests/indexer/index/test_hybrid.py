@@ -170,3 +170,19 @@ def test_the_hit_is_what_every_group_serves_whatever_the_group_order(
                     predicted,
                     model.hit(probe),
                 )
+
+
+def test_a_hybrid_replica_survives_a_snapshot() -> None:
+    """Warm start copies which group is keyed and every group's kind: the copy answers every
+    lookup as the original."""
+    doc = ROOTS[0][: 6 * BS]
+    index = InMemoryPrefixIndex()
+    index.apply("r", [masked(doc, 0, 6, [3, 5], 0), group_store(stored(doc, 0, 6), 1, KINDS[0])])
+    copy = InMemoryPrefixIndex()
+    state = index.export_replica("r")
+    assert state is not None
+    copy.import_replica("r", state)
+    for n in range(1, len(doc) + 2):
+        probe = doc[:n] + [1] * max(0, n - len(doc))
+        assert copy.lookup(probe)["r"] == index.lookup(probe)["r"]
+    assert copy.lookup([*doc, 1])["r"].blocks == 6
