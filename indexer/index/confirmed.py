@@ -76,6 +76,9 @@ class ConfirmedHoldings(IndexStore):
         # hybrid models (hybrid.py)
         def _recomputed(self, state: _ReplicaState, keys: list[int], block_size: int) -> bool: ...
 
+        @staticmethod
+        def _hybrid(state: _ReplicaState) -> bool: ...
+
         _computed: set[tuple[_ReplicaState, int]]
 
     # --- confirmed stores -----------------------------------------------------------------------
@@ -142,7 +145,15 @@ class ConfirmedHoldings(IndexStore):
         if state.block_size is not None and bs != state.block_size:
             self._device_block_size(state, event, result)
             return
-        parent = self._parent_key(state, event.parent_block_hash)
+        try:
+            parent = self._parent_key(state, event.parent_block_hash)
+        except ValueError:
+            if len(hashes) == 1 and not state.size_confirmed and self._hybrid(state):
+                # Perhaps a partial block whose parent unit vLLM never published, seen before
+                # the replica's block size (a short prompt first): unresolved, nothing learned.
+                result.unresolved += 1
+                return
+            raise
         if state.block_size is None:
             state.block_size = bs
         if len(hashes) > 1:
@@ -200,8 +211,14 @@ class ConfirmedHoldings(IndexStore):
             return
         if bs > known and bs % known == 0 and not state.size_confirmed:
             # What looked like the block size was vLLM's prefix-match unit: the replica's
-            # first stores were partial blocks of short prompts. Start over at the real size.
+            # first stores were partial blocks of short prompts. Start over at the real size;
+            # the other groups' blocks wait to be placed again by hash.
+            waiting = dict(state.unplaced)
+            for group, (by_hash, _by_key) in state.groups.items():
+                for h, (_key, n) in by_hash.items():
+                    waiting[(group, h)] = waiting.get((group, h), 0) + n
             self._clear_confirmed(state)
+            state.unplaced = waiting
             state.block_size = bs
             state.partial_unit = known
             self._store_device(state, event, result)

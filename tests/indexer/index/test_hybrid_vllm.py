@@ -5,7 +5,8 @@ compared with what vLLM's ``get_computed_blocks`` (``find_longest_cache_hit`` ov
 cache group) returns for them.
 
 Group layouts: Mamba first, sliding window first, full attention first with a masked window
-group (blocks half its size), full attention + Mamba. Workloads: prompts that share prefixes
+group (blocks half its size), full attention + Mamba, and partial blocks (a prefix-match unit
+finer than the block, Mamba first or second). Workloads: prompts that share prefixes
 of any length, decodes that complete blocks, requests that skip the prefix cache
 (``prompt_logprobs``: second copies from token 0), prefix-cache hits re-announced
 (``kv_cache_report_mode: "full"``), and the evictions the small pool forces. The prediction
@@ -42,7 +43,23 @@ LAYOUTS = {
         "swa_block_size": 16,
     },
     "full+mamba": {"block_size": 16, "num_gpu_blocks": 24, "groups": "full+mamba"},
+    # partial blocks (prefix-match unit 16 in 64-token blocks), Mamba first or second
+    "mamba+full unit 16": {
+        "block_size": 64,
+        "num_gpu_blocks": 16,
+        "groups": "mamba+full",
+        "prefix_match_unit": 16,
+    },
+    "full+mamba unit 32": {
+        "block_size": 64,
+        "num_gpu_blocks": 16,
+        "groups": "full+mamba",
+        "prefix_match_unit": 32,
+    },
 }
+# Layouts the index predicts at most (not exactly) vLLM's hit for: partial blocks (some are not
+# resolved: docs/indexer.md, "What the index cannot know").
+AT_MOST = {"mamba+full unit 16", "full+mamba unit 32"}
 # Prompts are a stem of one of three roots: prefixes shared at any length.
 ROOTS = [list(range(1000 * (i + 1), 1000 * (i + 1) + 120)) for i in range(3)]
 _names = itertools.count()
@@ -94,6 +111,10 @@ def test_the_index_predicts_vllms_hybrid_hit(
     probes |= {tuple(root[:k]) for root in ROOTS for k in (20, 47, 64, 96)}
     try:
         for i, (root, length, tail, max_tokens, mode) in enumerate(steps):
+            if mode == "report full" and "unit" in layout:
+                # vLLM 0.32's emit_cached_block_events indexes past the request's hashes when
+                # the hit ends on a partial block (IndexError in the scheduler): not sent.
+                mode = "plain"
             prompt = _prompt(root, length, tail)
             r.add(
                 f"q{i}",
@@ -111,7 +132,8 @@ def test_the_index_predicts_vllms_hybrid_hit(
                 batch = decode_batch(frame.payload)
                 assert not batch.rejected, batch.rejected
                 result = index.apply("r", batch.events)
-                assert not result.rejected, result.rejected
+                # after a lost second copy, a later store may name that block as its parent
+                assert skipped_cache or not result.rejected, (layout, steps[: i + 1], result)
             applied = len(r.frames)
             for tokens in sorted(probes):
                 probe = [*tokens, 7]
@@ -124,7 +146,7 @@ def test_the_index_predicts_vllms_hybrid_hit(
                 )
                 where = (layout, steps[: i + 1], len(probe), predicted, vllm_hit)
                 assert predicted <= vllm_hit, where
-                if not skipped_cache:
+                if not skipped_cache and layout not in AT_MOST:
                     assert predicted == vllm_hit, where
     finally:
         r.shutdown()
