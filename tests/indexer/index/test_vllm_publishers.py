@@ -207,20 +207,20 @@ def test_a_remote_fs_tier_is_credited_to_its_storage_domain() -> None:
     index = InMemoryPrefixIndex()
     for r in ("a", "b", "c"):
         index.attach(r, "d" if r != "c" else None)
-        index.apply(r, [stored(DOC, 0, 1)])  # each knows the block size
-    index.apply("a", [stored(DOC, 0, N_BLOCKS)])
+        index.apply(r, [stored(DOC, 0, 1)])  # each knows the block size (and holds block 0)
+    index.apply("a", [stored(DOC, 1, N_BLOCKS - 1)])  # as vLLM: a hit is not stored again
     index.apply("a", decoded(fs_store(DOC, 0, 4, "REMOTE"), fs_store(DOC, 4, 4, "REMOTE")))
     assert _tiers(index, "b", DOC) == {"GPU": 1, "STORAGE?": N_BLOCKS - 1}
     assert _tiers(index, "c", DOC) == {"GPU": 1}
     # the same files written by b are held once by the domain
     domain = index._replicas[domain_key("d")]
     assert domain.tier_counts[int(Medium.STORAGE) + 3] == N_BLOCKS
-    index.apply("b", [stored(DOC, 0, N_BLOCKS)])
+    index.apply("b", [stored(DOC, 1, N_BLOCKS - 1)])  # as vLLM: a hit is not stored again
     index.apply("b", decoded(fs_store(DOC, 0, 4, "REMOTE")))
     assert domain.tier_counts[int(Medium.STORAGE) + 3] == N_BLOCKS
     assert domain.unconfirmed_blocks == N_BLOCKS
     # LOCAL: the writer's own
-    index.apply("c", [stored(DOC, 0, N_BLOCKS)])
+    index.apply("c", [stored(DOC, 1, N_BLOCKS - 1)])  # as vLLM: a hit is not stored again
     index.apply("c", decoded(fs_store(DOC, 0, 4, "LOCAL"), fs_store(DOC, 4, 4, "LOCAL")))
     index.apply("c", [removed(DOC, list(range(N_BLOCKS)))])
     assert _tiers(index, "c", DOC) == {"STORAGE?": N_BLOCKS}
