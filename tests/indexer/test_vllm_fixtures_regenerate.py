@@ -69,7 +69,12 @@ LMCACHE = "lmcache_shape.json"
 
 
 def _skipped_without_lmcache(regenerated: Path, name: str) -> None:
+    """Without LMCache the LMCache fixture cannot be made again: skipped, unless LMCache was
+    named (``make test`` installs it and sets ``KVROUTE_LMCACHE_PATH``), where that is a
+    failure."""
     if name == LMCACHE and not (regenerated / name).exists():
+        if os.environ.get("KVROUTE_LMCACHE_PATH"):
+            pytest.fail("KVROUTE_LMCACHE_PATH is set but LMCache's fixture was not generated")
         pytest.skip("LMCache is not importable here: set KVROUTE_LMCACHE_PATH (see generate.py)")
 
 
