@@ -141,14 +141,7 @@ class InMemoryPrefixIndex(
             self._clear_confirmed(state)
             for source in list(state.held):
                 self._drop_source_holdings(state, source)
-            state.block_size = None
-            state.size_confirmed = False
-            state.partial_unit = None
-            state.primary = None
-            state.group_specs = {}
-            state.chunk_blocks = {}
-            state.chunk_obs = {}
-            state.pool_tiers = set()
+            state.forget_configuration()
 
     def clear_source(self, replica: str, source: str = "", *, restarted: bool) -> None:
         with self._lock:
@@ -166,14 +159,7 @@ class InMemoryPrefixIndex(
                 self._clear_confirmed(state)
                 if restarted and not replica.startswith(DOMAIN_PREFIX):
                     # A new process may run another configuration: learn it again.
-                    state.block_size = None
-                    state.size_confirmed = False
-                    state.partial_unit = None
-                    state.primary = None
-                    state.group_specs = {}
-                    state.chunk_blocks = {}
-                    state.chunk_obs = {}
-                    state.pool_tiers = set()
+                    state.forget_configuration()
             if restarted:
                 self._drop_source_holdings(state, source)
 

@@ -144,6 +144,19 @@ class _ReplicaState:
         # AllBlocksCleared may be its reset (resets.py)
         self.pool_tiers: set[int] = set()
 
+    def forget_configuration(self) -> None:
+        """Forget what the replica's events taught of its configuration (block size, prefix-
+        match unit, hybrid groups, chunk lengths, a lower-tier block pool): a cleared replica,
+        or a restarted process, may run another one and is learned again."""
+        self.block_size = None
+        self.size_confirmed = False
+        self.partial_unit = None
+        self.primary = None
+        self.group_specs = {}
+        self.chunk_blocks = {}
+        self.chunk_obs = {}
+        self.pool_tiers = set()
+
 
 class IndexStore:
     """The index-wide tables, as ``InMemoryPrefixIndex.__init__`` (memory.py) sets them, and the
