@@ -80,6 +80,8 @@ class ReplicaConfig:
             if self.storage_domain is None:
                 raise ConfigError("replica layout= needs storage_domain= (it keys the domain)")
             check_storage_domain_name(self.layout, "layout")
+        if self.lmcache_instance is not None and not self.lmcache_instance.strip():
+            raise ConfigError("replica lmcache_instance= needs LMCache's instance id")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"replica url must be http(s)://host:port, got {self.url!r}")

@@ -122,3 +122,11 @@ def test_a_router_gives_its_event_loop_thread_a_short_slice(local_tokenizer) -> 
         assert thread_slice_ns(service.loop_thread_id) == 100_000
     with make_fleet(local_tokenizer, n=1, loop_slice_s=None) as fleet:
         assert not fleet.service.loop_slice_set
+
+
+def test_an_empty_lmcache_instance_is_refused() -> None:
+    """``lmcache_instance=`` with nothing after it names no instance to ask: a clear error, not
+    a replica that silently never asks LMCache's controller."""
+    with pytest.raises(ConfigError, match="lmcache_instance"):
+        parse_replica_flag("http://a:1,lmcache_instance=")
+    assert parse_replica_flag("http://a:1,lmcache_instance=i1").lmcache_instance == "i1"
