@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from kvroute.bench.pick_quality import queued_prefill_at_pick
+from kvroute.bench.policy_variants import PolicyVariant, learned_rates_row
 from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
@@ -363,19 +364,26 @@ def _peer_router_settings(settings: dict[str, Any], n: int) -> list[dict[str, An
     ]
 
 
-def _router_settings(fleet: SimFleet, policy: str, config: SimFleetConfig) -> dict[str, Any]:
+def _true_rates(config: SimFleetConfig) -> dict[str, float]:
+    """The simulator's rates in the router's (wall-clock) seconds."""
     lat = config.latency
+    return {
+        "prefill_s_per_token": lat.prefill_s_per_token * lat.time_scale,
+        "load_s_per_token_cpu": lat.load_cpu_s_per_token * lat.time_scale,
+        "load_s_per_token_storage": lat.load_storage_s_per_token * lat.time_scale,
+    }
+
+
+def _router_settings(fleet: SimFleet, policy: str, config: SimFleetConfig) -> dict[str, Any]:
+    # An operator sets the cost model to the hardware; here the hardware is the simulator,
+    # whose simulated seconds last time_scale wall seconds (the router lives in wall time
+    # and learns its queue term and rates from wall-clock first bytes). A variant
+    # (bench/policy_variants.py) starts from wrong rates instead.
+    variant = PolicyVariant.parse(policy)
     return fleet.router_settings(
-        policy=policy,
+        policy=variant.policy,
         health_interval_s=0.5,
-        # An operator sets the cost model to the hardware; here the hardware is the simulator,
-        # whose simulated seconds last time_scale wall seconds (the router lives in wall time
-        # and learns its queue term from wall-clock first bytes).
-        cost={
-            "prefill_s_per_token": lat.prefill_s_per_token * lat.time_scale,
-            "load_s_per_token_cpu": lat.load_cpu_s_per_token * lat.time_scale,
-            "load_s_per_token_storage": lat.load_storage_s_per_token * lat.time_scale,
-        },
+        cost=variant.cost(_true_rates(config)),
     )
 
 
@@ -686,7 +694,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = args.workloads.split(",") if args.workloads else list(preset["workloads"])
     policies = [p for p in args.policies.split(",") if p]
     unknown = [w for w in workloads if w not in BUILDERS] + [
-        p for p in policies if p not in POLICIES
+        p for p in policies if PolicyVariant.parse(p).policy not in POLICIES
     ]
     if unknown:
         raise ValueError(f"unknown workloads or policies: {unknown}")
@@ -772,6 +780,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         records, (r.name for r in fleet.replicas)
                     )
                     reasons = _decision_reasons(urls)
+                    if PolicyVariant.parse(policy).policy == "kvroute":
+                        row["cost_rates"] = learned_rates_row(urls[0], _true_rates(config))
                     row["routers"] = len(urls)
                     row["idle_routers"] = len(idle_urls)
                     # Cumulative over the policy's workloads: an idle router never decides.

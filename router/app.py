@@ -199,7 +199,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
                 registry,
                 service.router.unstored.snapshot(r.name for r in registry),
                 next_sample=0 if learned is None else learned.next_sample,
-                samples=None if learned is None or since is None else learned.samples_since(since),
+                samples=None if learned is None or since is None else learned.entries_since(since),
             )
 
         if stream:

@@ -250,6 +250,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep --queue-s-per-request fixed instead of learning it per replica",
     )
+    cost.add_argument(
+        "--no-learn-rates",
+        action="store_true",
+        help="keep the prefill and load rates fixed instead of learning them per replica",
+    )
     cost.add_argument("--queue-knee", type=float, default=c.queue_knee)
     cost.add_argument("--waiting-s-per-request", type=float, default=c.waiting_s_per_request)
     cost.add_argument(
@@ -403,6 +408,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         load_s_per_token_storage=args.load_s_per_token_storage,
         queue_s_per_request=args.queue_s_per_request,
         learn_queue_delay=not args.no_learn_queue_delay,
+        learn_rates=not args.no_learn_rates,
         queue_knee=args.queue_knee,
         waiting_s_per_request=args.waiting_s_per_request,
         unconfirmed_weight=args.unconfirmed_weight,

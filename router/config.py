@@ -117,8 +117,9 @@ class CostSettings:
     queue_delay = q * pending * (1 + pending / queue_knee)
                   + waiting_s_per_request * waiting + kv_pressure_s * pressure
     q is learned per replica from streamed first bytes (``learn_queue_delay``), starting
-    from and relaxing back to ``queue_s_per_request``. See docs/router.md for what each
-    term models and how to set it.
+    from and relaxing back to ``queue_s_per_request``; the three rates likewise
+    (``learn_rates``, router/routing/calibration.py), from the configured ones. See
+    docs/router.md for what each term models and how to set it.
     """
 
     prefill_s_per_token: float = 1e-4
@@ -131,6 +132,11 @@ class CostSettings:
     queue_learn_weight: float = 0.03
     queue_learn_half_life_s: float = 30.0
     queue_s_per_request_max: float = 10.0
+    # Learn the prefill and load rates per replica from answered requests (calibration.py);
+    # the configured rates are then the priors.
+    learn_rates: bool = True
+    rates_half_life_s: float = 300.0
+    rates_prior_samples: float = 0.5
     queue_knee: float = 16.0
     waiting_s_per_request: float = 0.05
     kv_pressure_s: float = 0.5
@@ -198,6 +204,8 @@ class CostSettings:
             raise ConfigError("cost.placement_half_life_s must be > 0")
         if self.placement_unstored_max_age_s <= 0:
             raise ConfigError("cost.placement_unstored_max_age_s must be > 0")
+        if self.rates_half_life_s <= 0 or self.rates_prior_samples <= 0:
+            raise ConfigError("cost.rates_half_life_s and cost.rates_prior_samples must be > 0")
         if self.queue_learn_half_life_s <= 0:
             raise ConfigError("cost.queue_learn_half_life_s must be > 0")
         if self.queue_s_per_request_max < self.queue_s_per_request:

@@ -173,6 +173,7 @@ class RouterService:
             timeout_s=max(0.05, min(1.0, 5 * settings.peer_load_interval_s)),
             api_key=settings.api_keys[0] if settings.api_keys else None,
             on_samples=None if self.router.queue_delay is None else self._apply_peer_samples,
+            on_rate_samples=None if self.router.rates is None else self._apply_peer_rates,
         )
         if self.router.queue_delay is not None:  # a held /peer/load answers a new sample
             self.router.queue_delay.on_sample = self.registry.load_signal.changed
@@ -462,12 +463,16 @@ class RouterService:
     def _apply_peer_samples(self, samples: list[tuple[str, float]]) -> None:
         """A peer's queue samples (router/routing/queue_model.py), for the replicas this router
         knows: learned as if its own first bytes had shown them."""
-        learned = self.router.queue_delay
-        if learned is None:
-            return
-        for name, seconds in samples:
-            if self.registry.get(name) is not None:
-                learned.observe_shared(name, seconds)
+        if (learned := self.router.queue_delay) is not None:
+            for name, seconds in samples:
+                if self.registry.get(name) is not None:
+                    learned.observe_shared(name, seconds)
+
+    def _apply_peer_rates(self, samples: list[tuple[str, tuple[float, ...]]]) -> None:
+        """A peer's samples of the rates of replicas this router knows (calibration.py)."""
+        for name, values in samples:
+            if (replica := self.registry.get(name)) is not None:
+                self.router.observe_shared_rates(replica, values)
 
     async def poll_peer_load(self) -> None:
         """One round of shared load: ask the peers, then set every replica's share."""

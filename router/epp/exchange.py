@@ -315,6 +315,7 @@ class _Exchange:
         self.service.metrics.cached_tokens(
             pick.replica.name, decision.prompt_tokens, predicted, delivered
         )
+        self.service.router.answered(decision, pick.replica, delivered)
 
     def close(self) -> None:
         self._end()

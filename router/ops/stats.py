@@ -80,6 +80,7 @@ def router_stats(service: RouterService) -> dict[str, Any]:
             if service.router.queue_delay is None
             else round(service.router.queue_delay.per_request_s(r.name), 6),
         }
+        entry["cost_rates"] = _rates(service, r.name)
         entry["accuracy"] = acc
         entry["predicted_cached_tokens"] = acc["predicted_cached_tokens"]
         entry["delivered_cached_tokens"] = acc["delivered_cached_tokens"]
@@ -105,11 +106,16 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         "discovery": None if service.discovery is None else service.discovery.status(),
         "peer_load": service.peer_load.to_dict() if service.peer_load_on else None,
         "lmcache_controller": _lmcache(service),
+        "cost_rates_outliers": None
+        if service.router.rates is None
+        else service.router.rates.outliers,
         "queue_samples": None
         if service.router.queue_delay is None
         else {
             "taken": service.router.queue_delay.next_sample,
-            "from_peers": service.router.queue_delay.shared_applied,
+            # queue and rate samples alike (both are numbered in one log)
+            "from_peers": service.router.queue_delay.shared_applied
+            + (0 if service.router.rates is None else service.router.rates.shared_applied),
         },
     }
 
@@ -125,4 +131,28 @@ def _lmcache(service: RouterService) -> dict[str, Any] | None:
         "failures": c.failures,
         "last_error": c.last_error,
         "last_latency_s": c.last_latency_s,
+    }
+
+
+def _rates(service: RouterService, name: str) -> dict[str, Any]:
+    """The prefill and load rates the cost model prices the replica with, learned or the
+    configured ones (``learned`` False), and the samples behind them."""
+    rates = service.router.rates
+    if rates is None:
+        c = service.settings.cost
+        return {
+            "learned": False,
+            "prefill_s_per_token": c.prefill_s_per_token,
+            "load_s_per_token_cpu": c.load_s_per_token_cpu,
+            "load_s_per_token_storage": c.load_s_per_token_storage,
+            "samples": 0,
+        }
+    r = rates.rates(name)
+    return {
+        "learned": True,
+        "prefill_s_per_token": float(f"{r.prefill_s_per_token:.4g}"),
+        "load_s_per_token_cpu": float(f"{r.load_s_per_token_cpu:.4g}"),
+        "load_s_per_token_storage": float(f"{r.load_s_per_token_storage:.4g}"),
+        "overhead_s": round(r.overhead_s, 6),
+        "samples": r.samples,
     }

@@ -121,10 +121,12 @@ def load_body(
     unstored: Mapping[str, int] | None = None,
     *,
     next_sample: int = 0,
-    samples: list[tuple[str, float]] | None = None,
+    samples: list[tuple[str, float | None, tuple[float, ...] | None]] | None = None,
 ) -> dict[str, Any]:
-    """This router's ``GET /peer/load`` answer: ``samples`` are its queue samples from the
-    asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none)."""
+    """This router's ``GET /peer/load`` answer: ``samples`` are its samples from the
+    asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none): queue samples
+    in ``values``, samples of the replicas' rates (router/routing/calibration.py) in
+    ``rates`` (a router that does not know the key ignores it)."""
     replicas = list(replicas)
     body: dict[str, Any] = {
         "router": router_id,
@@ -132,9 +134,12 @@ def load_body(
         "replicas": {r.name: r.in_flight for r in replicas},
         "samples": {
             "next": next_sample,
-            "values": [[name, round(v, 6)] for name, v in samples or ()],
+            "values": [[name, round(v, 6)] for name, v, _ in samples or () if v is not None],
         },
     }
+    rates = [[name, *r] for name, _, r in samples or () if r is not None]
+    if rates:
+        body["samples"]["rates"] = rates
     if unstored is not None:
         body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
     return body
@@ -178,6 +183,8 @@ class PeerAnswer:
     # router that shares none).
     next_sample: int | None = None
     samples: list[tuple[str, float]] = field(default_factory=list)
+    # Its samples of the replicas' rates: (replica, (uncached, cpu, storage, seconds, weight))
+    rate_samples: list[tuple[str, tuple[float, ...]]] = field(default_factory=list)
 
 
 def _counts(value: object, what: str, limit: int) -> dict[str, int]:
@@ -209,6 +216,7 @@ def parse_load(body: object) -> PeerAnswer:
     ):
         raise PeerLoadError(f"'version' must be a string of 1-{_MAX_VERSION_CHARS} characters")
     next_sample, samples = _samples(body.get("samples"))
+    rate_samples = _rate_samples(body.get("samples"))
     return PeerAnswer(
         router,
         _counts(replicas, "in-flight", MAX_IN_FLIGHT),
@@ -216,7 +224,32 @@ def parse_load(body: object) -> PeerAnswer:
         version,
         next_sample,
         samples,
+        rate_samples,
     )
+
+
+def _rate_samples(value: object) -> list[tuple[str, tuple[float, ...]]]:
+    rows = value.get("rates", []) if isinstance(value, dict) else []
+    if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
+        raise PeerLoadError(f"'samples.rates' must be a list of at most {MAX_SAMPLES}")
+    out: list[tuple[str, tuple[float, ...]]] = []
+    for row in rows:
+        if (
+            not isinstance(row, list)
+            or len(row) != 6
+            or not isinstance(row[0], str)
+            or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                for v in row[1:]
+            )
+            or min(row[1:4]) < 0
+            or not 0 < row[5] <= 1
+        ):
+            raise PeerLoadError(
+                "a rate sample must be [replica, uncached, cpu, storage, seconds, weight]"
+            )
+        out.append((row[0], tuple(float(v) for v in row[1:])))
+    return out
 
 
 def _samples(value: object) -> tuple[int | None, list[tuple[str, float]]]:
@@ -274,6 +307,7 @@ class PeerLoad:
         router_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_samples: Callable[[list[tuple[str, float]]], None] | None = None,
+        on_rate_samples: Callable[[list[tuple[str, tuple[float, ...]]]], None] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -285,6 +319,7 @@ class PeerLoad:
         self.peers: dict[str, PeerReport] = {}
         # Where a peer's queue samples go (the router's LearnedQueueDelay); None: not asked.
         self.on_samples = on_samples
+        self.on_rate_samples = on_rate_samples
 
     async def poll(self, client: httpx.AsyncClient, urls: list[str]) -> None:
         """Ask every peer in ``urls`` at once; forget peers no longer listed."""
@@ -443,10 +478,12 @@ class PeerLoad:
         report.received_at = self._clock()
         report.followed = follow and answer.version is not None
         asked_samples = params.get("samples_from") is not None
-        if asked_samples and same_peer and answer.samples and answer.router != self.router_id:
-            report.samples_received += len(answer.samples)
-            if self.on_samples is not None:
+        if asked_samples and same_peer and answer.router != self.router_id:
+            report.samples_received += len(answer.samples) + len(answer.rate_samples)
+            if self.on_samples is not None and answer.samples:
                 self.on_samples(answer.samples)
+            if self.on_rate_samples is not None and answer.rate_samples:
+                self.on_rate_samples(answer.rate_samples)
         # A restarted peer (a new id) numbers from 0 again: go on from its answer either way.
         report.next_sample = answer.next_sample
 

@@ -23,7 +23,9 @@ slower, and each router would price the same queue differently. So every sample 
 takes is also kept in a short numbered log, and its peers fetch what they have not seen with
 the shared load (router/peers/load.py) and apply it as their own (``observe_shared``): every
 router's estimate follows every first byte in the fleet, as one router's would. Shared
-samples are not logged again (no echo between peers).
+samples are not logged again (no echo between peers). The same numbered log carries this
+router's samples of each replica's prefill and load rates (router/routing/calibration.py,
+``log_rates``), so that peers learn those from every answer in the fleet too.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class LearnedQueueDelay:
         self._clock = clock
         self._by_replica: dict[str, _Estimate] = {}
         # This router's own samples, numbered from 0; the log keeps the last of them.
-        self._log: deque[tuple[str, float]] = deque(maxlen=SAMPLE_LOG_MAX)
+        # (replica, queue sample or None, rate sample or None)
+        self._log: deque[tuple[str, float | None, tuple[float, ...] | None]] = deque(
+            maxlen=SAMPLE_LOG_MAX
+        )
         self._log_next = 0
         self.shared_applied = 0  # samples taken from peers
         # Called after each own sample (the service wakes held peer-load requests there).
@@ -98,7 +103,15 @@ class LearnedQueueDelay:
             return
         sample = min(self.max_s, max(0.0, first_byte_s - max(0.0, explained_s)) / pending)
         self._apply(replica, sample)
-        self._log.append((replica, sample))
+        self._append((replica, sample, None))
+
+    def log_rates(self, replica: str, values: tuple[float, ...]) -> None:
+        """A sample of the replica's prefill and load rates, numbered with the queue samples
+        for the peers (``entries_since``); learned by the caller."""
+        self._append((replica, None, values))
+
+    def _append(self, entry: tuple[str, float | None, tuple[float, ...] | None]) -> None:
+        self._log.append(entry)
         self._log_next += 1
         if self.on_sample is not None:
             self.on_sample()
@@ -117,8 +130,13 @@ class LearnedQueueDelay:
         return self._log_next
 
     def samples_since(self, first: int) -> list[tuple[str, float]]:
-        """Own samples numbered ``first`` and later, oldest first; those already dropped from
-        the log are skipped (a peer that far behind catches up on the rest)."""
+        """Own queue samples numbered ``first`` and later, oldest first (``entries_since``
+        without the rate samples)."""
+        return [(n, q) for n, q, _ in self.entries_since(first) if q is not None]
+
+    def entries_since(self, first: int) -> list[tuple[str, float | None, tuple[float, ...] | None]]:
+        """Own samples of both kinds numbered ``first`` and later, oldest first; those already
+        dropped from the log are skipped (a peer that far behind catches up on the rest)."""
         start = self._log_next - len(self._log)
         if first >= self._log_next:
             return []

@@ -20,6 +20,7 @@ from kvroute.router.common.lru import LRU
 from kvroute.router.config import RouterSettings
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.approx import RoutingHistory
+from kvroute.router.routing.calibration import CalibrationSample, LearnedRates, Rates
 from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.hints import BurstHints
 from kvroute.router.routing.lmcache import LMCacheController
@@ -28,6 +29,10 @@ from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
 from kvroute.router.routing.queue_model import LearnedQueueDelay
 from kvroute.router.tokens.requests import ParsedRequest
 from kvroute.router.tokens.tokenization import TokenizerBase
+
+_GPU = Tier.GPU.label()
+_CPU, _CPU_U = Tier.CPU.label(), Tier.CPU.label(confirmed=False)
+_STORAGE, _STORAGE_U = Tier.STORAGE.label(), Tier.STORAGE.label(confirmed=False)
 
 __all__ = ["Decision", "Router", "home_affinity", "match_tiers", "predicted_cached_tokens"]
 
@@ -104,6 +109,9 @@ class Decision:
     # What the replica that answered reported it served from cache (the dashboard's log).
     delivered_by: str | None = None
     delivered_cached_tokens: int | None = None
+    # When the chosen replica's first byte came (streamed answers): a calibration sample
+    # once the answer reports what it served from cache.
+    first_byte_s: float | None = None
 
     def view(self, name: str) -> ReplicaView | None:
         return next((v for v in self.views if v.name == name), None)
@@ -161,6 +169,15 @@ class Router:
                 max_s=c.queue_s_per_request_max,
             )
             if c.learn_queue_delay
+            else None
+        )
+        self.rates = (
+            LearnedRates(
+                Rates(c.prefill_s_per_token, c.load_s_per_token_cpu, c.load_s_per_token_storage),
+                half_life_s=c.rates_half_life_s,
+                prior_samples=c.rates_prior_samples,
+            )
+            if c.learn_rates
             else None
         )
 
@@ -232,6 +249,7 @@ class Router:
         self.sample_stored_blocks()
         for r in candidates:
             fresh, why = self._freshness(r)
+            rates = None if self.rates is None else self.rates.rates(r.name, _rate_pool(r))
             views[r.name] = ReplicaView(
                 name=r.name,
                 pending=r.pending,
@@ -243,6 +261,10 @@ class Router:
                 if self.queue_delay is None
                 else self.queue_delay.per_request_s(r.name),
                 stored_rate=self._placement_rate(r) if self.policy.uses_homes else 0.0,
+                prefill_s_per_token=None if rates is None else rates.prefill_s_per_token,
+                load_s_per_token_cpu=None if rates is None else rates.load_s_per_token_cpu,
+                load_s_per_token_storage=None if rates is None else rates.load_s_per_token_storage,
+                rate_samples=0 if rates is None else rates.samples,
                 block_size=self.index.block_size(r.name),
                 freshness=fresh,
                 freshness_reason=why,
@@ -409,6 +431,8 @@ class Router:
         """A streamed response's first byte came ``seconds`` after it was sent to
         ``replica``: what the cost model did not explain is queueing, learned per replica."""
         view = decision.view(replica.name)
+        if view is not None and decision.ranked and decision.ranked[0] is replica:
+            decision.first_byte_s = seconds
         if self.queue_delay is None or view is None:
             return
         explained = (view.compute_s or 0.0) + (view.load_s or 0.0)
@@ -417,13 +441,61 @@ class Router:
             explained = self.settings.cost.prefill_s_per_token * uncached
         self.queue_delay.observe(replica.name, view.pending, explained, seconds)
 
+    def answered(self, decision: Decision, replica: Replica, delivered: int | None) -> None:
+        """A streamed answer ended, reporting ``delivered`` cached tokens (None: not
+        reported): with its first byte's time, one sample of the replica's prefill and load
+        rates (router/routing/calibration.py). Only the replica chosen first, priced by the
+        kvroute cost model, and a single prompt (a batch's time is its prompts' together)."""
+        view = decision.view(replica.name)
+        seconds = decision.first_byte_s
+        if self.rates is None or view is None or seconds is None or view.queue_s is None:
+            return
+        if len(decision.batch_sizes) > 1 or not decision.prompt_tokens:
+            return
+        tiers = view.tokens_by_tier
+        gpu = tiers.get(_GPU, 0) + max(0, view.hint_tokens - view.match_tokens)
+        sample = CalibrationSample.from_request(
+            prompt_tokens=decision.prompt_tokens,
+            gpu=gpu,
+            cpu=tiers.get(_CPU, 0) + tiers.get(_CPU_U, 0),
+            storage=tiers.get(_STORAGE, 0) + tiers.get(_STORAGE_U, 0),
+            delivered=delivered,
+            first_byte_s=seconds,
+            queue_s=view.queue_s,
+            pending=view.pending,
+        )
+        if sample is None:
+            return
+        self.rates.observe(replica.name, sample, _rate_pool(replica))
+        if self.queue_delay is not None:  # numbered with the queue samples, for the peers
+            self.queue_delay.log_rates(
+                replica.name,
+                (sample.uncached, sample.cpu, sample.storage, sample.seconds, sample.weight),
+            )
+
+    def observe_shared_rates(self, replica: Replica, values: tuple[float, ...]) -> None:
+        """A peer router's sample of ``replica``'s rates (``answered`` there): learned like an
+        own one, never passed on."""
+        if self.rates is not None:
+            self.rates.observe(replica.name, CalibrationSample(*values), _rate_pool(replica))
+            self.rates.shared_applied += 1
+
     def forget(self, replica: str) -> None:
+        if self.rates is not None:
+            self.rates.forget(replica)
         self.hints.forget(replica)
         self.history.forget(replica)
         self.stored_rate.forget(replica)
         self.unstored.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)
+
+
+def _rate_pool(replica: Replica) -> str:
+    """The replicas whose learned rates a replica with few samples of its own borrows: those
+    serving the same models (the same deployment; a fleet mixing hardware for one model
+    names its replicas' models apart, or learns per replica)."""
+    return ",".join(sorted(replica.models))
 
 
 def _max_model_len(model: str, candidates: list[Replica]) -> int | None:

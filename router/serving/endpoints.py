@@ -445,6 +445,7 @@ class ProxyEndpoint:
         decision.delivered_by, decision.delivered_cached_tokens = replica.name, delivered
         self.service.accuracy.record(replica.name, prompt_tokens, predicted, delivered)
         self.service.metrics.cached_tokens(replica.name, prompt_tokens, predicted, delivered)
+        self.service.router.answered(decision, replica, delivered)
 
 
 class _SendTracker:

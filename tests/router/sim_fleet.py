@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from kvroute.bench.sim.latency import LatencyModel
 from kvroute.router.app import create_app
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.serving.http_protocol import header_deadline_protocol
@@ -54,6 +55,7 @@ def make_fleet(
     faults: list[ReplicaFaults] | None = None,
     loras: list[str] | None = None,
     inject_tokenizer: bool = True,
+    latency: LatencyModel | None = None,
     **settings_kw: Any,
 ) -> Iterator[Fleet]:
     """n simulated replicas behind one router (subscribed to their KV events when
@@ -66,6 +68,7 @@ def make_fleet(
                 tokenizer.name,
                 faults=faults[i] if faults else None,
                 loras=list(loras or []),
+                latency=latency,
             )
             stack.callback(fake.close)
             fake.start()

@@ -57,6 +57,7 @@ class SimServer:
         chat_template: str | None = None,
         scale_out: bool = False,
         faults: ReplicaFaults | None = None,
+        latency: LatencyModel | None = None,
     ) -> None:
         self.name = name
         config = SimReplicaConfig(
@@ -64,7 +65,7 @@ class SimServer:
             model=model,
             block_size=16,
             max_model_len=4096,
-            latency=_NO_LATENCY,
+            latency=latency or _NO_LATENCY,
             default_max_tokens=3,
             stream_interval_s=0.0,
             loras=tuple(loras),

@@ -69,6 +69,11 @@ class ReplicaView:
     approx_tokens: int = 0
     predicted_cached_tokens: int = 0
     queue_s_per_request: float | None = None  # learned; None: the configured constant
+    # learned (router/routing/calibration.py); None: the configured rates
+    prefill_s_per_token: float | None = None
+    load_s_per_token_cpu: float | None = None
+    load_s_per_token_storage: float | None = None
+    rate_samples: int = 0
     stored_rate: float = 0.0  # blocks it stored lately, per second, from its event feed
     est_ttft_s: float | None = None
     delay_to_others_s: float | None = None  # what its uncached prefill costs the queue it joins
@@ -89,6 +94,9 @@ class ReplicaView:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__slots__}
+        for key in ("prefill_s_per_token", "load_s_per_token_cpu", "load_s_per_token_storage"):
+            if out[key] is not None:
+                out[key] = float(f"{out[key]:.4g}")
         for key in (
             "queue_s_per_request",
             "stored_rate",

@@ -7,9 +7,11 @@ kvroute cost, in seconds (est. time to first token; see docs/router.md):
                   + waiting_s_per_request * waiting
                   + kv_pressure_s * max(0, kv_usage - kv_pressure_start) / (1 - kv_pressure_start)
 ``q`` is the replica's learned seconds per pending request (router/routing/queue_model.py), or
-``queue_s_per_request`` when learning is off. The queue term is superlinear in ``pending`` so
-that the benefit of a cached prefix (linear in its length) is always overtaken by a growing
-queue: a hot prefix spills to other replicas instead of piling onto one.
+``queue_s_per_request`` when learning is off; the three rates are the replica's learned ones
+(router/routing/calibration.py), or the configured ones when learning is off. The queue term
+is superlinear in ``pending`` so that the benefit of a cached prefix (linear in its length)
+is always overtaken by a growing queue: a hot prefix spills to other replicas instead of
+piling onto one.
 Matches of replicas whose event feed is not live are discounted by
 ``freshness_weight``, tiers whose publisher never announces removals (LMCache, llm-d's FS
 backend: ``*_UNCONFIRMED``) by ``unconfirmed_weight`` as well; burst hints count as GPU blocks
@@ -104,8 +106,17 @@ class KvroutePolicy(Policy):
         gpu += max(0, view.hint_tokens - view.match_tokens)
         uncached = max(0.0, prompt_tokens - gpu - cpu - storage)
         queue_s = self.queue_delay(view)
-        compute_s = c.prefill_s_per_token * uncached
-        load_s = c.load_s_per_token_cpu * cpu + c.load_s_per_token_storage * storage
+        prefill = view.prefill_s_per_token
+        if prefill is None:
+            prefill = c.prefill_s_per_token
+        load_cpu = view.load_s_per_token_cpu
+        if load_cpu is None:
+            load_cpu = c.load_s_per_token_cpu
+        load_storage = view.load_s_per_token_storage
+        if load_storage is None:
+            load_storage = c.load_s_per_token_storage
+        compute_s = prefill * uncached
+        load_s = load_cpu * cpu + load_storage * storage
         est_ttft_s = queue_s + compute_s + load_s
         # Prefill shares the engine (chunked prefill batches it with the others' steps): the
         # requests already pending there are slowed by about this request's prefill. A spill
@@ -132,7 +143,16 @@ class KvroutePolicy(Policy):
         best = estimates[by_cost[0].name]
         eps = self.cost.tie_epsilon_s
         cost_bound = best.cost_s * (1.0 + self.cost.home_slack) + eps
-        work_bound = best.compute_s + best.load_s + eps
+        # The tie margin is given at the configured rates: where the learned ones are lower
+        # (a fast replica) it shrinks alike, so that a cache hit still counts as more work
+        # saved, whatever a token costs.
+        learned = by_cost[0].prefill_s_per_token
+        prior = self.cost.prefill_s_per_token
+        if learned is not None and prior > 0 and learned < prior:
+            work_eps = eps * learned / prior
+        else:
+            work_eps = eps
+        work_bound = best.compute_s + best.load_s + work_eps
         return [
             v
             for v in by_cost

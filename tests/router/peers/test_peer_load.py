@@ -62,6 +62,17 @@ def test_a_peers_answer_round_trips() -> None:
     body = load_body("router-a", replicas, {"r0": 0, "r1": 125})
     assert body["unstored_blocks"] == {"r1": 125}  # zeros are left out
     assert parse_load(body) == PeerAnswer("router-a", {"r0": 0, "r1": 7}, {"r1": 125}, version, 0)
+    # Queue and rate samples, numbered in one log, in their own lists.
+    log = [("r0", 0.25, None), ("r1", None, (100.0, 0.0, 50.0, 0.5, 1.0)), ("r1", 0.125, None)]
+    body = load_body("router-a", replicas, next_sample=3, samples=log)
+    assert body["samples"] == {
+        "next": 3,
+        "values": [["r0", 0.25], ["r1", 0.125]],
+        "rates": [["r1", 100.0, 0.0, 50.0, 0.5, 1.0]],
+    }
+    answer = parse_load(body)
+    assert answer.samples == [("r0", 0.25), ("r1", 0.125)]
+    assert answer.rate_samples == [("r1", (100.0, 0.0, 50.0, 0.5, 1.0))]
     # An older router's answer has no version: its follower polls it.
     del body["version"]
     assert parse_load(body).version is None
@@ -115,6 +126,17 @@ def test_the_version_changes_with_the_in_flight_counts() -> None:
         {"router": "a", "replicas": {}, "samples": {"next": 1, "values": [["r0", "0.1"]]}},
         {"router": "a", "replicas": {}, "samples": {"next": 1, "values": [[0, 0.1]]}},
         {"router": "a", "replicas": {}, "samples": {"next": 1, "values": [["r0", 0.1]] * 4097}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "rates": {"r0": 1}}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "rates": [["r0", 1, 2, 3, 0.5]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "rates": [["r0", -1, 0, 0, 1, 1]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "rates": [["r0", 1, 0, 0, 1, 0]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "rates": [["r0", 1, 0, 0, 1, 2]]}},
+        {
+            "router": "a",
+            "replicas": {},
+            "samples": {"next": 1, "rates": [["r0", 1, 0, 0, math.inf, 1]]},
+        },
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "rates": [[0, 1, 0, 0, 1, 1]]}},
     ],
 )
 def test_a_malformed_or_forged_answer_is_refused(body: Any) -> None:
@@ -293,6 +315,35 @@ def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
         assert b_queue == pytest.approx(a_queue, rel=0.01)
 
 
+def test_a_peer_learns_the_rates_the_first_router_learned(local_tokenizer: LocalTokenizer) -> None:
+    """Router A (kvroute's cost model) prices each answered stream into a sample of the
+    replica's prefill and load rates; B, following A's load, learns each of them too, so both
+    price the replicas alike."""
+    with (
+        make_fleet(local_tokenizer, n=2, api_keys=[KEY]) as fleet,
+        _peer(fleet, local_tokenizer, peers=[fleet.url], peer_load_interval_s=0.05) as b,
+    ):
+        for i in range(4):
+            body = {"model": "tiny", "prompt": f"question {i} " * (10 + 20 * i), "stream": True}
+            with httpx.stream(
+                "POST", f"{fleet.url}/v1/completions", json=body, headers=AUTH, timeout=30
+            ) as resp:
+                resp.read()
+                assert resp.status_code == 200
+
+        def rates(url: str) -> dict[str, Any]:
+            return {n: r["cost_rates"] for n, r in _stats(url)["replicas"].items()}
+
+        a = rates(fleet.url)
+        assert sum(r["samples"] for r in a.values()) == 4
+        wait_until(lambda: _stats(b.url)["queue_samples"]["from_peers"] >= 4, timeout_s=3)
+        got = rates(b.url)
+        for name, r in a.items():  # the same samples, decayed to a slightly different now
+            assert got[name]["samples"] == r["samples"], (got, a)
+            for key in ("prefill_s_per_token", "load_s_per_token_cpu"):
+                assert got[name][key] == pytest.approx(r[key], rel=0.01), (got, a)
+
+
 def test_without_shared_load_the_peer_is_blind_to_them(local_tokenizer: LocalTokenizer) -> None:
     """The same setup with polling off: what the test above asserts is the peer load's doing."""
     with _slow_pair(local_tokenizer, peer_load_interval_s=0) as (fleet, b):
@@ -430,9 +481,12 @@ def test_a_streamed_answer_comes_at_each_change_and_at_each_heartbeat(
         taken = fleet.service.router.queue_delay.next_sample
         assert taken >= 1
         wait_until(lambda: lines[-1][1]["samples"]["next"] == taken, timeout_s=3)
-        # Each sample on exactly one line: those since the line before.
+        # Each sample on exactly one line: those since the line before (queue samples, and
+        # the rate samples of each answer, numbered in one log).
         values = [v for _, b in lines for v in b["samples"]["values"]]
-        assert len(values) == taken and {name for name, _ in values} == {"r0"}
+        rates = [v for _, b in lines for v in b["samples"].get("rates", [])]
+        assert len(values) + len(rates) == taken and {name for name, _ in values} == {"r0"}
+        assert len(rates) == 2 and {row[0] for row in rates} == {"r0"}
         stopping = time.monotonic()
         fleet.router.stop()
         assert time.monotonic() - stopping < 1.5  # the graceful timeout (2 s) not waited out

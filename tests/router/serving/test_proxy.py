@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from kvroute.bench.sim.latency import LatencyModel
 from kvroute.router.config import CostSettings
 from tests.router.servers import wait_until
 from tests.router.sim_fleet import Fleet, make_fleet
@@ -281,3 +282,41 @@ def test_queue_delay_is_learned_from_streamed_first_bytes(local_tokenizer) -> No
         assert load["r0"]["queue_s_per_request"] > 0.05
         assert load["r1"]["queue_s_per_request"] < 0.02
         assert load["r0"]["queue_s_per_request"] > 5 * load["r1"]["queue_s_per_request"]
+
+
+def test_prefill_rate_is_learned_from_answered_streams(local_tokenizer) -> None:
+    """The replicas prefill at 2e-4 s per uncached token (wall clock); the router's prior is
+    10x too low. Streamed requests, new prompts and returning ones, one at a time: each answer
+    (its first byte, the cached tokens it reports) is a sample, and the rate every replica is
+    priced with ends within 35% of the truth, in /index/stats and /debug/route alike."""
+    latency = LatencyModel(
+        prefill_s_per_token=2e-4,
+        load_cpu_s_per_token=0.0,
+        load_storage_s_per_token=0.0,
+        decode_s_per_step=0.0,
+        decode_s_per_seq=0.0,
+    )
+    cost = CostSettings(prefill_s_per_token=2e-5)
+    with make_fleet(local_tokenizer, latency=latency, cost=cost) as fleet:
+        client = _client(fleet)
+        for i in range(24):
+            words = " ".join(f"w{i % 6}-{k}" for k in range(40 + 30 * (i % 6)))
+            for _chunk in client.completions.create(
+                model="tiny",
+                prompt=words,
+                max_tokens=2,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
+                pass
+        stats = httpx.get(f"{fleet.url}/index/stats").json()
+        rates = {n: e["cost_rates"] for n, e in stats["replicas"].items()}
+        assert sum(r["samples"] for r in rates.values()) == 24
+        for name, r in rates.items():
+            assert r["learned"] and r["samples"] > 0, (name, r)
+            assert 0.65 < r["prefill_s_per_token"] / 2e-4 < 1.35, (name, r)
+        route = httpx.post(
+            f"{fleet.url}/debug/route", json={"model": "tiny", "prompt": "a new prompt"}
+        ).json()
+        shown = {v["name"]: v["prefill_s_per_token"] for v in route["replicas"]}
+        assert all(0.65 < v / 2e-4 < 1.35 for v in shown.values()), shown

@@ -1,0 +1,321 @@
+"""Prefill and load rates learned per replica, from the first bytes the router already sees.
+
+The cost model prices a request's work on a replica as ``prefill_s_per_token x uncached +
+load_s_per_token_cpu x cpu_tokens + load_s_per_token_storage x storage_tokens``. Those rates
+are right for one model on one kind of machine and wrong by an order of magnitude elsewhere
+(a 70B model on H100s, an 8B on L4s, a CPU replica, NVMe vs a network file system); peers
+hand-set their tier weights too. A wrong rate misprices every choice the cost model makes:
+too high a prefill rate keeps a returning user behind a long queue on the replica with
+their history; too low a one scatters histories to whichever replica is least loaded.
+
+So each replica's rates are learned online from each answered, streamed request: the router
+knows the prompt's length, the tokens its index predicted in each tier, the cached tokens
+the replica reported (``usage...cached_tokens``: what it really served from cache), the
+queue it sent the request into (and the queue delay its model priced), and when the first
+byte came back. One sample is
+
+    first_byte_s - priced_queue_s  =  overhead + p x uncached + c x cpu + s x storage
+
+with ``uncached = prompt - delivered`` and the predicted tier split trimmed to what was
+delivered (a shortfall is taken from the slowest tier first: storage, then CPU). Requests
+sent into a longer queue carry more noise (their wait is itself an estimate) and weigh less:
+``1 / (1 + pending)``.
+
+The estimate is a weighted least-squares fit, regularised towards the configured rates (the
+priors) with the strength of ``prior_samples`` typical samples, and with the data's weight
+halving every ``half_life_s``: without samples an estimate relaxes back to the priors, as
+the queue model's does. A sample far off the current fit (more than ``outlier_k`` mean
+absolute residuals) is clipped to that bound before it counts, so a stalled request or a
+replica's cold start cannot drag the rates. A replica with few samples of its own borrows its
+pool's (the replicas serving the same model): its own data counts fully, the pool's with
+weight ``pool_samples / (pool_samples + own samples)``.
+
+Rates are clamped to [prior / ``max_ratio``, prior x ``max_ratio``]: a rate can move by
+orders of magnitude, never to zero or to infinity.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["CalibrationSample", "LearnedRates", "Rates"]
+
+_N = 4  # overhead, prefill, load from CPU, load from storage
+_NAMES = ("overhead_s", "prefill_s_per_token", "load_s_per_token_cpu", "load_s_per_token_storage")
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """What the cost model reads for one replica."""
+
+    prefill_s_per_token: float
+    load_s_per_token_cpu: float
+    load_s_per_token_storage: float
+    overhead_s: float = 0.0
+    samples: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSample:
+    """One answered request: its work per tier (tokens), and the time that work took."""
+
+    uncached: float
+    cpu: float
+    storage: float
+    seconds: float  # first byte minus the queue delay the model priced
+    weight: float = 1.0
+
+    @classmethod
+    def from_request(
+        cls,
+        *,
+        prompt_tokens: int,
+        gpu: float,
+        cpu: float,
+        storage: float,
+        delivered: int | None,
+        first_byte_s: float,
+        queue_s: float,
+        pending: float,
+    ) -> CalibrationSample | None:
+        """The sample of a request the index predicted ``gpu``/``cpu``/``storage`` cached
+        tokens for, of which the replica reported ``delivered`` (None: not reported; the
+        prediction is believed). None when it says nothing (no time, no prompt)."""
+        if prompt_tokens <= 0 or not math.isfinite(first_byte_s) or first_byte_s <= 0:
+            return None
+        gpu, cpu, storage = max(0.0, gpu), max(0.0, cpu), max(0.0, storage)
+        if delivered is not None:
+            delivered = min(max(0, delivered), prompt_tokens)
+            short = gpu + cpu + storage - delivered
+            if short > 0:  # taken from the slowest tier first
+                for_storage = min(storage, short)
+                storage -= for_storage
+                short -= for_storage
+                for_cpu = min(cpu, short)
+                cpu -= for_cpu
+                gpu -= short - for_cpu
+            else:  # served more than predicted: from the device (where a miss lands)
+                gpu -= short
+            cached = delivered
+        else:
+            cached = min(float(prompt_tokens), gpu + cpu + storage)
+        uncached = max(0.0, prompt_tokens - cached)
+        seconds = first_byte_s - max(0.0, queue_s)
+        return cls(uncached, cpu, storage, seconds, 1.0 / (1.0 + max(0.0, pending)))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, self.uncached, self.cpu, self.storage)
+
+
+@dataclass(slots=True)
+class _Fit:
+    """Decayed sufficient statistics of a weighted least-squares fit."""
+
+    a: list[list[float]] = field(default_factory=lambda: [[0.0] * _N for _ in range(_N)])
+    b: list[float] = field(default_factory=lambda: [0.0] * _N)
+    # decayed mean of each feature squared (the scale the prior's strength is given in)
+    x2: list[float] = field(default_factory=lambda: [0.0] * _N)
+    weight: float = 0.0
+    samples: int = 0
+    abs_residual: float = 0.0  # decayed mean absolute residual (the outlier bound's unit)
+    at: float = 0.0
+
+    def decay(self, now: float, half_life_s: float) -> None:
+        if now <= self.at:
+            return
+        keep = math.exp(-math.log(2.0) * (now - self.at) / half_life_s)
+        self.at = now
+        if keep >= 1.0:
+            return
+        for row in self.a:
+            for j in range(_N):
+                row[j] *= keep
+        for j in range(_N):
+            self.b[j] *= keep
+        self.weight *= keep
+
+    def add(self, x: tuple[float, ...], y: float, w: float) -> None:
+        a, b, x2 = self.a, self.b, self.x2
+        for i in range(_N):
+            wx = w * x[i]
+            b[i] += wx * y
+            row = a[i]
+            for j in range(_N):
+                row[j] += wx * x[j]
+        self.weight += w
+        self.samples += 1
+        rate = 1.0 / min(self.samples, 50)
+        for i in range(_N):
+            x2[i] += rate * (x[i] * x[i] - x2[i])
+
+
+class LearnedRates:
+    """Per replica prefill and load rates: prior, learned fit, relaxation to the prior."""
+
+    def __init__(
+        self,
+        prior: Rates,
+        *,
+        half_life_s: float = 300.0,
+        prior_samples: float = 0.5,
+        pool_samples: float = 32.0,
+        outlier_k: float = 4.0,
+        max_ratio: float = 100.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if half_life_s <= 0 or prior_samples <= 0 or pool_samples < 0:
+            raise ValueError("need half_life_s > 0, prior_samples > 0, pool_samples >= 0")
+        if outlier_k <= 0 or max_ratio < 1:
+            raise ValueError("need outlier_k > 0 and max_ratio >= 1")
+        self.prior = prior
+        self.half_life_s = half_life_s
+        self.prior_samples = prior_samples
+        self.pool_samples = pool_samples
+        self.outlier_k = outlier_k
+        self.max_ratio = max_ratio
+        self._clock = clock
+        self._theta0 = (
+            prior.overhead_s,
+            prior.prefill_s_per_token,
+            prior.load_s_per_token_cpu,
+            prior.load_s_per_token_storage,
+        )
+        self._fits: dict[str, _Fit] = {}
+        self._pool_of: dict[str, str] = {}
+        self._pools: dict[str, _Fit] = {}
+        self._cache: dict[str, tuple[Rates, float]] = {}
+        self.outliers = 0
+        self.shared_applied = 0  # samples taken from peer routers
+
+    # --- learning ----------------------------------------------------------------------------
+
+    def observe(self, replica: str, sample: CalibrationSample, pool: str = "") -> None:
+        """One answered request on ``replica`` (of ``pool``: the replicas that serve the
+        same model on the same hardware, whose samples it may borrow)."""
+        if not math.isfinite(sample.seconds) or sample.weight <= 0:
+            return
+        now = self._clock()
+        self._pool_of[replica] = pool
+        fit = self._fits.get(replica)
+        if fit is None:
+            fit = self._fits[replica] = _Fit(at=now)
+        pooled = self._pools.get(pool)
+        if pooled is None:
+            pooled = self._pools[pool] = _Fit(at=now)
+        x = sample.features()
+        predicted = sum(t * xi for t, xi in zip(self._solve(replica, now), x, strict=True))
+        y, w = sample.seconds, sample.weight
+        residual = abs(y - predicted)
+        bound = self.outlier_k * fit.abs_residual
+        if fit.samples >= 8 and bound > 0 and residual > bound:
+            # Huber's weight: beyond the bound a sample's pull no longer grows with its error
+            self.outliers += 1
+            w *= bound / residual
+        fit.abs_residual += (min(residual, bound or residual) - fit.abs_residual) / min(
+            fit.samples + 1, 20
+        )
+        for f in (fit, pooled):
+            f.decay(now, self.half_life_s)
+            f.add(x, y, w)
+        self._cache.clear()  # its pool's replicas read it too
+
+    def forget(self, replica: str) -> None:
+        self._fits.pop(replica, None)
+        self._pool_of.pop(replica, None)
+        self._cache.pop(replica, None)
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def rates(self, replica: str, pool: str | None = None) -> Rates:
+        """The rates to price ``replica`` (of ``pool``, when it has no sample of its own yet)
+        with: the prior until it or its pool has samples. Solved at most once a second per
+        replica between samples (the decay is slow; a decision must not pay for it)."""
+        now = self._clock()
+        cached = self._cache.get(replica)
+        if cached is not None and now - cached[1] < 1.0:
+            return cached[0]
+        pool = self._pool_of.get(replica, pool)
+        if replica not in self._fits and (pool is None or pool not in self._pools):
+            return self.prior
+        fit = self._fits.get(replica)
+        theta = self._solve(replica, now, pool)
+        rates = Rates(theta[1], theta[2], theta[3], theta[0], fit.samples if fit is not None else 0)
+        self._cache[replica] = (rates, now)
+        return rates
+
+    def _solve(self, replica: str, now: float, pool: str | None = None) -> tuple[float, ...]:
+        fit = self._fits.get(replica)
+        pooled = self._pools.get(self._pool_of.get(replica, pool or ""))
+        n = _N
+        a = [[0.0] * n for _ in range(n)]
+        b = [0.0] * n
+        own = fit.samples if fit is not None else 0
+        share = self.pool_samples / (self.pool_samples + own) if self.pool_samples else 0.0
+        scale = [0.0] * n
+        for f, w in ((fit, 1.0), (pooled, share)):
+            if f is None or w == 0.0:
+                continue
+            # the statistics as of now (decay without mutating: reading must not write)
+            keep = math.exp(-math.log(2.0) * max(0.0, now - f.at) / self.half_life_s) * w
+            for i in range(n):
+                b[i] += keep * f.b[i]
+                for j in range(n):
+                    a[i][j] += keep * f.a[i][j]
+                scale[i] = max(scale[i], f.x2[i])
+        # The prior: ``prior_samples`` samples' worth of each feature's typical size, pulling
+        # each rate to the configured one; a feature never seen keeps its prior exactly.
+        for i in range(n):
+            strength = self.prior_samples * (scale[i] if scale[i] > 0 else 1.0)
+            a[i][i] += strength
+            b[i] += strength * self._theta0[i]
+        # Solved in units of each feature's typical size: tokens and the constant differ by
+        # orders of magnitude, and the system is better conditioned scaled.
+        unit = [math.sqrt(v) if v > 0 else 1.0 for v in scale]
+        a = [[a[i][j] / (unit[i] * unit[j]) for j in range(n)] for i in range(n)]
+        scaled = _solve_linear(a, [b[i] / unit[i] for i in range(n)])
+        if scaled is None:
+            return self._theta0
+        theta = [scaled[i] / unit[i] for i in range(n)]
+        out = [max(0.0, theta[0])]
+        for i in range(1, n):
+            prior = self._theta0[i]
+            lo, hi = prior / self.max_ratio, prior * self.max_ratio
+            out.append(min(hi, max(lo, theta[i])) if prior > 0 else max(0.0, theta[i]))
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, dict[str, float | int]]:
+        """Per replica: the learned rates and their sample counts (/debug/route, stats)."""
+        out: dict[str, dict[str, float | int]] = {}
+        for name in self._fits:
+            r = self.rates(name)
+            out[name] = {
+                "prefill_s_per_token": float(f"{r.prefill_s_per_token:.4g}"),
+                "load_s_per_token_cpu": float(f"{r.load_s_per_token_cpu:.4g}"),
+                "load_s_per_token_storage": float(f"{r.load_s_per_token_storage:.4g}"),
+                "overhead_s": round(r.overhead_s, 6),
+                "samples": r.samples,
+            }
+        return out
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting (a 4x4 system: no numpy on this path)."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        p = m[col][col]
+        for r in range(col + 1, n):
+            f = m[r][col] / p
+            if f:
+                m[r] = [vr - f * vc for vr, vc in zip(m[r], m[col], strict=True)]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x if all(math.isfinite(v) for v in x) else None

@@ -1,0 +1,153 @@
+"""The prefill and load rates learned per replica (router/routing/calibration.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.router.routing.calibration import CalibrationSample, LearnedRates, Rates
+from tests.router.manual_clock import ManualClock
+
+TRUE = (0.005, 6e-5, 5e-6, 2.5e-5)  # overhead, prefill, load from CPU, from storage
+
+
+def _prior(scale: float) -> Rates:
+    return Rates(TRUE[1] * scale, TRUE[2] * scale, TRUE[3] * scale)
+
+
+def _samples(n: int, seed: int = 1, noise: float = 0.0, outliers: float = 0.0):
+    rnd = random.Random(seed)
+    for _ in range(n):
+        u = rnd.randint(0, 4000)
+        c = rnd.choice([0, rnd.randint(0, 8000)])
+        s = rnd.choice([0, 0, rnd.randint(0, 8000)])
+        y = TRUE[0] + TRUE[1] * u + TRUE[2] * c + TRUE[3] * s
+        if noise:
+            y *= rnd.lognormvariate(0.0, noise)
+        if rnd.random() < outliers:
+            y *= 20  # a stalled request
+        yield CalibrationSample(u, c, s, y)
+
+
+def _ratios(r: Rates) -> list[float]:
+    got = (r.prefill_s_per_token, r.load_s_per_token_cpu, r.load_s_per_token_storage)
+    return [g / t for g, t in zip(got, TRUE[1:], strict=True)]
+
+
+@pytest.mark.parametrize("scale", [10.0, 0.1])
+def test_priors_ten_times_off_are_learned_within_a_few_hundred_requests(scale: float) -> None:
+    clock = ManualClock()
+    rates = LearnedRates(_prior(scale), clock=clock)
+    assert rates.rates("r") == _prior(scale)  # the prior until a sample
+    for sample in _samples(300, noise=0.1):
+        clock.t += 0.2
+        rates.observe("r", sample)
+    learned = rates.rates("r")
+    assert learned.samples == 300
+    assert all(0.9 < x < 1.1 for x in _ratios(learned)), _ratios(learned)
+
+
+def test_outliers_are_clipped_not_averaged_in() -> None:
+    clock = ManualClock()
+    robust = LearnedRates(_prior(1.0), clock=clock)
+    naive = LearnedRates(_prior(1.0), clock=clock, outlier_k=1e12)
+    for sample in _samples(300, noise=0.1, outliers=0.05):
+        clock.t += 0.2
+        robust.observe("r", sample)
+        naive.observe("r", sample)
+    assert robust.outliers > 5
+    assert all(0.75 < x < 1.25 for x in _ratios(robust.rates("r"))), _ratios(robust.rates("r"))
+    # the same samples without the bound: the stalls drag the rates far off
+    assert max(abs(x - 1) for x in _ratios(naive.rates("r"))) > 0.3
+
+
+def test_without_samples_the_rates_relax_to_the_prior() -> None:
+    clock = ManualClock()
+    rates = LearnedRates(_prior(10.0), half_life_s=60.0, clock=clock)
+    for sample in _samples(200):
+        rates.observe("r", sample)
+    assert _ratios(rates.rates("r"))[0] < 1.2
+    clock.t += 60.0 * 30  # thirty half-lives
+    assert _ratios(rates.rates("r"))[0] == pytest.approx(10.0, rel=0.01)
+
+
+def test_a_replica_without_samples_borrows_its_pool_and_no_other() -> None:
+    clock = ManualClock()
+    rates = LearnedRates(_prior(10.0), clock=clock)
+    for sample in _samples(200):
+        rates.observe("a", sample, pool="8b-h100")
+    rates.observe("b", next(_samples(1, seed=9)), pool="8b-h100")
+    rates.observe("c", next(_samples(1, seed=9)), pool="70b-l4")
+    assert _ratios(rates.rates("b"))[0] < 1.5  # mostly its pool's fit
+    assert _ratios(rates.rates("c"))[0] > 5  # one sample of its own, nothing to borrow
+    assert rates.rates("never-seen") == _prior(10.0)
+
+
+def test_rates_stay_within_the_bound_and_garbage_is_ignored() -> None:
+    clock = ManualClock()
+    rates = LearnedRates(_prior(1.0), max_ratio=10.0, clock=clock)
+    for _ in range(100):
+        rates.observe("r", CalibrationSample(1000, 0, 0, 1e6))  # absurdly slow
+        rates.observe("r", CalibrationSample(1000, 0, 0, float("nan")))
+        rates.observe("r", CalibrationSample(1000, 0, 0, 1.0, weight=0.0))
+    learned = rates.rates("r")
+    assert learned.samples == 100
+    assert learned.prefill_s_per_token == pytest.approx(TRUE[1] * 10)
+    rates.forget("r")
+    assert rates.rates("r") == _prior(1.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"half_life_s": 0}, {"prior_samples": 0}, {"outlier_k": 0}, {"max_ratio": 0.5}],
+)
+def test_bad_settings_are_refused(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        LearnedRates(_prior(1.0), **kw)
+
+
+def test_a_sample_trims_the_prediction_to_what_the_replica_served() -> None:
+    """A shortfall is taken from the slowest tier first; more than predicted was a device hit;
+    unreported: the prediction is believed."""
+    kw = dict(prompt_tokens=1000, gpu=200, cpu=300, storage=400, first_byte_s=1.0, queue_s=0.25)
+    short = CalibrationSample.from_request(delivered=600, pending=1, **kw)
+    assert short is not None
+    assert (short.uncached, short.cpu, short.storage) == (400, 300, 100)
+    assert short.seconds == 0.75 and short.weight == 0.5
+    shorter = CalibrationSample.from_request(delivered=100, pending=0, **kw)
+    assert shorter is not None and (shorter.uncached, shorter.cpu, shorter.storage) == (900, 0, 0)
+    more = CalibrationSample.from_request(delivered=950, pending=0, **kw)
+    assert more is not None and (more.uncached, more.cpu, more.storage) == (50, 300, 400)
+    unreported = CalibrationSample.from_request(delivered=None, pending=0, **kw)
+    assert unreported is not None and unreported.uncached == 100
+    assert (
+        CalibrationSample.from_request(delivered=None, pending=0, **{**kw, "prompt_tokens": 0})
+        is None
+    )
+    assert (
+        CalibrationSample.from_request(delivered=None, pending=0, **{**kw, "first_byte_s": 0})
+        is None
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 1e5), st.floats(0, 1e5), st.floats(0, 1e5), st.floats(-10, 1e3)),
+        max_size=60,
+    )
+)
+def test_any_samples_give_finite_rates_within_the_bound(raw: list) -> None:
+    clock = ManualClock()
+    prior = _prior(1.0)
+    rates = LearnedRates(prior, max_ratio=100.0, clock=clock)
+    for u, c, s, y in raw:
+        clock.t += 1.0
+        rates.observe("r", CalibrationSample(u, c, s, y))
+    r = rates.rates("r")
+    for got, p in zip(_ratios(r), (1.0, 1.0, 1.0), strict=True):
+        assert 1 / 100 - 1e-12 <= got / p <= 100 + 1e-9
+    assert r.overhead_s >= 0
