@@ -129,8 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PORT",
         help="also serve as a Gateway API Inference Extension endpoint picker: Envoy's "
-        "ext_proc gRPC on this port of --host (plaintext, or TLS with --epp-tls-cert and "
-        "--epp-tls-key), for an InferencePool's "
+        "ext_proc gRPC on this port of --host (TLS: --epp-tls-cert and --epp-tls-key, "
+        "else a self-signed certificate made at start; --epp-plaintext for none), for an "
+        "InferencePool's "
         "endpointPickerRef; the gateway forwards the traffic. Meant for the gateway only "
         "(restrict it with a NetworkPolicy); with --api-key each request's Authorization "
         "is checked like on HTTP. Needs the xds-protos package. Default: off",
@@ -142,6 +143,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Inference Extension's own picker does by default; with --epp-tls-key",
     )
     server.add_argument("--epp-tls-key", metavar="PEM", help="the --epp-tls-cert's private key")
+    server.add_argument(
+        "--epp-plaintext",
+        action="store_true",
+        help="serve the endpoint picker without TLS (default: TLS, self-signed when no "
+        "--epp-tls-cert is given, which the gateways' generated picker clusters accept)",
+    )
+    server.add_argument(
+        "--epp-fallbacks",
+        type=int,
+        default=d.epp_fallbacks,
+        metavar="N",
+        help="name up to N further-ranked replicas after the pick in "
+        "x-gateway-destination-endpoint, for the gateway to retry on (Endpoint Picker "
+        "Protocol v0.4; an Inference Extension gateway reads the list). Default: 0, the "
+        "pick alone (a hand-written Envoy ORIGINAL_DST cluster wants one address)",
+    )
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")
     keys = parser.add_argument_group(
@@ -442,6 +459,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         epp_port=args.epp_port,
         epp_tls_cert=args.epp_tls_cert,
         epp_tls_key=args.epp_tls_key,
+        epp_plaintext=args.epp_plaintext,
+        epp_fallbacks=args.epp_fallbacks,
         connect_timeout_s=args.connect_timeout_s,
         read_timeout_s=args.read_timeout_s,
         max_attempts=args.max_attempts,

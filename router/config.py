@@ -277,9 +277,16 @@ class RouterSettings:
     # The Gateway API Inference Extension endpoint picker (router/epp/): Envoy's ext_proc
     # gRPC protocol on this port of ``host``, in the HTTP app's process and loop (None: off).
     epp_port: int | None = None
-    # Serve it over TLS with this certificate chain and key (PEM files); None: plaintext.
+    # Serve it over TLS with this certificate chain and key (PEM files); None: a self-signed
+    # certificate made at start (the gateways' generated picker clusters dial TLS without
+    # verifying, as they do for the Inference Extension's own picker).
     epp_tls_cert: str | None = None
     epp_tls_key: str | None = None
+    # Plaintext gRPC instead, only when asked (a hand-written Envoy with a plain cluster).
+    epp_plaintext: bool = False
+    # Fallback endpoints after the primary in the destination (protocol v0.4): the gateway
+    # retries down the list. 0: the primary only (what a hand-written ORIGINAL_DST expects).
+    epp_fallbacks: int = 0
     # Proxying
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
@@ -440,6 +447,17 @@ class RouterSettings:
             raise ConfigError("epp_tls_cert and epp_tls_key go together (--epp-tls-cert/-key)")
         if self.epp_tls_cert is not None and self.epp_port is None:
             raise ConfigError("epp_tls_cert needs epp_port (--epp-port)")
+        if self.epp_tls_cert is not None and self.epp_plaintext:
+            raise ConfigError(
+                "epp_plaintext and epp_tls_cert contradict each other (--epp-plaintext, "
+                "--epp-tls-cert): choose one"
+            )
+        if (
+            isinstance(self.epp_fallbacks, bool)
+            or not isinstance(self.epp_fallbacks, int)
+            or not 0 <= self.epp_fallbacks <= 8
+        ):
+            raise ConfigError("epp_fallbacks must be an integer in [0, 8] (--epp-fallbacks)")
         for peer in self.peers:
             parts = urlsplit(peer)
             if parts.scheme not in ("http", "https") or not parts.netloc:
