@@ -347,7 +347,24 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
         "--inference-pool",
         metavar="NAME",
         help="read the selector and target port(s) from this InferencePool (Gateway API "
-        "Inference Extension, v1 or v1alpha2)",
+        "Inference Extension, inference.networking.k8s.io/v1); its target ports decide the "
+        "replicas' HTTP ports (a kvroute.io/http-port annotation is ignored)",
+    )
+    k8s.add_argument(
+        "--pod-events-port",
+        type=_port_or_none,
+        default=5557,
+        metavar="PORT|none",
+        help="where pods without a kvroute.io/events-port annotation publish KV events "
+        "(default 5557, vLLM's; an llm-d pool's pods: 5556)",
+    )
+    k8s.add_argument(
+        "--pod-replay-port",
+        type=_port_or_none,
+        default=5558,
+        metavar="PORT|none",
+        help="their replay socket, without a kvroute.io/replay-port annotation (default "
+        "5558; none for publishers without one, as an llm-d pool's pods)",
     )
     k8s.add_argument("--namespace", help="default: the kubeconfig's, or this pod's own")
     k8s.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
@@ -381,7 +398,18 @@ def discovery_from_args(args: argparse.Namespace) -> K8sDiscoverySettings | None
         kubeconfig=args.kubeconfig,
         relist_interval_s=args.relist_interval_s,
         peer_selector=parse_selector(args.peer_selector) if args.peer_selector else {},
+        pod_events_port=args.pod_events_port,
+        pod_replay_port=args.pod_replay_port,
     )
+
+
+def _port_or_none(value: str) -> int | None:
+    """``--pod-events-port``/``--pod-replay-port``: a port, or ``none``."""
+    if value.strip().lower() == "none":
+        return None
+    if not value.strip().isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: a port 1-65535 or none")
+    return int(value)
 
 
 def _key_file(path: str, flag: str) -> str:

@@ -234,8 +234,18 @@ class K8sDiscoverySettings:
     relist_interval_s: float = 60.0
     watch_timeout_s: int = 300
     peer_selector: dict[str, str] = field(default_factory=dict)
+    # Where pods without port annotations publish (k8s_pods.PodPorts): vLLM's defaults; an
+    # llm-d pool's pods publish on 5556 with no replay socket. None: no feed / no replay.
+    pod_events_port: int | None = 5557
+    pod_replay_port: int | None = 5558
 
     def __post_init__(self) -> None:
+        for name in ("pod_events_port", "pod_replay_port"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535
+            ):
+                raise ConfigError(f"{name} must be a port in [1, 65535] or None")
         if bool(self.selector) == bool(self.inference_pool):
             raise ConfigError("--discover k8s needs exactly one of --selector, --inference-pool")
         if self.relist_interval_s <= 0 or self.watch_timeout_s < 1:

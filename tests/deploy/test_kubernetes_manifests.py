@@ -188,7 +188,6 @@ def test_router_deployment_service_pdb_and_rbac_are_wired(overlay: str) -> None:
     for verb in ("get", "list", "watch"):
         assert ("", "pods", verb) in granted
         assert ("inference.networking.k8s.io", "inferencepools", verb) in granted
-        assert ("inference.networking.x-k8s.io", "inferencepools", verb) in granted
     assert {v for _, _, v in granted} == {"get", "list", "watch"}  # read-only
 
 

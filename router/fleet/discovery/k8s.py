@@ -35,17 +35,16 @@ from collections.abc import Callable
 from typing import Any
 
 from kvroute.router.config import ConfigError, K8sDiscoverySettings, ReplicaConfig
-from kvroute.router.fleet.discovery.k8s_pods import fleet_from_pods, peer_urls
+from kvroute.router.fleet.discovery.k8s_pods import PodPorts, fleet_from_pods, peer_urls
 
 __all__ = ["KubernetesDiscovery", "load_kube_config"]
 
 log = logging.getLogger(__name__)
 
-# InferencePool (Gateway API Inference Extension): v1, and the older alpha still deployed.
-POOL_VERSIONS = (
-    ("inference.networking.k8s.io", "v1"),
-    ("inference.networking.x-k8s.io", "v1alpha2"),
-)
+# InferencePool (Gateway API Inference Extension): v1 only. The v1alpha2 API
+# (inference.networking.x-k8s.io) has not shipped since GIE v1.5; reading it would only hide
+# a missing v1 pool behind a second 404.
+POOL_GROUP, POOL_VERSION = "inference.networking.k8s.io", "v1"
 MAX_BACKOFF_S = 10.0
 
 
@@ -62,18 +61,17 @@ def load_kube_config(path: str | None) -> Any:
 
 
 def pool_spec(pool: dict[str, Any]) -> tuple[dict[str, str], list[int]]:
-    """An InferencePool's (selector labels, target ports), v1 or v1alpha2."""
+    """An InferencePool's (selector labels, target ports), v1: ``spec.selector.matchLabels``
+    and ``spec.targetPorts[].number``."""
     spec = pool.get("spec") or {}
-    selector = spec.get("selector") or {}
-    labels = selector.get("matchLabels") if "matchLabels" in selector else selector
+    labels = (spec.get("selector") or {}).get("matchLabels")
     if not isinstance(labels, dict) or not labels:
-        raise ConfigError("InferencePool has no spec.selector labels")
-    if spec.get("targetPorts"):
-        ports = [int(p["number"]) for p in spec["targetPorts"]]
-    elif spec.get("targetPortNumber"):
-        ports = [int(spec["targetPortNumber"])]
-    else:
-        raise ConfigError("InferencePool has no spec.targetPorts / targetPortNumber")
+        raise ConfigError("InferencePool has no spec.selector.matchLabels")
+    if not spec.get("targetPorts"):
+        raise ConfigError("InferencePool has no spec.targetPorts")
+    ports = [int(p["number"]) for p in spec["targetPorts"]]
+    if len(set(ports)) != len(ports):
+        raise ConfigError(f"InferencePool spec.targetPorts repeats a port: {ports}")
     return {str(k): str(v) for k, v in labels.items()}, ports
 
 
@@ -124,6 +122,7 @@ class KubernetesDiscovery:
         self._pods: dict[str, dict[str, Any]] = {}  # name -> pod (the API's JSON)
         self._applied: list[ReplicaConfig] | None = None
         self._bad: dict[str, str] = {}
+        self._notes: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         # status
         self.resource_version: str | None = None
@@ -186,30 +185,29 @@ class KubernetesDiscovery:
 
     # --- list -------------------------------------------------------------------------------
 
-    def _pool_resource(self, group: str, version: str) -> Any:
+    def _pool_resource(self) -> Any:
         from lightkube.generic_resource import create_namespaced_resource
 
-        return create_namespaced_resource(group, version, "InferencePool", "inferencepools")
+        return create_namespaced_resource(
+            POOL_GROUP, POOL_VERSION, "InferencePool", "inferencepools"
+        )
 
     async def _read_pool(self) -> None:
         from lightkube import ApiError
 
         name = self.settings.inference_pool
         assert name is not None
-        missing = []
-        for group, version in POOL_VERSIONS:
-            try:
-                pool = await self.client.get(
-                    self._pool_resource(group, version), name, namespace=self.namespace
-                )
-            except ApiError as exc:
-                if exc.status.code != 404:
-                    raise
-                missing.append(f"{group}/{version}")
-                continue
-            self.selector, self.target_ports = pool_spec(pool.to_dict())
-            return
-        raise ConfigError(f"InferencePool {self.namespace}/{name} not found ({missing})")
+        try:
+            pool = await self.client.get(self._pool_resource(), name, namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
+            raise ConfigError(
+                f"InferencePool {self.namespace}/{name} not found in {POOL_GROUP}/{POOL_VERSION} "
+                "(the v1alpha2 API, inference.networking.x-k8s.io, is not read: it has not "
+                "shipped since the Inference Extension's v1.5)"
+            ) from None
+        self.selector, self.target_ports = pool_spec(pool.to_dict())
 
     async def relist(self) -> None:
         """List the pods, replace what we hold with the list (deletes missed by a watch show
@@ -246,12 +244,16 @@ class KubernetesDiscovery:
             self.on_peers(peers)
 
     def _apply(self) -> None:
-        fleet = fleet_from_pods(self._pods.values(), self.target_ports)
+        defaults = PodPorts(self.settings.pod_events_port, self.settings.pod_replay_port)
+        fleet = fleet_from_pods(self._pods.values(), self.target_ports, defaults)
         self.pods_seen, self.pods_ready = fleet.pods_seen, fleet.pods_ready
         for pod, why in fleet.errors.items():
             if self._bad.get(pod) != why:  # once per distinct problem, not at every event
                 log.error("discovery: pod skipped: %s", why)
-        self._bad = fleet.errors
+        for pod, what in fleet.notes.items():
+            if self._notes.get(pod) != what:
+                log.warning("discovery: pod %s: %s", pod, what)
+        self._bad, self._notes = fleet.errors, fleet.notes
         if fleet.replicas != self._applied:
             self._applied = fleet.replicas
             self.apply(list(fleet.replicas))
@@ -353,6 +355,7 @@ class KubernetesDiscovery:
             "pods_ready": self.pods_ready,
             "replicas": [r.key for r in self._applied or []],
             "bad_pods": dict(self._bad),
+            "pod_notes": dict(self._notes),
             "peers": list(self.peers),
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
