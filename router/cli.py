@@ -375,6 +375,15 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
         help="re-list the pods this often even when the watch looks healthy (stale watches)",
     )
     k8s.add_argument(
+        "--deletion-cost-interval-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every S seconds, set controller.kubernetes.io/pod-deletion-cost on each replica "
+        "pod to what losing it would cost (recompute of the prefixes only it holds), so a "
+        "scale-down removes the cheapest; needs patch on pods (RBAC). Default: off",
+    )
+    k8s.add_argument(
         "--peer-selector",
         metavar="KEY=VALUE[,...]",
         help="labels of this router's peer router pods (warm start from their index)",
@@ -399,6 +408,7 @@ def discovery_from_args(args: argparse.Namespace) -> K8sDiscoverySettings | None
         relist_interval_s=args.relist_interval_s,
         peer_selector=parse_selector(args.peer_selector) if args.peer_selector else {},
         pod_events_port=args.pod_events_port,
+        deletion_cost_interval_s=args.deletion_cost_interval_s,
         pod_replay_port=args.pod_replay_port,
     )
 

@@ -238,6 +238,10 @@ class K8sDiscoverySettings:
     # llm-d pool's pods publish on 5556 with no replay socket. None: no feed / no replay.
     pod_events_port: int | None = 5557
     pod_replay_port: int | None = 5558
+    # Scale-in that keeps the cache (router/fleet/discovery/deletion_cost.py): every this
+    # many seconds, set controller.kubernetes.io/pod-deletion-cost on the replica pods.
+    # None: off (the routers then need no write access to pods).
+    deletion_cost_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("pod_events_port", "pod_replay_port"):
@@ -246,6 +250,8 @@ class K8sDiscoverySettings:
                 isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535
             ):
                 raise ConfigError(f"{name} must be a port in [1, 65535] or None")
+        if self.deletion_cost_interval_s is not None and not self.deletion_cost_interval_s >= 1:
+            raise ConfigError("deletion_cost_interval_s must be >= 1 (--deletion-cost-interval-s)")
         if bool(self.selector) == bool(self.inference_pool):
             raise ConfigError("--discover k8s needs exactly one of --selector, --inference-pool")
         if self.relist_interval_s <= 0 or self.watch_timeout_s < 1:

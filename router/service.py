@@ -27,6 +27,7 @@ from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, 
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.errors import RouterError
+from kvroute.router.fleet.discovery.deletion_cost import costs_from_index
 from kvroute.router.fleet.discovery.file import ReplicasFileWatcher
 from kvroute.router.fleet.discovery.k8s import KubernetesDiscovery
 from kvroute.router.fleet.dp import DataParallelDiscovery, static_targets
@@ -141,6 +142,7 @@ class RouterService:
                 self.sync_replicas,
                 router_port=settings.port,
                 on_peers=self._set_discovered_peers,
+                costs=lambda pods: costs_from_index(self.index, settings.cost, pods),
             )
         self._flag_names = {r.key for r in settings.replicas}
         # A configured replica's routing targets: itself, or its data-parallel ranks.

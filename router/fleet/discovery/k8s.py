@@ -34,7 +34,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ConfigError, K8sDiscoverySettings, ReplicaConfig
+from kvroute.router.fleet.discovery.deletion_cost import ANNOTATION, DeletionCosts
 from kvroute.router.fleet.discovery.k8s_pods import PodPorts, fleet_from_pods, peer_urls
 
 __all__ = ["KubernetesDiscovery", "load_kube_config"]
@@ -108,6 +110,7 @@ class KubernetesDiscovery:
         router_port: int = 8000,
         on_peers: Callable[[list[str]], None] | None = None,
         config: Any = None,
+        costs: Callable[[list[str]], dict[str, int]] | None = None,
     ) -> None:
         self.settings = settings
         self.apply = apply
@@ -124,6 +127,14 @@ class KubernetesDiscovery:
         self._bad: dict[str, str] = {}
         self._notes: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
+        # Deletion costs (deletion_cost.py): ``costs`` gives them, every interval, when on.
+        self.deletion_costs: DeletionCosts | None = None
+        self._costs_task: PeriodicTask | None = None
+        if costs is not None and settings.deletion_cost_interval_s is not None:
+            self.deletion_costs = DeletionCosts(costs, self.patch_deletion_cost)
+            self._costs_task = PeriodicTask(
+                "kvroute-deletion-cost", settings.deletion_cost_interval_s, self.cost_round
+            )
         # status
         self.resource_version: str | None = None
         self.last_list_at: float | None = None
@@ -173,8 +184,12 @@ class KubernetesDiscovery:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvroute-k8s-discovery")
+        if self._costs_task is not None:
+            self._costs_task.start()
 
     async def stop(self) -> None:
+        if self._costs_task is not None:
+            await self._costs_task.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -257,6 +272,29 @@ class KubernetesDiscovery:
         if fleet.replicas != self._applied:
             self._applied = fleet.replicas
             self.apply(list(fleet.replicas))
+
+    # --- deletion costs ---------------------------------------------------------------------
+
+    async def cost_round(self) -> None:
+        """One round of deletion costs over the selected pods not already being deleted."""
+        if self.deletion_costs is None:
+            return
+        pods = [
+            name
+            for name, pod in self._pods.items()
+            if not (pod.get("metadata") or {}).get("deletionTimestamp")
+        ]
+        await self.deletion_costs.round(sorted(pods))
+
+    async def patch_deletion_cost(self, pod: str, value: int) -> None:
+        """A merge patch of the one annotation (nothing else of the pod is written)."""
+        from lightkube.resources.core_v1 import Pod
+        from lightkube.types import PatchType
+
+        body = {"metadata": {"annotations": {ANNOTATION: str(value)}}}
+        await self.client.patch(
+            Pod, pod, body, namespace=self.namespace, patch_type=PatchType.MERGE
+        )
 
     # --- watch ------------------------------------------------------------------------------
 
@@ -359,4 +397,5 @@ class KubernetesDiscovery:
             "peers": list(self.peers),
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
+            "deletion_costs": None if self.deletion_costs is None else self.deletion_costs.status(),
         }
