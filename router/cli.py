@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long to wait for one peer's whole snapshot before trying the next",
     )
     fleet.add_argument(
+        "--peer-snapshot-max-mib",
+        type=int,
+        default=d.peer_snapshot_max_mib,
+        metavar="MIB",
+        help="the largest index snapshot this router serves or reads (read as it streams, "
+        "never buffered whole); a bigger one is refused and the replicas replay instead",
+    )
+    fleet.add_argument(
         "--peer-load-interval-s",
         type=float,
         default=d.peer_load_interval_s,
@@ -144,20 +152,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--epp-tls-key", metavar="PEM", help="the --epp-tls-cert's private key")
     server.add_argument(
-        "--epp-plaintext",
-        action="store_true",
-        help="serve the endpoint picker without TLS (default: TLS, self-signed when no "
-        "--epp-tls-cert is given, which the gateways' generated picker clusters accept)",
+        "--epp-plaintext", action="store_true", help="serve the endpoint picker without TLS"
     )
     server.add_argument(
         "--epp-fallbacks",
         type=int,
         default=d.epp_fallbacks,
         metavar="N",
-        help="name up to N further-ranked replicas after the pick in "
-        "x-gateway-destination-endpoint, for the gateway to retry on (Endpoint Picker "
-        "Protocol v0.4; an Inference Extension gateway reads the list). Default: 0, the "
-        "pick alone (a hand-written Envoy ORIGINAL_DST cluster wants one address)",
+        help="list up to N further-ranked replicas after the pick, for the gateway to retry "
+        "on (Endpoint Picker Protocol v0.4). Default 0: the pick alone",
     )
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")
@@ -188,6 +191,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     keys.add_argument(
         "--replica-api-key-file", metavar="PATH", help="the replicas' key: the first line"
+    )
+    keys.add_argument(
+        "--peer-key-file",
+        metavar="PATH",
+        help="the routers' shared secret to each other (or $KVROUTE_PEER_KEY): their "
+        "/index/snapshot and /peer/load then take it and no client key, and this router "
+        "sends it to its peers. Default: the client keys serve for both",
     )
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", choices=tuple(POLICIES), default=d.policy)
@@ -355,16 +365,14 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
         type=_port_or_none,
         default=5557,
         metavar="PORT|none",
-        help="where pods without a kvroute.io/events-port annotation publish KV events "
-        "(default 5557, vLLM's; an llm-d pool's pods: 5556)",
+        help="KV events of pods without kvroute.io/events-port (default 5557; llm-d: 5556)",
     )
     k8s.add_argument(
         "--pod-replay-port",
         type=_port_or_none,
         default=5558,
         metavar="PORT|none",
-        help="their replay socket, without a kvroute.io/replay-port annotation (default "
-        "5558; none for publishers without one, as an llm-d pool's pods)",
+        help="their replay, without kvroute.io/replay-port (default 5558; llm-d: none)",
     )
     k8s.add_argument("--namespace", help="default: the kubeconfig's, or this pod's own")
     k8s.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
@@ -451,6 +459,13 @@ def api_keys_from_args(args: argparse.Namespace) -> tuple[list[str], str | None]
     return keys, replica_key
 
 
+def peer_key_from_args(args: argparse.Namespace) -> str | None:
+    """The routers' shared secret: ``--peer-key-file``, else ``$KVROUTE_PEER_KEY``."""
+    if args.peer_key_file:
+        return _key_file(args.peer_key_file, "--peer-key-file")
+    return os.environ.get("KVROUTE_PEER_KEY")
+
+
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     cost = CostSettings(
         prefill_s_per_token=args.prefill_s_per_token,
@@ -467,6 +482,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         api_keys=api_keys,
         api_key_protects_metrics=args.api_key_protects_metrics,
         replica_api_key=replica_api_key,
+        peer_key=peer_key_from_args(args),
         replicas=[parse_replica_flag(r) for r in args.replica],
         replicas_file=args.replicas_file,
         k8s_discovery=discovery_from_args(args),
@@ -475,6 +491,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         replay_timeout_s=args.replay_timeout_s,
         peers=list(args.peer),
         peer_timeout_s=args.peer_timeout_s,
+        peer_snapshot_max_mib=args.peer_snapshot_max_mib,
         peer_load_interval_s=args.peer_load_interval_s,
         peer_load_mode=args.peer_load_mode,
         stale_clear_after_s=args.stale_clear_after_s,

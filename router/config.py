@@ -343,7 +343,8 @@ class RouterSettings:
     # snapshot seeds this one before its feeds start; tried in order, replay when none answers.
     peers: list[str] = field(default_factory=list)
     peer_timeout_s: float = 5.0
-    peer_snapshot_max_mib: int = 1024  # a bigger snapshot is refused (and not served)
+    # A bigger snapshot is refused (and not served); read streamed, never buffered whole.
+    peer_snapshot_max_mib: int = 1024
     # Shared load (router/peers/load.py): how often the peers' in-flight counts are polled;
     # 0 turns it off (each router then sees only its own requests between scrapes).
     peer_load_interval_s: float = 0.1
@@ -404,6 +405,15 @@ class RouterSettings:
     api_keys: list[str] = field(default_factory=list, repr=False)
     api_key_protects_metrics: bool = False
     replica_api_key: str | None = field(default=None, repr=False)
+    # Routers' own credential to each other (GET /index/snapshot, GET /peer/load): a shared
+    # secret. When set, those paths take it and only it, and this router sends it to its
+    # peers; unset, they take the clients' keys as before (and are open without any).
+    peer_key: str | None = field(default=None, repr=False)
+
+    @property
+    def peer_credential(self) -> str | None:
+        """What this router sends its peers: the peer key, else the first client key."""
+        return self.peer_key or (self.api_keys[0] if self.api_keys else None)
 
     def __post_init__(self) -> None:
         # Imported here: the policies import this module's types, and config sits below them.
@@ -488,6 +498,10 @@ class RouterSettings:
             check_api_key(key, "api key")
         if self.replica_api_key is not None:
             check_api_key(self.replica_api_key, "replica api key")
+        if self.peer_key is not None:
+            check_api_key(self.peer_key, "peer key")
+            if self.peer_key in self.api_keys:
+                raise ConfigError("the peer key must differ from every client key (--api-key)")
         if self.api_key_protects_metrics and not self.api_keys:
             raise ConfigError("api_key_protects_metrics needs an api key (--api-key)")
 

@@ -173,7 +173,7 @@ class RouterService:
         self.peer_load = PeerLoad(
             interval_s=settings.peer_load_interval_s,
             timeout_s=max(0.05, min(1.0, 5 * settings.peer_load_interval_s)),
-            api_key=settings.api_keys[0] if settings.api_keys else None,
+            api_key=settings.peer_credential,
             on_samples=None if self.router.queue_delay is None else self._apply_peer_samples,
         )
         if self.router.queue_delay is not None:  # a held /peer/load answers a new sample
@@ -211,7 +211,7 @@ class RouterService:
             await self.discovery.refresh_peers()  # before warm start, which asks them
         await self.warm.fetch(
             await peer_list(self.peer_urls),
-            api_key=s.api_keys[0] if s.api_keys else None,
+            api_key=s.peer_credential,
             timeout_s=s.peer_timeout_s,
             max_bytes=s.peer_snapshot_max_mib * 2**20,
         )

@@ -389,6 +389,10 @@ def test_api_keys_come_from_one_secret() -> None:
     assert env_vllm["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == replica_key
     router_key = env_router["KVROUTE_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert router_key["name"] == replica_key["name"] and router_key["key"] != replica_key["key"]
+    # The routers' own credential to each other: the same Secret, a key of its own.
+    peer_key = env_router["KVROUTE_PEER_KEY"]["valueFrom"]["secretKeyRef"]
+    assert peer_key["name"] == router_key["name"] and peer_key["optional"] is True
+    assert peer_key["key"] not in (router_key["key"], replica_key["key"])
 
 
 def test_shared_storage_overlay_wires_replicas_evictor_and_router() -> None:
