@@ -299,7 +299,8 @@ def test_vllm_args_parse_in_vllm_serve() -> None:
     for overlay in OVERLAYS:
         c = container(vllm(render(overlay)), "vllm")
         assert c["command"][-1] == "serve"  # `vllm serve` or kvroute's launcher `--serve serve`
-        argv = [expand(a, {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct"}) for a in c["args"]]
+        env = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "POD_IP": "10.0.0.7"}
+        argv = [expand(a, env) for a in c["args"]]
         parsed = root.parse_args(["serve", *argv])
         engine = AsyncEngineArgs.from_cli_args(parsed)
         assert engine.enable_prefix_caching, overlay  # events need the prefix cache
