@@ -37,7 +37,12 @@ from typing import Any
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ConfigError, K8sDiscoverySettings, ReplicaConfig
 from kvroute.router.fleet.discovery.deletion_cost import ANNOTATION, DeletionCosts
-from kvroute.router.fleet.discovery.k8s_pods import PodPorts, fleet_from_pods, peer_urls
+from kvroute.router.fleet.discovery.k8s_pods import (
+    PodPorts,
+    fleet_from_pods,
+    peer_urls,
+    pod_is_ready,
+)
 
 __all__ = ["KubernetesDiscovery", "load_kube_config"]
 
@@ -122,6 +127,10 @@ class KubernetesDiscovery:
         self.selector: dict[str, str] = dict(settings.selector)
         self.target_ports: list[int] = []
         self.peers: list[str] = []
+        # This router's pod name, and its Ready peer routers' (--peer-selector): the first
+        # name in order writes the deletion costs, the others compute them only.
+        self.self_name = os.environ.get("POD_NAME") or socket.gethostname()
+        self.peer_names: list[str] = []
         self._pods: dict[str, dict[str, Any]] = {}  # name -> pod (the API's JSON)
         self._applied: list[ReplicaConfig] | None = None
         self._bad: dict[str, str] = {}
@@ -250,8 +259,13 @@ class KubernetesDiscovery:
             Pod, namespace=self.namespace, labels=self.settings.peer_selector
         )
         pods = [pod.to_dict() async for pod in listing]
-        self_name = os.environ.get("POD_NAME") or socket.gethostname()
+        self_name = self.self_name
         peers = peer_urls(pods, default_port=self.router_port, self_name=self_name)
+        self.peer_names = sorted(
+            str(p["metadata"]["name"])
+            for p in pods
+            if p["metadata"].get("name") != self_name and pod_is_ready(p)
+        )
         if peers != self.peers:
             log.info("discovery: peer routers %s", peers)
         self.peers = peers
@@ -275,9 +289,17 @@ class KubernetesDiscovery:
 
     # --- deletion costs ---------------------------------------------------------------------
 
+    @property
+    def cost_writer(self) -> bool:
+        """Whether this router writes the deletion costs: the first by pod name among itself
+        and its Ready peers (they compute the same costs: one writer is enough, and a
+        router that leaves hands the role to the next at the next re-list)."""
+        return not self.peer_names or self.self_name < self.peer_names[0]
+
     async def cost_round(self) -> None:
-        """One round of deletion costs over the selected pods not already being deleted."""
-        if self.deletion_costs is None:
+        """One round of deletion costs over the selected pods not already being deleted,
+        written by one router of the peers (``cost_writer``)."""
+        if self.deletion_costs is None or not self.cost_writer:
             return
         pods = [
             name
@@ -397,5 +419,7 @@ class KubernetesDiscovery:
             "peers": list(self.peers),
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
-            "deletion_costs": None if self.deletion_costs is None else self.deletion_costs.status(),
+            "deletion_costs": None
+            if self.deletion_costs is None
+            else {**self.deletion_costs.status(), "writer": self.cost_writer},
         }

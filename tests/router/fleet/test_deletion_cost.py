@@ -129,4 +129,51 @@ def test_three_pods_with_different_sole_holdings_get_costs_in_that_order(tmp_pat
         "patches": 3,
         "failures": 0,
         "last_error": None,
+        "writer": True,  # no peer routers: this one writes
     }
+
+
+def test_one_router_of_several_writes_the_costs(tmp_path: Path) -> None:
+    """Routers agree on the caches, so they compute the same costs: the first by pod name
+    among the Ready peers (--peer-selector) writes them, the others do not; when it leaves,
+    the next one takes over."""
+    index = InMemoryPrefixIndex()
+    index.apply("vllm-a", [stored(DOCS[0], 0, 2)])
+    with FakeApiServer() as api:
+        api.add_pod(make_pod("vllm-a", "10.0.0.1"))
+        for name, ip in (("router-a", "10.0.1.1"), ("router-b", "10.0.1.2")):
+            api.add_pod(make_pod(name, ip, labels={"app": "kvroute-router"}))
+        settings = K8sDiscoverySettings(
+            selector={"app": "vllm"},
+            peer_selector={"app": "kvroute-router"},
+            kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig")),
+            deletion_cost_interval_s=60,
+        )
+
+        async def scenario() -> list[bool]:
+            routers = []
+            for name in ("router-b", "router-a"):
+                d = KubernetesDiscovery(
+                    settings, lambda _: None, costs=lambda pods: costs_from_index(index, COST, pods)
+                )
+                d.self_name = name
+                await d.load_now()
+                routers.append(d)
+            try:
+                for d in routers:
+                    await d.cost_round()
+                writers = [d.cost_writer for d in routers]
+                assert len(api.patches) == 1  # router-a's
+                api.delete_pod("router-a")
+                await routers[0].relist()
+                await routers[0].cost_round()
+                writers.append(routers[0].cost_writer)
+                return writers
+            finally:
+                for d in routers:
+                    await d.stop()
+
+        writers = asyncio.run(scenario())
+        assert writers == [False, True, True]
+        # router-b took over, and wrote: it had written nothing before.
+        assert [name for name, _ in api.patches] == ["vllm-a", "vllm-a"]
