@@ -91,11 +91,12 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    if settings.api_keys:
+    if settings.api_keys or settings.peer_key:
         app.add_middleware(
             ApiKeyMiddleware,
             keys=settings.api_keys,
             protect_metrics=settings.api_key_protects_metrics,
+            peer_key=settings.peer_key,
         )
 
     @app.exception_handler(RouterError)

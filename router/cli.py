@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvroute.router.config import ConfigError, CostSettings, K8sDiscoverySettings, RouterSettings
-from kvroute.router.fleet.discovery.k8s_pods import parse_selector
+from kvroute.router.config import ConfigError, CostSettings, RouterSettings
+from kvroute.router.fleet.discovery.flags import add_discovery_arguments, discovery_from_args
 from kvroute.router.routing.policies import POLICIES
 from kvroute.router.specs import (
     parse_model_tokenizer_flag,
@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long to wait for one peer's whole snapshot before trying the next",
     )
     fleet.add_argument(
+        "--peer-snapshot-max-mib",
+        type=int,
+        default=d.peer_snapshot_max_mib,
+        metavar="MIB",
+        help="the largest index snapshot this router serves or reads (read as it streams, "
+        "never buffered whole); a bigger one is refused and the replicas replay instead",
+    )
+    fleet.add_argument(
         "--peer-load-interval-s",
         type=float,
         default=d.peer_load_interval_s,
@@ -129,8 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PORT",
         help="also serve as a Gateway API Inference Extension endpoint picker: Envoy's "
-        "ext_proc gRPC on this port of --host (plaintext, or TLS with --epp-tls-cert and "
-        "--epp-tls-key), for an InferencePool's "
+        "ext_proc gRPC on this port of --host (TLS: --epp-tls-cert and --epp-tls-key, "
+        "else a self-signed certificate made at start; --epp-plaintext for none), for an "
+        "InferencePool's "
         "endpointPickerRef; the gateway forwards the traffic. Meant for the gateway only "
         "(restrict it with a NetworkPolicy); with --api-key each request's Authorization "
         "is checked like on HTTP. Needs the xds-protos package. Default: off",
@@ -142,6 +151,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Inference Extension's own picker does by default; with --epp-tls-key",
     )
     server.add_argument("--epp-tls-key", metavar="PEM", help="the --epp-tls-cert's private key")
+    server.add_argument(
+        "--epp-plaintext", action="store_true", help="serve the endpoint picker without TLS"
+    )
+    server.add_argument(
+        "--epp-fallbacks",
+        type=int,
+        default=d.epp_fallbacks,
+        metavar="N",
+        help="list up to N further-ranked replicas after the pick, for the gateway to retry "
+        "on (Endpoint Picker Protocol v0.4). Default 0: the pick alone",
+    )
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")
     keys = parser.add_argument_group(
@@ -171,6 +191,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     keys.add_argument(
         "--replica-api-key-file", metavar="PATH", help="the replicas' key: the first line"
+    )
+    keys.add_argument(
+        "--peer-key-file",
+        metavar="PATH",
+        help="the routers' shared secret to each other (or $KVROUTE_PEER_KEY): their "
+        "/index/snapshot and /peer/load then take it and no client key, and this router "
+        "sends it to its peers. Default: the client keys serve for both",
     )
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", choices=tuple(POLICIES), default=d.policy)
@@ -321,57 +348,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--discover k8s`` and its flags (router/fleet/discovery/k8s.py, docs/router.md)."""
-    k8s = parser.add_argument_group("discovery (replicas from Kubernetes pods)")
-    k8s.add_argument(
-        "--discover",
-        choices=("k8s",),
-        default=None,
-        help="k8s: the replicas are the Ready pods matching --selector or --inference-pool",
-    )
-    k8s.add_argument("--selector", metavar="KEY=VALUE[,...]", help="the vLLM pods' labels")
-    k8s.add_argument(
-        "--inference-pool",
-        metavar="NAME",
-        help="read the selector and target port(s) from this InferencePool (Gateway API "
-        "Inference Extension, v1 or v1alpha2)",
-    )
-    k8s.add_argument("--namespace", help="default: the kubeconfig's, or this pod's own")
-    k8s.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
-    k8s.add_argument(
-        "--relist-interval-s",
-        type=float,
-        default=60.0,
-        help="re-list the pods this often even when the watch looks healthy (stale watches)",
-    )
-    k8s.add_argument(
-        "--peer-selector",
-        metavar="KEY=VALUE[,...]",
-        help="labels of this router's peer router pods (warm start from their index)",
-    )
-
-
-def discovery_from_args(args: argparse.Namespace) -> K8sDiscoverySettings | None:
-    """The discovery settings the flags ask for; ConfigError when they do not add up."""
-    given = [f for f in ("selector", "inference_pool", "peer_selector") if getattr(args, f)]
-    if args.discover is None:
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            raise ConfigError(f"{flag} needs --discover k8s")
-        return None
-    if args.replicas_file:
-        raise ConfigError("--discover k8s and --replicas-file both give the replica list: pick one")
-    return K8sDiscoverySettings(
-        selector=parse_selector(args.selector) if args.selector else {},
-        inference_pool=args.inference_pool,
-        namespace=args.namespace,
-        kubeconfig=args.kubeconfig,
-        relist_interval_s=args.relist_interval_s,
-        peer_selector=parse_selector(args.peer_selector) if args.peer_selector else {},
-    )
-
-
 def _key_file(path: str, flag: str) -> str:
     """The key in a file's first line (stripped); ConfigError, without the key, otherwise."""
     try:
@@ -401,6 +377,13 @@ def api_keys_from_args(args: argparse.Namespace) -> tuple[list[str], str | None]
     return keys, replica_key
 
 
+def peer_key_from_args(args: argparse.Namespace) -> str | None:
+    """The routers' shared secret: ``--peer-key-file``, else ``$KVROUTE_PEER_KEY``."""
+    if args.peer_key_file:
+        return _key_file(args.peer_key_file, "--peer-key-file")
+    return os.environ.get("KVROUTE_PEER_KEY")
+
+
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     cost = CostSettings(
         prefill_s_per_token=args.prefill_s_per_token,
@@ -418,6 +401,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         api_keys=api_keys,
         api_key_protects_metrics=args.api_key_protects_metrics,
         replica_api_key=replica_api_key,
+        peer_key=peer_key_from_args(args),
         replicas=[parse_replica_flag(r) for r in args.replica],
         replicas_file=args.replicas_file,
         k8s_discovery=discovery_from_args(args),
@@ -426,6 +410,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         replay_timeout_s=args.replay_timeout_s,
         peers=list(args.peer),
         peer_timeout_s=args.peer_timeout_s,
+        peer_snapshot_max_mib=args.peer_snapshot_max_mib,
         peer_load_interval_s=args.peer_load_interval_s,
         peer_load_mode=args.peer_load_mode,
         stale_clear_after_s=args.stale_clear_after_s,
@@ -448,6 +433,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         epp_port=args.epp_port,
         epp_tls_cert=args.epp_tls_cert,
         epp_tls_key=args.epp_tls_key,
+        epp_plaintext=args.epp_plaintext,
+        epp_fallbacks=args.epp_fallbacks,
         connect_timeout_s=args.connect_timeout_s,
         read_timeout_s=args.read_timeout_s,
         max_attempts=args.max_attempts,

@@ -242,8 +242,24 @@ class K8sDiscoverySettings:
     relist_interval_s: float = 60.0
     watch_timeout_s: int = 300
     peer_selector: dict[str, str] = field(default_factory=dict)
+    # Where pods without port annotations publish (k8s_pods.PodPorts): vLLM's defaults; an
+    # llm-d pool's pods publish on 5556 with no replay socket. None: no feed / no replay.
+    pod_events_port: int | None = 5557
+    pod_replay_port: int | None = 5558
+    # Scale-in that keeps the cache (router/fleet/discovery/deletion_cost.py): every this
+    # many seconds, set controller.kubernetes.io/pod-deletion-cost on the replica pods.
+    # None: off (the routers then need no write access to pods).
+    deletion_cost_interval_s: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("pod_events_port", "pod_replay_port"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535
+            ):
+                raise ConfigError(f"{name} must be a port in [1, 65535] or None")
+        if self.deletion_cost_interval_s is not None and not self.deletion_cost_interval_s >= 1:
+            raise ConfigError("deletion_cost_interval_s must be >= 1 (--deletion-cost-interval-s)")
         if bool(self.selector) == bool(self.inference_pool):
             raise ConfigError("--discover k8s needs exactly one of --selector, --inference-pool")
         if self.relist_interval_s <= 0 or self.watch_timeout_s < 1:
@@ -285,9 +301,16 @@ class RouterSettings:
     # The Gateway API Inference Extension endpoint picker (router/epp/): Envoy's ext_proc
     # gRPC protocol on this port of ``host``, in the HTTP app's process and loop (None: off).
     epp_port: int | None = None
-    # Serve it over TLS with this certificate chain and key (PEM files); None: plaintext.
+    # Serve it over TLS with this certificate chain and key (PEM files); None: a self-signed
+    # certificate made at start (the gateways' generated picker clusters dial TLS without
+    # verifying, as they do for the Inference Extension's own picker).
     epp_tls_cert: str | None = None
     epp_tls_key: str | None = None
+    # Plaintext gRPC instead, only when asked (a hand-written Envoy with a plain cluster).
+    epp_plaintext: bool = False
+    # Fallback endpoints after the primary in the destination (protocol v0.4): the gateway
+    # retries down the list. 0: the primary only (what a hand-written ORIGINAL_DST expects).
+    epp_fallbacks: int = 0
     # Proxying
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
@@ -328,7 +351,8 @@ class RouterSettings:
     # snapshot seeds this one before its feeds start; tried in order, replay when none answers.
     peers: list[str] = field(default_factory=list)
     peer_timeout_s: float = 5.0
-    peer_snapshot_max_mib: int = 1024  # a bigger snapshot is refused (and not served)
+    # A bigger snapshot is refused (and not served); read streamed, never buffered whole.
+    peer_snapshot_max_mib: int = 1024
     # Shared load (router/peers/load.py): how often the peers' in-flight counts are polled;
     # 0 turns it off (each router then sees only its own requests between scrapes).
     peer_load_interval_s: float = 0.1
@@ -389,6 +413,15 @@ class RouterSettings:
     api_keys: list[str] = field(default_factory=list, repr=False)
     api_key_protects_metrics: bool = False
     replica_api_key: str | None = field(default=None, repr=False)
+    # Routers' own credential to each other (GET /index/snapshot, GET /peer/load): a shared
+    # secret. When set, those paths take it and only it, and this router sends it to its
+    # peers; unset, they take the clients' keys as before (and are open without any).
+    peer_key: str | None = field(default=None, repr=False)
+
+    @property
+    def peer_credential(self) -> str | None:
+        """What this router sends its peers: the peer key, else the first client key."""
+        return self.peer_key or (self.api_keys[0] if self.api_keys else None)
 
     def __post_init__(self) -> None:
         # Imported here: the policies import this module's types, and config sits below them.
@@ -448,6 +481,17 @@ class RouterSettings:
             raise ConfigError("epp_tls_cert and epp_tls_key go together (--epp-tls-cert/-key)")
         if self.epp_tls_cert is not None and self.epp_port is None:
             raise ConfigError("epp_tls_cert needs epp_port (--epp-port)")
+        if self.epp_tls_cert is not None and self.epp_plaintext:
+            raise ConfigError(
+                "epp_plaintext and epp_tls_cert contradict each other (--epp-plaintext, "
+                "--epp-tls-cert): choose one"
+            )
+        if (
+            isinstance(self.epp_fallbacks, bool)
+            or not isinstance(self.epp_fallbacks, int)
+            or not 0 <= self.epp_fallbacks <= 8
+        ):
+            raise ConfigError("epp_fallbacks must be an integer in [0, 8] (--epp-fallbacks)")
         for peer in self.peers:
             parts = urlsplit(peer)
             if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -462,6 +506,10 @@ class RouterSettings:
             check_api_key(key, "api key")
         if self.replica_api_key is not None:
             check_api_key(self.replica_api_key, "replica api key")
+        if self.peer_key is not None:
+            check_api_key(self.peer_key, "peer key")
+            if self.peer_key in self.api_keys:
+                raise ConfigError("the peer key must differ from every client key (--api-key)")
         if self.api_key_protects_metrics and not self.api_keys:
             raise ConfigError("api_key_protects_metrics needs an api key (--api-key)")
 

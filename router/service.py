@@ -27,6 +27,7 @@ from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, 
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.errors import RouterError
+from kvroute.router.fleet.discovery.deletion_cost import costs_from_index
 from kvroute.router.fleet.discovery.file import ReplicasFileWatcher
 from kvroute.router.fleet.discovery.k8s import KubernetesDiscovery
 from kvroute.router.fleet.dp import DataParallelDiscovery, static_targets
@@ -141,6 +142,7 @@ class RouterService:
                 self.sync_replicas,
                 router_port=settings.port,
                 on_peers=self._set_discovered_peers,
+                costs=lambda pods: costs_from_index(self.index, settings.cost, pods),
             )
         self._flag_names = {r.key for r in settings.replicas}
         # A configured replica's routing targets: itself, or its data-parallel ranks.
@@ -162,8 +164,8 @@ class RouterService:
         self._background: set[asyncio.Task[Any]] = set()
         self._models_refreshed_at = 0.0
         self.started_at = time.time()
-        # Warm start (router/peers/warm_start.py): the peer routers to seed the index from, asked
-        # once at start before any feed starts; may be async. Discovery may replace it.
+        # Warm start (peers/warm_start.py): the peers to seed the index from, asked once at
+        # start before any feed starts; may be async. Discovery may replace it.
         self.peer_urls: PeerUrls = self._default_peer_urls
         self.warm = WarmStart()
         self.feeds_started = False  # /index/snapshot answers 503 until then
@@ -171,7 +173,7 @@ class RouterService:
         self.peer_load = PeerLoad(
             interval_s=settings.peer_load_interval_s,
             timeout_s=max(0.05, min(1.0, 5 * settings.peer_load_interval_s)),
-            api_key=settings.api_keys[0] if settings.api_keys else None,
+            api_key=settings.peer_credential,
             on_samples=None if self.router.queue_delay is None else self._apply_peer_samples,
             on_rate_samples=None if self.router.rates is None else self._apply_peer_rates,
         )
@@ -210,7 +212,7 @@ class RouterService:
             await self.discovery.refresh_peers()  # before warm start, which asks them
         await self.warm.fetch(
             await peer_list(self.peer_urls),
-            api_key=s.api_keys[0] if s.api_keys else None,
+            api_key=s.peer_credential,
             timeout_s=s.peer_timeout_s,
             max_bytes=s.peer_snapshot_max_mib * 2**20,
         )
@@ -461,8 +463,7 @@ class RouterService:
         return "discovery" if self.discovery is not None else "replicas file"
 
     def _apply_peer_samples(self, samples: list[tuple[str, float]]) -> None:
-        """A peer's queue samples (router/routing/queue_model.py), for the replicas this router
-        knows: learned as if its own first bytes had shown them."""
+        """A peer's queue samples of the replicas this router knows (queue_model.py)."""
         if (learned := self.router.queue_delay) is not None:
             for name, seconds in samples:
                 if self.registry.get(name) is not None:

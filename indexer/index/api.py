@@ -215,6 +215,12 @@ class PrefixIndex(ABC):
     def stats(self) -> IndexFigures:
         """Index-wide figures: size in memory, limits, what the limits dropped."""
 
+    def sole_holdings(self) -> dict[str, dict[Medium, int]]:
+        """Per replica, the blocks it alone holds (no other replica, no storage domain), by
+        the fastest tier it holds each in: what losing it would cost (scale-in's deletion
+        costs, router/fleet/deletion_cost.py). A backend that cannot tell raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count sole holdings")
+
     def export_replica(self, replica: str) -> ReplicaState | None:
         """Everything known of the replica, for a peer router's warm start
         (indexer/snapshot.py); None when unknown, or when the backend cannot export."""

@@ -15,11 +15,13 @@ from kvroute.indexer.index.api import DOMAIN_PREFIX, IndexFigures, ReplicaIndexS
 from kvroute.indexer.index.state import (
     _CLASS_NAMES,
     _CONFIRMED,
+    _SLOT,
     _TIERS,
     _W,
     IndexStore,
     _ReplicaState,
 )
+from kvroute.indexer.wire import Medium
 
 __all__ = ["Capacity"]
 
@@ -131,3 +133,26 @@ class Capacity(IndexStore):
                     if s.tier_counts[t + 3]:
                         totals[t.name + "_UNCONFIRMED"] += s.tier_counts[t + 3]
             return totals
+
+    def sole_holdings(self) -> dict[str, dict[Medium, int]]:
+        """Per replica, the blocks no other replica and no storage domain holds, by the
+        fastest tier it holds each in (confirmed or not): what the fleet loses when that
+        replica goes. Counted per distinct mask (masks are interned: a fleet has few), so the
+        scan is one C-speed count over the table, under the lock."""
+        with self._lock:
+            by_slot = {s.slot: s for s in self._replicas.values()}
+            counts = Counter(self._masks.values())
+        out: dict[str, dict[Medium, int]] = {}
+        for mask, blocks in counts.items():
+            slot, bits = divmod(mask.bit_length() - 1, _W)
+            if mask >> (slot * _W) << (slot * _W) != mask:
+                continue  # bits in more than one slot: held elsewhere too
+            state = by_slot.get(slot)
+            if state is None or state.name.startswith(DOMAIN_PREFIX):
+                continue  # a storage domain's blocks outlive any one replica
+            bits = (mask >> (slot * _W)) & _SLOT
+            classes = bits | (bits >> 3)  # unconfirmed classes count as their tier
+            fastest = next(t for t in _TIERS if classes & (1 << int(t)))
+            tiers = out.setdefault(state.name, {})
+            tiers[fastest] = tiers.get(fastest, 0) + blocks
+        return out

@@ -12,14 +12,33 @@ Every refusal is an ``ImmediateResponse`` whose body is OpenAI's error JSON with
 the HTTP endpoints would answer (400, 401, 404, 413, 503 with ``retry-after``); a bug in
 here answers 500 the same way. Neither ends the server or another stream.
 
-Modes: Envoy announces its body modes in the first message (``protocol_config``). With
-``FULL_DUPLEX_STREAMED`` (or no announcement: an older Envoy configured as the Inference
-Extension documents) the headers answer waits for the whole body, then the body is handed
-back as streamed chunks, as the reference picker does. With ``BUFFERED`` Envoy waits for an
-answer to the headers before it sends the body, so the headers pass unchanged and the pick
-rides on the body's answer (header mutation and metadata). ``NONE``: no body ever comes,
-the request goes by load. The response's body is handed back chunk by chunk in
-``FULL_DUPLEX_STREAMED`` (or without an announcement) and simply acknowledged otherwise.
+Modes, each handled explicitly (``_RequestMode``): Envoy announces its body modes in the
+first message (``protocol_config``).
+
+* ``FULL_DUPLEX_STREAMED``, or no announcement (an older Envoy configured as the Inference
+  Extension documents, NGINX Gateway Fabric's shim, agentgateway): the headers answer waits
+  for the whole body, then the body is handed back as streamed chunks, as the reference
+  picker does.
+* ``BUFFERED``: Envoy waits for an answer to the headers before it sends the body, so the
+  headers pass unchanged and the pick rides on the body's answer (header mutation and
+  metadata: Envoy still holds the headers).
+* ``NONE``: no body ever comes; the request goes by load at its headers.
+* ``STREAMED`` and ``BUFFERED_PARTIAL``: the headers may leave for the upstream before the
+  body is whole, so a pick made from the body could be ignored; the request goes by load
+  at its headers and the picker logs once that the gateway should be configured otherwise.
+
+The response's body is handed back chunk by chunk in ``FULL_DUPLEX_STREAMED`` (or without an
+announcement) and simply acknowledged otherwise.
+
+The endpoint kind (which parser reads the body) comes from ``:path``, else ``x-original-path``,
+else ``x-forwarded-path`` (gateways that are not Envoy send no pseudo-headers), else the
+body's shape (``messages.kind_from_body``); a body whose kind was only guessed from its shape
+and that the guessed parser cannot read goes by load instead of being refused, since the
+replica may well accept it at the path the client used.
+
+The destination is the primary, then up to ``--epp-fallbacks`` further-ranked replicas
+(protocol v0.4: the gateway retries down the list); the request is counted in flight on
+whichever one the gateway reports it served (``x-gateway-destination-endpoint-served``).
 """
 
 from __future__ import annotations
@@ -38,10 +57,14 @@ from kvroute.router.epp.messages import (
     body_chunks,
     destination_metadata,
     destination_mutation,
+    destination_value,
     endpoint_kind,
     header_map,
     immediate_response,
+    kind_from_body,
     replica_endpoint,
+    request_path,
+    served_endpoint,
     subset_hint,
 )
 from kvroute.router.errors import RouterError
@@ -62,9 +85,41 @@ _TAIL = 1 << 16  # the end of a response body kept to read its usage (accuracy)
 
 _FULL_BODY_MAX = 1 << 20  # a non-streamed response body read whole for its usage, up to this
 
-_FULL_DUPLEX = modes.ProcessingMode.FULL_DUPLEX_STREAMED
+_MODE = modes.ProcessingMode
 
-_NO_BODY = modes.ProcessingMode.NONE
+# How the picker treats each request body mode Envoy may announce (module docstring).
+_DUPLEX, _BUFFERED, _NO_BODY, _BY_LOAD = "duplex", "buffered", "no_body", "by_load"
+_REQUEST_MODES = {
+    _MODE.FULL_DUPLEX_STREAMED: _DUPLEX,
+    _MODE.BUFFERED: _BUFFERED,
+    _MODE.NONE: _NO_BODY,
+    _MODE.STREAMED: _BY_LOAD,
+    _MODE.BUFFERED_PARTIAL: _BY_LOAD,
+}
+
+_warned_modes: set[int] = set()
+
+
+def _mode_name(mode: int) -> str:
+    try:
+        return _MODE.BodySendMode.Name(mode)  # type: ignore[arg-type]
+    except ValueError:
+        return str(mode)
+
+
+def _request_mode(mode: int) -> str:
+    """The picker's handling of an announced request body mode; an unknown (newer) mode is
+    treated as one whose headers may leave early: by load."""
+    handling = _REQUEST_MODES.get(mode, _BY_LOAD)  # type: ignore[call-overload]
+    if handling == _BY_LOAD and mode not in _warned_modes:
+        _warned_modes.add(mode)
+        log.warning(
+            "endpoint picker: the gateway sends request bodies in mode %s, in which the "
+            "headers may be forwarded before the body is read; these requests go by load. "
+            "Configure request_body_mode FULL_DUPLEX_STREAMED or BUFFERED to route by cache.",
+            _mode_name(mode),
+        )
+    return handling
 
 
 @dataclass(slots=True)
@@ -75,6 +130,7 @@ class _Pick:
     endpoint: str
     epoch: int
     decision: Decision | None
+    fallbacks: list[Replica] = field(default_factory=list)
     sent_at: float = field(default_factory=time.perf_counter)
     first_byte: bool = False
     streamed: bool = False
@@ -93,14 +149,14 @@ class _Exchange:
         self.picker = picker
         self.service = picker.service
         # Until Envoy says otherwise (module docstring): the Inference Extension's modes.
-        self.duplex_request = True
+        self.request_mode = _DUPLEX
         self.duplex_response = True
-        self.no_body = False
         self.headers: dict[str, str] = {}
         self.subset: set[str] | None = None
         self.body = bytearray()
         self.pick: _Pick | None = None
         self.request_id: str | None = None
+        self.kind: str | None = None  # the endpoint kind, once the pick has read it
         self.done = False  # an ImmediateResponse went out: nothing more to answer
 
     # --- messages -------------------------------------------------------------------------
@@ -108,9 +164,8 @@ class _Exchange:
     async def on(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if request.HasField("protocol_config"):
             config = request.protocol_config
-            self.duplex_request = config.request_body_mode == _FULL_DUPLEX
-            self.duplex_response = config.response_body_mode == _FULL_DUPLEX
-            self.no_body = config.request_body_mode == _NO_BODY
+            self.request_mode = _request_mode(config.request_body_mode)
+            self.duplex_response = config.response_body_mode == _MODE.FULL_DUPLEX_STREAMED
         which = request.WhichOneof("request")
         try:
             if which == "request_headers":
@@ -120,6 +175,7 @@ class _Exchange:
             if which == "request_trailers":
                 return await self._request_trailers()
             if which == "response_headers":
+                self._served(served_endpoint(request))
                 return self._response_headers(request.response_headers)
             if which == "response_body":
                 return self._response_body(request.response_body)
@@ -136,17 +192,18 @@ class _Exchange:
         self.request_id = self.headers.get("x-request-id")
         self.subset = subset_hint(request)
         self._check_key()
-        if message.end_of_stream or self.no_body:
-            # No body (a GET) or none will come: decided now, by load when nothing says more.
+        if message.end_of_stream or self.request_mode in (_NO_BODY, _BY_LOAD):
+            # No body (a GET), none will come, or the headers may leave before it is read:
+            # decided now, by load when nothing says more.
             header_response = await self._decide(b"")
             return [pb.ProcessingResponse(request_headers=header_response, **self._metadata())]
-        if self.duplex_request:
+        if self.request_mode == _DUPLEX:
             return []  # the body streams in without waiting: answer once it is whole
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
     async def _request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.pick is not None:  # decided already (Envoy's body mode NONE): pass it on
-            if self.duplex_request:
+            if self.request_mode == _DUPLEX:
                 return body_chunks(message.body, message.end_of_stream)
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         self.body += message.body
@@ -154,7 +211,7 @@ class _Exchange:
         if len(self.body) > limit:
             raise RouterError(413, f"request body exceeds {limit} bytes")
         if not message.end_of_stream:
-            if self.duplex_request:
+            if self.request_mode == _DUPLEX:
                 return []
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         return await self._answer_whole_body(end_of_stream=True)
@@ -169,8 +226,10 @@ class _Exchange:
     async def _answer_whole_body(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         raw = bytes(self.body)
         self.body = bytearray()
-        common = await self._decide(raw, content_length=len(raw) if self.duplex_request else None)
-        if self.duplex_request:
+        common = await self._decide(
+            raw, content_length=len(raw) if self.request_mode == _DUPLEX else None
+        )
+        if self.request_mode == _DUPLEX:
             first = pb.ProcessingResponse(request_headers=common, **self._metadata())
             return [first, *body_chunks(raw, end_of_stream)]
         # Buffered: Envoy holds the headers until the body's answer, which may mutate them.
@@ -235,38 +294,97 @@ class _Exchange:
             )
         return allowed
 
+    def _kind(self, raw: bytes) -> tuple[str, bool]:
+        """The endpoint kind and whether it was only guessed from the body's shape (no
+        header named the path: module docstring)."""
+        path = request_path(self.headers)
+        if path is not None:
+            return endpoint_kind(self.headers.get(":method", "POST"), path), False
+        if not raw:
+            return "other", False
+        return kind_from_body(raw), True
+
+    def _read(self, kind: str, guessed: bool, raw: bytes) -> tuple[Any, str | None]:
+        """``routing_input`` for the body; a guessed kind that cannot read it goes by load."""
+        if self.request_mode in (_NO_BODY, _BY_LOAD):
+            return None, None  # the body is not read before the pick
+        try:
+            return routing_input(self.service, kind, raw)
+        except RouterError as exc:
+            if not guessed or exc.status != 400:
+                raise
+            log.debug("endpoint picker: body not a %s request (%s): by load", kind, exc.message)
+            return None, None
+
+    def _fallbacks(self, ranked: list[Replica], primary: Replica, endpoint: str) -> list[Replica]:
+        """Up to ``--epp-fallbacks`` further-ranked replicas at other addresses. None when the
+        primary is a data-parallel rank: its rank header would go to the fallback too, and a
+        header cannot differ per endpoint; ranks are skipped as fallbacks for the same reason."""
+        count = self.service.settings.epp_fallbacks
+        if count <= 0 or primary.config.dp_rank is not None:
+            return []
+        out: list[Replica] = []
+        seen = {endpoint}
+        for replica in ranked:
+            address = replica_endpoint(replica)
+            if replica.config.dp_rank is not None or address in seen:
+                continue
+            seen.add(address)
+            out.append(replica)
+            if len(out) == count:
+                break
+        return out
+
     async def _decide(self, raw: bytes, content_length: int | None = None) -> pb.HeadersResponse:
         """Read the body as the HTTP endpoints do, rank and commit as a proxied request, and
-        count it in flight on the pick; the headers answer that carries the pick."""
+        count it in flight on the pick; the headers answer that carries the pick (the
+        primary, then the fallbacks)."""
         service = self.service
-        method = self.headers.get(":method", "POST")
-        kind = endpoint_kind(method, self.headers.get(":path", "/"))
-        # No body will come (Envoy's body mode NONE): by load, the body unread.
-        parsed, model = (None, None) if self.no_body else routing_input(service, kind, raw)
+        kind, guessed = self._kind(raw)
+        self.kind = kind
+        parsed, model = self._read(kind, guessed, raw)
         decision: Decision | None = None
         if parsed is not None:
             session = self.headers.get(service.settings.session_header.lower())
             decision = await service.decide(parsed, session, self._narrow)
-            replica = decision.ranked[0]
+            ranked = decision.ranked
+            replica = ranked[0]
             service.router.commit(decision, replica)
         else:
-            pool = self._narrow(service.pool(model))
-            replica = min(pool, key=lambda r: r.pending)
+            ranked = sorted(self._narrow(service.pool(model)), key=lambda r: r.pending)
+            replica = ranked[0]
         endpoint = replica_endpoint(replica)
-        self.pick = _Pick(replica, endpoint, replica.begin_request(), decision)
+        fallbacks = self._fallbacks(ranked[1:], replica, endpoint)
+        self.pick = _Pick(replica, endpoint, replica.begin_request(), decision, fallbacks)
         service.metrics.epp_request(ENDPOINT_LABELS[kind], "picked")
+        value = destination_value([endpoint, *(replica_endpoint(r) for r in fallbacks)])
         return pb.HeadersResponse(
             response=pb.CommonResponse(
                 header_mutation=destination_mutation(
-                    replica, endpoint, self.picker.replica_auth, content_length
+                    replica, value, self.picker.replica_auth, content_length
                 ),
                 clear_route_cache=True,
             )
         )
 
+    def _served(self, endpoint: str | None) -> None:
+        """The gateway retried on a fallback: the in-flight count moves to the replica that
+        serves the request, so the replicas' load stays true."""
+        pick = self.pick
+        if pick is None or pick.ended or endpoint is None or endpoint == pick.endpoint:
+            return
+        for replica in pick.fallbacks:
+            if replica_endpoint(replica) == endpoint:
+                pick.replica.end_request(pick.epoch)
+                pick.replica, pick.endpoint = replica, endpoint
+                pick.epoch = replica.begin_request()
+                return
+
     def _metadata(self) -> dict[str, Any]:
-        assert self.pick is not None
-        return {"dynamic_metadata": destination_metadata(self.pick.endpoint)}
+        pick = self.pick
+        assert pick is not None
+        value = destination_value([pick.endpoint, *(replica_endpoint(r) for r in pick.fallbacks)])
+        return {"dynamic_metadata": destination_metadata(value)}
 
     def refuse(self, error: RouterError) -> pb.ProcessingResponse:
         """An ImmediateResponse for ``error``; the stream has nothing more to answer."""
@@ -277,8 +395,8 @@ class _Exchange:
             outcome = "client_error"
         else:
             outcome = "unavailable"
-        method, path = self.headers.get(":method", "POST"), self.headers.get(":path", "/")
-        self.service.metrics.epp_request(ENDPOINT_LABELS[endpoint_kind(method, path)], outcome)
+        kind = self.kind or self._kind(b"")[0]
+        self.service.metrics.epp_request(ENDPOINT_LABELS[kind], outcome)
         return immediate_response(error, self.request_id)
 
     # --- the response phase ---------------------------------------------------------------

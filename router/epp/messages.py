@@ -22,15 +22,21 @@ from kvroute.router.serving.proxy import DP_RANK_HEADER
 __all__ = [
     "DESTINATION_HEADER",
     "DESTINATION_NAMESPACE",
+    "PATH_HEADERS",
+    "SERVED_KEY",
     "SUBSET_KEY",
     "SUBSET_NAMESPACE",
     "body_chunks",
     "destination_metadata",
     "destination_mutation",
+    "destination_value",
     "endpoint_kind",
     "header_map",
     "immediate_response",
+    "kind_from_body",
     "replica_endpoint",
+    "request_path",
+    "served_endpoint",
     "subset_hint",
 ]
 
@@ -39,6 +45,14 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# v1.0: in the response phase, the endpoint that served the request (the primary, or a
+# fallback the gateway retried on), under ``envoy.lb`` in the request's metadata context.
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+# Where the request's path may be, in order: Envoy's pseudo-header; the headers a gateway
+# that is not Envoy puts the original path in (NGINX Gateway Fabric's shim sends no
+# pseudo-headers at all: it forwards the client's headers, Go canonical case, and the body).
+PATH_HEADERS = (":path", "x-original-path", "x-forwarded-path")
 
 # Envoy's limit on one streamed body chunk is 64 KiB; the reference picker keeps under it.
 _CHUNK = 62_000
@@ -76,8 +90,40 @@ def endpoint_kind(method: str, path: str) -> str:
     return op.kind if op is not None else "other"
 
 
+def request_path(headers: dict[str, str]) -> str | None:
+    """The request's path from the first of ``PATH_HEADERS`` present (None: no header says;
+    the body's shape then tells the endpoint, ``kind_from_body``)."""
+    for name in PATH_HEADERS:
+        value = headers.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def kind_from_body(raw: bytes) -> str:
+    """The endpoint a JSON body is for, from its shape, when no header names the path:
+    ``messages`` is a chat completion, ``prompt`` a completion, ``input`` a Responses API
+    request (the reference picker reads the same fields). Anything else, or a body that is
+    not a JSON object, goes by load ("other"): the replica answers it as it would."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return "other"
+    if not isinstance(body, dict):
+        return "other"
+    if isinstance(body.get("messages"), list):
+        return "chat"
+    if "prompt" in body:
+        return "completion"
+    if "input" in body:
+        return "responses"
+    return "other"
+
+
 def header_map(message: pb.HttpHeaders) -> dict[str, str]:
-    """Header names (lowercase) to values; Envoy sends ``raw_value`` (bytes) or ``value``."""
+    """Header names (lowercase) to values. Envoy sends ``raw_value`` (bytes); NGINX Gateway
+    Fabric's shim and older Envoys send ``value`` (a string), in whatever case the client
+    wrote (Go's canonical ``X-Original-Path``): both are read, names folded to lowercase."""
     out: dict[str, str] = {}
     for h in message.headers.headers:
         out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
@@ -101,6 +147,24 @@ def subset_hint(request: pb.ProcessingRequest) -> set[str] | None:
     else:
         items = []
     return {_normalize(e) for e in items if e.strip()}
+
+
+def served_endpoint(request: pb.ProcessingRequest) -> str | None:
+    """The endpoint the gateway says served the request (``envoy.lb`` →
+    ``x-gateway-destination-endpoint-served``, protocol v1.0), normalized; None when absent."""
+    metadata = request.metadata_context.filter_metadata
+    if DESTINATION_NAMESPACE not in metadata:
+        return None
+    fields = metadata[DESTINATION_NAMESPACE].fields
+    if SERVED_KEY not in fields or not fields[SERVED_KEY].string_value.strip():
+        return None
+    return _normalize(fields[SERVED_KEY].string_value)
+
+
+def destination_value(endpoints: list[str]) -> str:
+    """The destination header's (and metadata's) value: the primary, then the fallbacks the
+    gateway may retry on in order (protocol v0.4), comma-separated."""
+    return ",".join(endpoints)
 
 
 def _header_option(key: str, value: str) -> core.HeaderValueOption:

@@ -34,6 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvroute.router.epp.exchange import EndpointPicker
+from kvroute.router.epp.tls import server_credentials_pem
 
 if TYPE_CHECKING:  # the composition root imports this module
     from kvroute.router.service import RouterService
@@ -109,8 +110,9 @@ def _health_handler(ready: Callable[[], bool]) -> grpc.GenericRpcHandler:
 
 class EppServer:
     """The picker's gRPC server, on the HTTP app's event loop (started by its lifespan).
-    Plaintext, or TLS with ``epp_tls_cert``/``epp_tls_key`` (the Inference Extension's own
-    picker serves TLS by default, and gateways set up for it may dial TLS)."""
+    TLS by default, as the Inference Extension's own picker (router/epp/tls.py: the
+    gateways' generated picker clusters dial TLS): ``epp_tls_cert``/``epp_tls_key``, else a
+    self-signed certificate made at start; plaintext only with ``epp_plaintext``."""
 
     def __init__(
         self,
@@ -121,8 +123,12 @@ class EppServer:
     ) -> None:
         self.service = service
         self.ready = ready or (lambda: bool(service.registry.healthy()))
+        self.host = host
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.server: grpc.aio.Server | None = None
+        # The certificate chain served (PEM; None in plaintext): a client that pins it,
+        # such as the tests, reads it here.
+        self.certificate: bytes | None = None
 
     async def start(self) -> None:
         settings = self.service.settings
@@ -132,15 +138,19 @@ class EppServer:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
         pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.service), server)
         server.add_generic_rpc_handlers((_health_handler(self.ready),))
-        if settings.epp_tls_cert and settings.epp_tls_key:
-            with open(settings.epp_tls_key, "rb") as key, open(settings.epp_tls_cert, "rb") as cert:
-                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-            server.add_secure_port(self.address, credentials)  # raises when it cannot bind
-        else:
+        if settings.epp_plaintext:
             server.add_insecure_port(self.address)
+            tls = "plaintext (--epp-plaintext)"
+        else:
+            chain, key, generated = server_credentials_pem(
+                settings.epp_tls_cert, settings.epp_tls_key, self.host
+            )
+            self.certificate = chain
+            credentials = grpc.ssl_server_credentials([(key, chain)])
+            server.add_secure_port(self.address, credentials)  # raises when it cannot bind
+            tls = "TLS, self-signed certificate made at start" if generated else "TLS"
         await server.start()
         self.server = server
-        tls = "TLS" if settings.epp_tls_cert else "plaintext"
         log.info("endpoint picker (ext_proc gRPC, %s) listening on %s", tls, self.address)
 
     async def stop(self, grace_s: float = 2.0) -> None:

@@ -88,7 +88,17 @@ class _StateCollector(Collector):
             "(lost at the source; docs/indexer.md)",
             labels=["replica"],
         )
+        queued = GaugeMetricFamily(
+            "kvroute_replica_queued_prefill_tokens",
+            "Prompt tokens sent to the replica to compute (by this router and its peers) "
+            "that its event feed has not announced stored yet",
+            labels=["replica"],
+        )
+        healthy_queued: list[float] = []
         for name, r in snap["replicas"].items():
+            queued.add_metric([name], r.get("queued_prefill_tokens", 0))
+            if r["healthy"]:
+                healthy_queued.append(r.get("queued_prefill_tokens", 0))
             throttled.add_metric([name], r.get("throttled_bytes", 0))
             lost.add_metric([name], r.get("lost_batches", 0))
             healthy.add_metric([name], 1.0 if r["healthy"] else 0.0)
@@ -98,7 +108,18 @@ class _StateCollector(Collector):
                 fresh.add_metric([name, r["freshness"]], 1.0)
             for tier, n in (r.get("entries_by_tier") or {}).items():
                 entries.add_metric([name, tier], n)
-        yield from (healthy, in_flight, pending, fresh, entries, throttled, lost)
+        yield from (healthy, in_flight, pending, fresh, entries, throttled, lost, queued)
+        # The autoscaling signal (llm-d's and Dynamo's planners scale on queued prefill):
+        # the fleet's queued prefill tokens per healthy replica. Every router sees its
+        # peers' work too (GET /peer/load), so each reports the fleet's figure.
+        yield GaugeMetricFamily(
+            "kvroute_fleet_saturation",
+            "Queued prefill tokens per healthy replica, fleet-wide (the autoscaling signal; "
+            "no healthy replica: the total queued)",
+            value=sum(healthy_queued) / len(healthy_queued)
+            if healthy_queued
+            else sum(r.get("queued_prefill_tokens", 0) for r in snap["replicas"].values()),
+        )
         modes = GaugeMetricFamily(
             "kvroute_tokenizer_mode",
             "1 for how the model's prompts are tokenized now (local, or remote after a mismatch)",

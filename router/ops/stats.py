@@ -24,6 +24,7 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
         throttled[replica] = throttled.get(replica, 0) + stats.throttled_bytes
         lost[replica] = lost.get(replica, 0) + stats.lost_batches
     replicas = {}
+    unstored, default_size = service.router.unstored, service.settings.default_block_size
     for r in service.registry:
         fresh = None
         if r.config.events:
@@ -36,6 +37,10 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
             "entries_by_tier": entries.get(r.name),
             "throttled_bytes": throttled.get(r.name, 0),
             "lost_batches": lost.get(r.name, 0),
+            # Prefill sent (by this router and its peers) that the feed has not announced
+            # stored: the queued work an autoscaler reads (docs/router.md, "Saturation").
+            "queued_prefill_tokens": (unstored.blocks(r.name) + r.peer_unstored_blocks)
+            * (service.index.block_size(r.name) or default_size),
         }
     check = getattr(service.tokenizer, "check", None)
     return {

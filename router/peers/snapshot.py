@@ -27,6 +27,7 @@ __all__ = [
     "End",
     "Header",
     "ReplicaRecord",
+    "SnapshotReader",
     "decode_snapshot",
     "encode_stream",
 ]
@@ -107,26 +108,45 @@ def _export_frame(export: Callable[[str], ReplicaSnapshot | None], name: str) ->
     return None if snap is None else _record(snap)
 
 
-def decode_snapshot(body: bytes) -> list[ReplicaRecord]:
-    """Every replica of a whole snapshot body; SnapshotError says what is wrong with one
-    that is not (garbage, another format or version, cut short, a count that disagrees)."""
-    records: list[ReplicaRecord] = []
-    header: Header | None = None
-    end: End | None = None
-    pos = 0
-    while pos < len(body):
-        if end is not None:
+class SnapshotReader:
+    """A snapshot body read as it arrives (``feed`` each chunk, then ``finish``): each frame
+    is decoded and checked once whole, and only the frame in progress is held as bytes, so
+    a large snapshot is never buffered whole (nor copied to join it). SnapshotError says
+    what is wrong, as soon as it is seen; ``max_bytes`` bounds the body."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.received = 0
+        self.records: list[ReplicaRecord] = []
+        self._names: set[str] = set()
+        self._header: Header | None = None
+        self._end: End | None = None
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> None:
+        self.received += len(chunk)
+        if self.max_bytes is not None and self.received > self.max_bytes:
+            raise SnapshotError(f"snapshot over {self.max_bytes} bytes")
+        self._pending += chunk
+        pos = 0
+        pending = self._pending
+        while len(pending) - pos >= _LEN:
+            size = int.from_bytes(pending[pos : pos + _LEN], "big")
+            start = pos + _LEN
+            if len(pending) - start < size:
+                break
+            self._record(bytes(pending[start : start + size]))
+            pos = start + size
+        del pending[:pos]
+
+    def _record(self, frame: bytes) -> None:
+        if self._end is not None:
             raise SnapshotError("data after the snapshot's end")
-        size = int.from_bytes(body[pos : pos + _LEN], "big")
-        start = pos + _LEN
-        pos = start + size
-        if pos > len(body):
-            raise SnapshotError("snapshot cut short (a record runs past the body)")
         try:
-            record = _decoder.decode(body[start:pos])
+            record = _decoder.decode(frame)
         except msgspec.DecodeError as exc:
             raise SnapshotError(f"not a snapshot record: {exc}") from exc
-        if header is None:
+        if self._header is None:
             if not isinstance(record, Header):
                 raise SnapshotError("snapshot does not start with its header")
             if record.format != FORMAT or record.version != VERSION:
@@ -134,23 +154,38 @@ def decode_snapshot(body: bytes) -> list[ReplicaRecord]:
                     f"snapshot is {record.format!r} version {record.version}; this router "
                     f"reads {FORMAT!r} version {VERSION}"
                 )
-            header = record
+            self._header = record
         elif isinstance(record, ReplicaRecord):
             if record.last_seq < 0 or not 0 <= record.digest < 1 << 64:
                 raise SnapshotError(f"replica {record.name!r}: position out of range")
+            if record.name in self._names:
+                raise SnapshotError("a replica appears twice in the snapshot")
             validate(record.state)
-            records.append(record)
+            self._names.add(record.name)
+            self.records.append(record)
         elif isinstance(record, End):
-            end = record
+            self._end = record
         else:
             raise SnapshotError("a second header in the snapshot")
-    if header is None:
-        raise SnapshotError("empty snapshot")
-    if end is None:
-        raise SnapshotError("snapshot cut short (no end record)")
-    if end.replicas != len(records):
-        raise SnapshotError(f"snapshot ends claiming {end.replicas} replicas, holds {len(records)}")
-    names = [r.name for r in records]
-    if len(set(names)) != len(names):
-        raise SnapshotError("a replica appears twice in the snapshot")
-    return records
+
+    def finish(self) -> list[ReplicaRecord]:
+        """Every replica of the whole body; SnapshotError when it is not whole."""
+        if self._header is None and not self._pending:
+            raise SnapshotError("empty snapshot")
+        if self._pending:
+            raise SnapshotError("snapshot cut short (a record runs past the body)")
+        if self._end is None:
+            raise SnapshotError("snapshot cut short (no end record)")
+        if self._end.replicas != len(self.records):
+            raise SnapshotError(
+                f"snapshot ends claiming {self._end.replicas} replicas, holds {len(self.records)}"
+            )
+        return self.records
+
+
+def decode_snapshot(body: bytes) -> list[ReplicaRecord]:
+    """Every replica of a whole snapshot body; SnapshotError says what is wrong with one
+    that is not (garbage, another format or version, cut short, a count that disagrees)."""
+    reader = SnapshotReader()
+    reader.feed(body)
+    return reader.finish()

@@ -28,7 +28,7 @@ import httpx
 
 from kvroute.indexer.snapshot import SnapshotError
 from kvroute.indexer.subscriber import EventSource, ReplicaSnapshot, WarmOutcome
-from kvroute.router.peers.snapshot import decode_snapshot
+from kvroute.router.peers.snapshot import ReplicaRecord, SnapshotReader
 
 __all__ = ["SEED_TTL_S", "PeerUrls", "WarmStart", "WarmStartError", "fetch_snapshot"]
 
@@ -48,31 +48,30 @@ class WarmStartError(RuntimeError):
 async def fetch_snapshot(
     client: httpx.AsyncClient, peer: str, *, api_key: str | None, timeout_s: float, max_bytes: int
 ) -> dict[str, ReplicaSnapshot]:
-    """The peer's snapshot, by replica name. WarmStartError says why not."""
+    """The peer's snapshot, by replica name. WarmStartError says why not.
+
+    Streamed: each chunk is decoded as it arrives (``SnapshotReader``, off the event loop),
+    so only the decoded records and the frame in progress are held, never the whole body;
+    ``max_bytes`` (``--peer-snapshot-max-mib``) bounds it."""
     url = peer.rstrip("/") + "/index/snapshot"
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    reader = SnapshotReader(max_bytes)
 
-    async def body() -> bytes:
+    async def body() -> list[ReplicaRecord]:
         async with client.stream("GET", url, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread())[:300].decode("utf-8", "replace")
                 raise WarmStartError(f"{url} answered {resp.status_code}: {text}")
-            chunks, size = [], 0
             async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise WarmStartError(f"{url}: snapshot over {max_bytes} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
+                await asyncio.to_thread(reader.feed, chunk)
+        return reader.finish()
 
     try:
-        raw = await asyncio.wait_for(body(), timeout_s)
+        records = await asyncio.wait_for(body(), timeout_s)
     except TimeoutError as exc:
         raise WarmStartError(f"{url}: no whole snapshot within {timeout_s}s") from exc
     except httpx.HTTPError as exc:
         raise WarmStartError(f"{url}: {type(exc).__name__}: {exc}") from exc
-    try:
-        records = await asyncio.to_thread(decode_snapshot, raw)
     except SnapshotError as exc:
         raise WarmStartError(f"{url}: {exc}") from exc
     return {r.name: r.snapshot() for r in records}

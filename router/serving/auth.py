@@ -26,7 +26,14 @@ from typing import Any
 
 from kvroute.router.errors import error_response
 
-__all__ = ["OPEN_PATHS", "ApiKeyMiddleware", "ReplicaAuth", "bearer_matches", "key_digests"]
+__all__ = [
+    "OPEN_PATHS",
+    "PEER_PATHS",
+    "ApiKeyMiddleware",
+    "ReplicaAuth",
+    "bearer_matches",
+    "key_digests",
+]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -39,6 +46,9 @@ OPEN_PATHS = frozenset(
     {"/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/openapi.json"}
 )
 _MONITORING_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# What routers ask each other: with a peer key, these take it and only it (a client key
+# must not read the whole index, nor a peer key serve as a client's).
+PEER_PATHS = frozenset({"/index/snapshot", "/peer/load"})
 REFUSED_MESSAGE = (
     "missing or invalid API key: send the router's key as 'Authorization: Bearer <key>'"
 )
@@ -70,11 +80,21 @@ def bearer_matches(authorization: bytes | None, digests: Iterable[bytes]) -> boo
 
 
 class ApiKeyMiddleware:
-    """Refuse, with OpenAI's 401, any request to a guarded path without a valid key."""
+    """Refuse, with OpenAI's 401, any request to a guarded path without a valid key: the
+    clients' keys, or on ``PEER_PATHS`` the routers' peer key when one is set. Without client
+    keys the other paths are open."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str], *, protect_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Iterable[str],
+        *,
+        protect_metrics: bool = False,
+        peer_key: str | None = None,
+    ) -> None:
         self.app = app
         self.digests = key_digests(keys)
+        self.peer_digests = key_digests([peer_key]) if peer_key else None
         self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | _MONITORING_PATHS
 
     def allows(self, scope: Scope) -> bool:
@@ -83,8 +103,13 @@ class ApiKeyMiddleware:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path in self.open_paths:
             return True
+        digests = self.digests
+        if self.peer_digests is not None and path in PEER_PATHS:
+            digests = self.peer_digests
+        elif not digests:
+            return True  # a peer key alone guards only the peer paths
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        return bearer_matches(authorization, self.digests)
+        return bearer_matches(authorization, digests)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or self.allows(scope):

@@ -25,12 +25,14 @@ import yaml
 from kvroute.connector.config import ConnectorConfig
 from kvroute.deploy.cli import build_parser
 from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
-from kvroute.router.cli import add_arguments, discovery_from_args, settings_from_args
+from kvroute.router.cli import add_arguments, settings_from_args
+from kvroute.router.fleet.discovery.flags import discovery_from_args
+from kvroute.router.fleet.discovery.k8s import pool_spec
 from kvroute.router.fleet.discovery.k8s_pods import pod_replicas
 from tests.paths import REPO_ROOT
 
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ["cpu", "gpu", "shared-storage"]
+OVERLAYS = ["cpu", "gpu", "shared-storage", "epp"]
 # The oldest Kubernetes still commonly run and a recent one: a field too new for the first
 # or removed by the second fails.
 K8S_VERSIONS = ["1.30.0", "1.35.0"]
@@ -38,6 +40,24 @@ K8S_VERSIONS = ["1.30.0", "1.35.0"]
 CRD_REQUIRED = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ["spec.selector", "spec.endpoints"],
     ("monitoring.coreos.com/v1", "PodMonitor"): ["spec.selector", "spec.podMetricsEndpoints"],
+    # The InferencePool is also checked against its CRD's schema (tests/deploy/test_epp_overlay.py).
+    ("inference.networking.k8s.io/v1", "InferencePool"): [
+        "spec.selector.matchLabels",
+        "spec.targetPorts",
+        "spec.endpointPickerRef.name",
+    ],
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): ["spec.parentRefs", "spec.rules"],
+}
+# The CRD kinds each overlay must contain (none elsewhere: their CRDs are not assumed).
+OVERLAY_CRDS = {
+    "gpu": {
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("monitoring.coreos.com/v1", "PodMonitor"),
+    },
+    "epp": {
+        ("inference.networking.k8s.io/v1", "InferencePool"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    },
 }
 EVENT_PORTS = {5557, 5558}
 STORAGE_EVENT_PORTS = {5600, 5601}
@@ -133,8 +153,7 @@ def test_every_object_validates_against_kubernetes_schemas(overlay: str) -> None
             continue
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(obj, version, strict=True)
-    if overlay == "gpu":  # the Prometheus Operator component is in the GPU overlay
-        assert seen_crds == set(CRD_REQUIRED)
+    assert seen_crds == OVERLAY_CRDS.get(overlay, set())
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -188,7 +207,6 @@ def test_router_deployment_service_pdb_and_rbac_are_wired(overlay: str) -> None:
     for verb in ("get", "list", "watch"):
         assert ("", "pods", verb) in granted
         assert ("inference.networking.k8s.io", "inferencepools", verb) in granted
-        assert ("inference.networking.x-k8s.io", "inferencepools", verb) in granted
     assert {v for _, _, v in granted} == {"get", "list", "watch"}  # read-only
 
 
@@ -207,9 +225,13 @@ def test_router_flags_are_accepted_by_the_real_cli(overlay: str) -> None:
     assert discovery.namespace == "kvroute"
     vllm_labels = vllm(objects)["spec"]["template"]["metadata"]["labels"]
     router_labels = router(objects)["spec"]["template"]["metadata"]["labels"]
-    assert selects(discovery.selector, vllm_labels)
+    selector = discovery.selector
+    if discovery.inference_pool:  # the pool's selector and ports, as discovery reads them
+        selector, ports = pool_spec(one(objects, "InferencePool", discovery.inference_pool))
+        assert int(flag(container(vllm(objects), "vllm")["args"], "--port")) in ports
+    assert selects(selector, vllm_labels)
     assert selects(discovery.peer_selector, router_labels)
-    assert not selects(discovery.selector, router_labels)
+    assert not selects(selector, router_labels)
     assert settings.policy == "kvroute" and settings.ready_grace_s > 0
     env = {e["name"]: e for e in container(router(objects), "router")["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
@@ -243,7 +265,14 @@ def test_vllm_pods_publish_where_their_annotations_say(overlay: str) -> None:
     assert replica.url == f"http://10.0.0.7:{http}"
     assert replica.events == f"tcp://10.0.0.7:{bound['endpoint']}"
     assert replica.replay == f"tcp://10.0.0.7:{bound['replay_endpoint']}"
-    assert replica.topic == events.get("topic", "")
+    # The topic llm-d's pods use, kv@<pod IP>@<model>, made by Kubernetes from the pod's own
+    # IP (downward API) and the model; the router subscribes by its fixed prefix.
+    env_from = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
+    assert env_from["POD_IP"]["fieldRef"]["fieldPath"] == "status.podIP"
+    model = "Qwen/Qwen2.5-0.5B-Instruct"
+    topic = expand(events["topic"], {"POD_IP": "10.0.0.7", "MODEL": model})
+    assert topic == f"kv@10.0.0.7@{model}"
+    assert replica.topic == "kv@" and topic.startswith(replica.topic)
 
     if transfer["kv_connector"] == CONNECTOR_CLASS:
         assert transfer["kv_connector_module_path"] == CONNECTOR_MODULE
@@ -271,7 +300,8 @@ def test_vllm_args_parse_in_vllm_serve() -> None:
     for overlay in OVERLAYS:
         c = container(vllm(render(overlay)), "vllm")
         assert c["command"][-1] == "serve"  # `vllm serve` or kvroute's launcher `--serve serve`
-        argv = [expand(a, {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct"}) for a in c["args"]]
+        env = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "POD_IP": "10.0.0.7"}
+        argv = [expand(a, env) for a in c["args"]]
         parsed = root.parse_args(["serve", *argv])
         engine = AsyncEngineArgs.from_cli_args(parsed)
         assert engine.enable_prefix_caching, overlay  # events need the prefix cache
@@ -361,6 +391,10 @@ def test_api_keys_come_from_one_secret() -> None:
     assert env_vllm["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == replica_key
     router_key = env_router["KVROUTE_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert router_key["name"] == replica_key["name"] and router_key["key"] != replica_key["key"]
+    # The routers' own credential to each other: the same Secret, a key of its own.
+    peer_key = env_router["KVROUTE_PEER_KEY"]["valueFrom"]["secretKeyRef"]
+    assert peer_key["name"] == router_key["name"] and peer_key["optional"] is True
+    assert peer_key["key"] not in (router_key["key"], replica_key["key"])
 
 
 def test_shared_storage_overlay_wires_replicas_evictor_and_router() -> None:
@@ -477,3 +511,78 @@ def test_docs_walk_through_apply_the_overlays_that_exist() -> None:
     named = set(re.findall(r"kubectl apply -k deploy/kubernetes/overlays/([\w-]+)", text))
     assert named and named <= set(OVERLAYS)
     assert {p.name for p in (KUBE / "overlays").iterdir()} == set(OVERLAYS)
+
+
+# --- overlays that deploy as written --------------------------------------------------------
+
+
+def _images(objects: tuple[dict[str, Any], ...]) -> list[str]:
+    out = []
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for c in [*pod.get("containers", []), *pod.get("initContainers", [])]:
+            out.append(c["image"])
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_image_is_pulled_from_the_overlays_registry(overlay: str) -> None:
+    """No container keeps a placeholder (kvroute-router, kvroute-vllm): an overlay's
+    ``images:`` rewrites only its own objects, so each overlay that adds a workload must
+    rewrite its image too (the shared-storage evictor did not)."""
+    images = _images(render(overlay))
+    assert images
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert "/" in name and tag, f"{overlay}: image {image!r} names no registry and tag"
+
+
+def _effective(workload: dict[str, Any], name: str, field: str) -> Any:
+    """A security setting as the kubelet applies it: the container's, else the pod's."""
+    pod = workload["spec"]["template"]["spec"].get("securityContext", {})
+    return container(workload, name).get("securityContext", {}).get(field, pod.get(field))
+
+
+def test_shared_storage_evictor_deletes_as_the_uid_that_writes() -> None:
+    """vLLM writes the chunks (root in its images, directories 0755): the evictor can
+    delete them only as the same uid. NFS and most ReadWriteMany volumes ignore fsGroup,
+    so a shared group is no answer; the evictor keeps no capability beyond that."""
+    objects = render("shared-storage")
+    gc = one(objects, "Deployment", "kvroute-storage-gc")
+    writer = _effective(vllm(objects), "vllm", "runAsUser")
+    assert writer is not None, "vLLM's uid must be pinned for the evictor to match it"
+    assert _effective(gc, "gc", "runAsUser") == writer
+    security = container(gc, "gc")["securityContext"]
+    assert security["capabilities"]["drop"] == ["ALL"] and "add" not in security["capabilities"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+
+
+def test_shared_storage_class_is_the_overlays_parameter(tmp_path: Any) -> None:
+    """The claim's storageClassName comes from params.yaml (kustomize replacements), which
+    is not applied itself; a changed parameter changes the rendered claim."""
+    objects = render("shared-storage")
+    claim = one(objects, "PersistentVolumeClaim", "kvroute-shared-kv")
+    params = yaml.safe_load((KUBE / "overlays" / "shared-storage" / "params.yaml").read_text())
+    assert claim["spec"]["storageClassName"] == params["data"]["storageClassName"]
+    assert not [o for o in objects if o["metadata"]["name"] == params["metadata"]["name"]]
+
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, copy)
+    edited = copy / "overlays" / "shared-storage" / "params.yaml"
+    edited.write_text(
+        edited.read_text().replace("storageClassName: nfs-csi", "storageClassName: cephfs")
+    )
+    kubectl = shutil.which("kubectl")
+    assert kubectl
+    out = subprocess.run(
+        [kubectl, "kustomize", str(copy / "overlays" / "shared-storage")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    claims = [
+        d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PersistentVolumeClaim"
+    ]
+    assert [c["spec"]["storageClassName"] for c in claims] == ["cephfs"]

@@ -99,6 +99,7 @@ class FakeApiServer:
         self._generation = 0  # bumped by break_watches
         self._endings = 0  # bumped by end_watches
         self.requests: list[str] = []
+        self.patches: list[tuple[str, dict[str, Any]]] = []  # (pod, merge patch), in order
         self.watch_410s = 0
         self._live: dict[int, tuple[int, int]] = {}  # open stream -> (generation, endings)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -263,6 +264,50 @@ class FakeApiServer:
                         self._json(200, pool)
                     return
                 self._status(404, "NotFound", f"the server could not find {parts.path}")
+
+            def do_PATCH(self) -> None:
+                """A JSON merge patch of one pod's metadata (labels, annotations): what the
+                router's deletion costs write. Recorded in ``api.patches``; a MODIFIED event
+                follows, as from a real API server."""
+                parts = urlsplit(self.path)
+                segments = parts.path.strip("/").split("/")
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                api.requests.append(f"PATCH {self.path}")
+                kind = self.headers.get("Content-Type", "")
+                if not (
+                    segments[:3] == ["api", "v1", "namespaces"]
+                    and len(segments) == 6
+                    and segments[4] == "pods"
+                ):
+                    self._status(404, "NotFound", f"the server could not find {parts.path}")
+                    return
+                if kind != "application/merge-patch+json":
+                    self._status(415, "UnsupportedMediaType", f"only merge patches, not {kind}")
+                    return
+                if set(body) - {"metadata"} or set(body.get("metadata", {})) - {
+                    "labels",
+                    "annotations",
+                }:
+                    self._status(422, "Invalid", f"the stand-in patches labels/annotations: {body}")
+                    return
+                name = segments[5]
+                with api._cond:
+                    pod = api._pods.get(name)
+                    if pod is None:
+                        self._status(404, "NotFound", f"pods {name!r} not found")
+                        return
+                    new = copy.deepcopy(pod)
+                    for field, values in body["metadata"].items():
+                        target = new["metadata"].setdefault(field, {})
+                        for key, value in values.items():
+                            if value is None:
+                                target.pop(key, None)
+                            else:
+                                target[key] = value
+                    new = api._pods[name] = api._bump(new)
+                    api.patches.append((name, body))
+                    api._record("MODIFIED", pod, new, False)
+                self._json(200, new)
 
         return Handler
 

@@ -34,18 +34,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ConfigError, K8sDiscoverySettings, ReplicaConfig
-from kvroute.router.fleet.discovery.k8s_pods import fleet_from_pods, peer_urls
+from kvroute.router.fleet.discovery.deletion_cost import ANNOTATION, DeletionCosts
+from kvroute.router.fleet.discovery.k8s_pods import (
+    PodPorts,
+    fleet_from_pods,
+    peer_urls,
+    pod_is_ready,
+)
 
 __all__ = ["KubernetesDiscovery", "load_kube_config"]
 
 log = logging.getLogger(__name__)
 
-# InferencePool (Gateway API Inference Extension): v1, and the older alpha still deployed.
-POOL_VERSIONS = (
-    ("inference.networking.k8s.io", "v1"),
-    ("inference.networking.x-k8s.io", "v1alpha2"),
-)
+# InferencePool (Gateway API Inference Extension): v1 only. The v1alpha2 API
+# (inference.networking.x-k8s.io) has not shipped since GIE v1.5; reading it would only hide
+# a missing v1 pool behind a second 404.
+POOL_GROUP, POOL_VERSION = "inference.networking.k8s.io", "v1"
 MAX_BACKOFF_S = 10.0
 
 
@@ -62,18 +68,17 @@ def load_kube_config(path: str | None) -> Any:
 
 
 def pool_spec(pool: dict[str, Any]) -> tuple[dict[str, str], list[int]]:
-    """An InferencePool's (selector labels, target ports), v1 or v1alpha2."""
+    """An InferencePool's (selector labels, target ports), v1: ``spec.selector.matchLabels``
+    and ``spec.targetPorts[].number``."""
     spec = pool.get("spec") or {}
-    selector = spec.get("selector") or {}
-    labels = selector.get("matchLabels") if "matchLabels" in selector else selector
+    labels = (spec.get("selector") or {}).get("matchLabels")
     if not isinstance(labels, dict) or not labels:
-        raise ConfigError("InferencePool has no spec.selector labels")
-    if spec.get("targetPorts"):
-        ports = [int(p["number"]) for p in spec["targetPorts"]]
-    elif spec.get("targetPortNumber"):
-        ports = [int(spec["targetPortNumber"])]
-    else:
-        raise ConfigError("InferencePool has no spec.targetPorts / targetPortNumber")
+        raise ConfigError("InferencePool has no spec.selector.matchLabels")
+    if not spec.get("targetPorts"):
+        raise ConfigError("InferencePool has no spec.targetPorts")
+    ports = [int(p["number"]) for p in spec["targetPorts"]]
+    if len(set(ports)) != len(ports):
+        raise ConfigError(f"InferencePool spec.targetPorts repeats a port: {ports}")
     return {str(k): str(v) for k, v in labels.items()}, ports
 
 
@@ -110,6 +115,7 @@ class KubernetesDiscovery:
         router_port: int = 8000,
         on_peers: Callable[[list[str]], None] | None = None,
         config: Any = None,
+        costs: Callable[[list[str]], dict[str, int]] | None = None,
     ) -> None:
         self.settings = settings
         self.apply = apply
@@ -121,10 +127,23 @@ class KubernetesDiscovery:
         self.selector: dict[str, str] = dict(settings.selector)
         self.target_ports: list[int] = []
         self.peers: list[str] = []
+        # This router's pod name, and its Ready peer routers' (--peer-selector): the first
+        # name in order writes the deletion costs, the others compute them only.
+        self.self_name = os.environ.get("POD_NAME") or socket.gethostname()
+        self.peer_names: list[str] = []
         self._pods: dict[str, dict[str, Any]] = {}  # name -> pod (the API's JSON)
         self._applied: list[ReplicaConfig] | None = None
         self._bad: dict[str, str] = {}
+        self._notes: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
+        # Deletion costs (deletion_cost.py): ``costs`` gives them, every interval, when on.
+        self.deletion_costs: DeletionCosts | None = None
+        self._costs_task: PeriodicTask | None = None
+        if costs is not None and settings.deletion_cost_interval_s is not None:
+            self.deletion_costs = DeletionCosts(costs, self.patch_deletion_cost)
+            self._costs_task = PeriodicTask(
+                "kvroute-deletion-cost", settings.deletion_cost_interval_s, self.cost_round
+            )
         # status
         self.resource_version: str | None = None
         self.last_list_at: float | None = None
@@ -174,8 +193,12 @@ class KubernetesDiscovery:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvroute-k8s-discovery")
+        if self._costs_task is not None:
+            self._costs_task.start()
 
     async def stop(self) -> None:
+        if self._costs_task is not None:
+            await self._costs_task.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,30 +209,29 @@ class KubernetesDiscovery:
 
     # --- list -------------------------------------------------------------------------------
 
-    def _pool_resource(self, group: str, version: str) -> Any:
+    def _pool_resource(self) -> Any:
         from lightkube.generic_resource import create_namespaced_resource
 
-        return create_namespaced_resource(group, version, "InferencePool", "inferencepools")
+        return create_namespaced_resource(
+            POOL_GROUP, POOL_VERSION, "InferencePool", "inferencepools"
+        )
 
     async def _read_pool(self) -> None:
         from lightkube import ApiError
 
         name = self.settings.inference_pool
         assert name is not None
-        missing = []
-        for group, version in POOL_VERSIONS:
-            try:
-                pool = await self.client.get(
-                    self._pool_resource(group, version), name, namespace=self.namespace
-                )
-            except ApiError as exc:
-                if exc.status.code != 404:
-                    raise
-                missing.append(f"{group}/{version}")
-                continue
-            self.selector, self.target_ports = pool_spec(pool.to_dict())
-            return
-        raise ConfigError(f"InferencePool {self.namespace}/{name} not found ({missing})")
+        try:
+            pool = await self.client.get(self._pool_resource(), name, namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
+            raise ConfigError(
+                f"InferencePool {self.namespace}/{name} not found in {POOL_GROUP}/{POOL_VERSION} "
+                "(the v1alpha2 API, inference.networking.x-k8s.io, is not read: it has not "
+                "shipped since the Inference Extension's v1.5)"
+            ) from None
+        self.selector, self.target_ports = pool_spec(pool.to_dict())
 
     async def relist(self) -> None:
         """List the pods, replace what we hold with the list (deletes missed by a watch show
@@ -237,8 +259,13 @@ class KubernetesDiscovery:
             Pod, namespace=self.namespace, labels=self.settings.peer_selector
         )
         pods = [pod.to_dict() async for pod in listing]
-        self_name = os.environ.get("POD_NAME") or socket.gethostname()
+        self_name = self.self_name
         peers = peer_urls(pods, default_port=self.router_port, self_name=self_name)
+        self.peer_names = sorted(
+            str(p["metadata"]["name"])
+            for p in pods
+            if p["metadata"].get("name") != self_name and pod_is_ready(p)
+        )
         if peers != self.peers:
             log.info("discovery: peer routers %s", peers)
         self.peers = peers
@@ -246,15 +273,50 @@ class KubernetesDiscovery:
             self.on_peers(peers)
 
     def _apply(self) -> None:
-        fleet = fleet_from_pods(self._pods.values(), self.target_ports)
+        defaults = PodPorts(self.settings.pod_events_port, self.settings.pod_replay_port)
+        fleet = fleet_from_pods(self._pods.values(), self.target_ports, defaults)
         self.pods_seen, self.pods_ready = fleet.pods_seen, fleet.pods_ready
         for pod, why in fleet.errors.items():
             if self._bad.get(pod) != why:  # once per distinct problem, not at every event
                 log.error("discovery: pod skipped: %s", why)
-        self._bad = fleet.errors
+        for pod, what in fleet.notes.items():
+            if self._notes.get(pod) != what:
+                log.warning("discovery: pod %s: %s", pod, what)
+        self._bad, self._notes = fleet.errors, fleet.notes
         if fleet.replicas != self._applied:
             self._applied = fleet.replicas
             self.apply(list(fleet.replicas))
+
+    # --- deletion costs ---------------------------------------------------------------------
+
+    @property
+    def cost_writer(self) -> bool:
+        """Whether this router writes the deletion costs: the first by pod name among itself
+        and its Ready peers (they compute the same costs: one writer is enough, and a
+        router that leaves hands the role to the next at the next re-list)."""
+        return not self.peer_names or self.self_name < self.peer_names[0]
+
+    async def cost_round(self) -> None:
+        """One round of deletion costs over the selected pods not already being deleted,
+        written by one router of the peers (``cost_writer``)."""
+        if self.deletion_costs is None or not self.cost_writer:
+            return
+        pods = [
+            name
+            for name, pod in self._pods.items()
+            if not (pod.get("metadata") or {}).get("deletionTimestamp")
+        ]
+        await self.deletion_costs.round(sorted(pods))
+
+    async def patch_deletion_cost(self, pod: str, value: int) -> None:
+        """A merge patch of the one annotation (nothing else of the pod is written)."""
+        from lightkube.resources.core_v1 import Pod
+        from lightkube.types import PatchType
+
+        body = {"metadata": {"annotations": {ANNOTATION: str(value)}}}
+        await self.client.patch(
+            Pod, pod, body, namespace=self.namespace, patch_type=PatchType.MERGE
+        )
 
     # --- watch ------------------------------------------------------------------------------
 
@@ -353,7 +415,11 @@ class KubernetesDiscovery:
             "pods_ready": self.pods_ready,
             "replicas": [r.key for r in self._applied or []],
             "bad_pods": dict(self._bad),
+            "pod_notes": dict(self._notes),
             "peers": list(self.peers),
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
+            "deletion_costs": None
+            if self.deletion_costs is None
+            else {**self.deletion_costs.status(), "writer": self.cost_writer},
         }

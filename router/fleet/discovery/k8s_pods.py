@@ -4,11 +4,19 @@ Kept apart from the list/watch loop (router/fleet/discovery/k8s.py) so the rules
 plain pod dicts (the API's JSON, as ``lightkube``'s ``to_dict()`` gives it) without a client.
 
 A pod is a replica when it is Ready, has an IP and is not terminating. Its annotations say
-where it publishes (the defaults are vLLM's: events on 5557, replay on 5558, topic ""):
+where it publishes (the defaults are the router's ``PodPorts``: vLLM's events on 5557 and
+replay on 5558 unless ``--pod-events-port``/``--pod-replay-port`` say otherwise, as for an
+llm-d pool's pods: events on 5556, no replay; topic "": every topic):
 
-* ``kvroute.io/http-port``: default the InferencePool's target port, else the container port
-  named ``http``, else 8000. Several pool target ports (one vLLM server per port) make one
-  replica per port, ``<pod>:<port>``, server i publishing on the event/replay ports + i.
+* ``kvroute.io/http-port``: default the container port named ``http``, else 8000. With an
+  InferencePool the pool's target ports decide and the annotation is ignored (noted in
+  ``PodFleet.notes``): the gateway sends traffic to the pool's ports, so a pick elsewhere
+  would name an endpoint the gateway does not serve.
+* Several pool target ports (one vLLM server per port) make one replica per port,
+  ``<pod>:<port>``; server i of n publishes events on the events port + i and replay on the
+  replay port + i, except that a replay block overlapping the events block (vLLM's defaults,
+  5557/5558, would make server 1's events port server 0's replay port) starts after it:
+  events + n + i. An annotated replay port that overlaps is refused with the ports named.
 * ``kvroute.io/events-port``, ``kvroute.io/replay-port``: ``none`` for no feed / no replay.
 * ``kvroute.io/topic``, ``kvroute.io/dp`` (ranks N, or ``auto``: router/fleet/dp.py),
   ``kvroute.io/storage-domain``, ``kvroute.io/layout`` (which of the domain's chunks it
@@ -30,6 +38,7 @@ from kvroute.router.config import ConfigError, ReplicaConfig
 __all__ = [
     "ANNOTATIONS",
     "PodFleet",
+    "PodPorts",
     "fleet_from_pods",
     "parse_selector",
     "peer_urls",
@@ -53,6 +62,39 @@ ANNOTATIONS = (
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_EVENTS_PORT = 5557
 DEFAULT_REPLAY_PORT = 5558
+
+
+@dataclass(frozen=True, slots=True)
+class PodPorts:
+    """Where a pod without port annotations publishes: vLLM's defaults, or the router's
+    ``--pod-events-port``/``--pod-replay-port`` (None: no feed / no replay)."""
+
+    events: int | None = DEFAULT_EVENTS_PORT
+    replay: int | None = DEFAULT_REPLAY_PORT
+
+
+def feed_ports(
+    events: int | None, replay: int | None, servers: int, *, replay_annotated: bool
+) -> list[tuple[int | None, int | None]]:
+    """(events, replay) of each of ``servers`` servers in a pod (module docstring): + i each,
+    the replay block moved after the events block when a default one overlaps it; an
+    annotated one that overlaps is a ConfigError."""
+    if events is None:
+        return [(None, None)] * servers
+    if (
+        replay is not None
+        and servers > 1
+        and replay < events + servers
+        and events < replay + servers
+    ):
+        if replay_annotated:
+            raise ConfigError(
+                f"{servers} servers publish events on {events}-{events + servers - 1} and "
+                f"replay on {replay}-{replay + servers - 1}: the blocks overlap; give "
+                f"{PREFIX}replay-port {events + servers} or more"
+            )
+        replay = events + servers
+    return [(events + i, None if replay is None else replay + i) for i in range(servers)]
 
 
 def parse_selector(value: str) -> dict[str, str]:
@@ -126,7 +168,9 @@ def _host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip
 
 
-def pod_replicas(pod: dict[str, Any], target_ports: Sequence[int] = ()) -> list[ReplicaConfig]:
+def pod_replicas(
+    pod: dict[str, Any], target_ports: Sequence[int] = (), defaults: PodPorts = PodPorts()
+) -> list[ReplicaConfig]:
     """The pod's replicas: none when it is not Ready (or has no IP), one per HTTP port
     otherwise. Raises ConfigError naming the pod when an annotation cannot be used."""
     if not pod_is_ready(pod):
@@ -136,30 +180,29 @@ def pod_replicas(pod: dict[str, Any], target_ports: Sequence[int] = ()) -> list[
     annotations = {k: str(v) for k, v in (meta.get("annotations") or {}).items()}
     try:
         host = _host(str((pod.get("status") or {})["podIP"]))
-        http = _port(annotations, "http-port", None)
-        if http is not None:
-            ports = [http]
-        elif target_ports:
-            ports = list(target_ports)
+        if target_ports:
+            ports = list(target_ports)  # the pool's: an http-port annotation is ignored
         else:
-            ports = [_named_http_port(pod) or DEFAULT_HTTP_PORT]
-        events = _port(annotations, "events-port", DEFAULT_EVENTS_PORT)
-        replay = _port(annotations, "replay-port", DEFAULT_REPLAY_PORT)
+            http = _port(annotations, "http-port", None)
+            ports = [http or _named_http_port(pod) or DEFAULT_HTTP_PORT]
+        events = _port(annotations, "events-port", defaults.events)
+        replay = _port(annotations, "replay-port", defaults.replay)
         dp = _dp(annotations)
         if len(ports) > 1 and dp not in (None, 1):
             raise ConfigError(
                 f"{PREFIX}dp with several target ports: server i publishes on the event "
                 "ports + i, rank r on + r; they would collide (give one port per pod)"
             )
+        plan = feed_ports(
+            events, replay, len(ports), replay_annotated=PREFIX + "replay-port" in annotations
+        )
         out = []
-        for i, port in enumerate(ports):
+        for port, (events_i, replay_i) in zip(ports, plan, strict=True):
             out.append(
                 ReplicaConfig(
                     url=f"http://{host}:{port}",
-                    events=None if events is None else f"tcp://{host}:{events + i}",
-                    replay=None
-                    if events is None or replay is None
-                    else f"tcp://{host}:{replay + i}",
+                    events=None if events_i is None else f"tcp://{host}:{events_i}",
+                    replay=None if replay_i is None else f"tcp://{host}:{replay_i}",
                     topic=annotations.get(PREFIX + "topic", ""),
                     name=name if len(ports) == 1 else f"{name}:{port}",
                     dp=dp,
@@ -181,20 +224,33 @@ class PodFleet:
     pods_seen: int = 0
     pods_ready: int = 0
     errors: dict[str, str] = field(default_factory=dict)  # pod name -> why it was skipped
+    notes: dict[str, str] = field(default_factory=dict)  # pod name -> what was ignored
 
 
-def fleet_from_pods(pods: Iterable[dict[str, Any]], target_ports: Sequence[int] = ()) -> PodFleet:
+def fleet_from_pods(
+    pods: Iterable[dict[str, Any]],
+    target_ports: Sequence[int] = (),
+    defaults: PodPorts = PodPorts(),
+) -> PodFleet:
     """Every pod's replicas, sorted by name; a pod with bad annotations is skipped (and
-    named in ``errors``), never the whole list."""
+    named in ``errors``), never the whole list; an annotation the pool overrides is named
+    in ``notes``."""
     fleet = PodFleet()
     for pod in pods:
         fleet.pods_seen += 1
         ready = pod_is_ready(pod)
         fleet.pods_ready += ready
+        name = str(_meta(pod).get("name"))
+        annotations = _meta(pod).get("annotations") or {}
+        if target_ports and PREFIX + "http-port" in annotations:
+            fleet.notes[name] = (
+                f"{PREFIX}http-port={annotations[PREFIX + 'http-port']} ignored: the "
+                f"InferencePool's target ports {list(target_ports)} decide"
+            )
         try:
-            fleet.replicas += pod_replicas(pod, target_ports)
+            fleet.replicas += pod_replicas(pod, target_ports, defaults)
         except ConfigError as exc:
-            fleet.errors[str(_meta(pod).get("name"))] = str(exc)
+            fleet.errors[name] = str(exc)
     fleet.replicas.sort(key=lambda r: r.key)
     return fleet
 

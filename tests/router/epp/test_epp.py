@@ -18,12 +18,9 @@ ImmediateResponse with OpenAI's error JSON and the HTTP endpoints' status.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 # grpcio and xds-protos are base dependencies (pyproject.toml): a missing one is a broken
@@ -92,6 +89,9 @@ def setup() -> Iterator[Setup]:
             extra_args=[
                 "--epp-port",
                 str(epp_port),
+                "--epp-plaintext",  # TLS by default: test_tls_by_default_... covers it
+                "--epp-fallbacks",
+                "1",
                 "--health-interval-s",
                 "0.3",
                 "--max-body-bytes",
@@ -216,7 +216,8 @@ def _chat(system: str, user: str = "hello?", **more: Any) -> dict[str, Any]:
 
 
 def _destination(answer: pb.ProcessingResponse) -> tuple[str, str, dict[str, str], list[str]]:
-    """(header value, metadata value, all set headers, removed headers) of a pick."""
+    """(primary endpoint, metadata value, all set headers, removed headers) of a pick; the
+    header's whole value (primary, then fallbacks) equals the metadata's."""
     phase = answer.WhichOneof("response")
     assert phase in ("request_headers", "request_body"), answer
     common = getattr(answer, phase).response
@@ -224,9 +225,12 @@ def _destination(answer: pb.ProcessingResponse) -> tuple[str, str, dict[str, str
         h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
     }
     lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    value = headers["x-gateway-destination-endpoint"]
+    metadata = lb.fields["x-gateway-destination-endpoint"].string_value
+    assert value == metadata, (value, metadata)  # never two different values
     return (
-        headers["x-gateway-destination-endpoint"],
-        lb.fields["x-gateway-destination-endpoint"].string_value,
+        value.split(",")[0],
+        metadata,
         headers,
         list(common.header_mutation.remove_headers),
     )
@@ -238,7 +242,7 @@ async def _pick(stream: Stream, body: dict[str, Any], **headers: Any) -> str:
     await stream.send(header_map(**headers), _body(raw))
     answer, echoed = await stream.read_many(2)
     header, metadata, _, _ = _destination(answer)
-    assert header == metadata
+    assert metadata.split(",")[0] == header
     assert echoed.request_body.response.body_mutation.streamed_response.body == raw
     return header
 
@@ -335,7 +339,7 @@ def test_a_body_streamed_in_chunks_and_a_buffered_body(setup: Setup) -> None:
         answer = await stream.read()
         assert answer.WhichOneof("response") == "request_body"
         endpoint, metadata, _, _ = _destination(answer)
-        assert endpoint == metadata == setup.endpoints[expected]
+        assert endpoint == metadata.split(",")[0] == setup.endpoints[expected]
 
     _run(setup, lambda s: chunked(s, DUPLEX))
     _run(setup, lambda s: chunked(s, None))  # no protocol_config: the Inference Extension's
@@ -439,59 +443,42 @@ def test_the_grpc_health_service(setup: Setup) -> None:
     assert _health(setup, "no.such.Service") == grpc.StatusCode.NOT_FOUND
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, as PEM files."""
-    from cryptography import x509  # the test extra (pyproject.toml)
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+def _served_certificate(port: int) -> bytes:
+    """The certificate a TLS server on 127.0.0.1:``port`` presents, read without verifying
+    it (as the gateways' generated picker clusters dial: TLS, no validation context), in
+    PEM: the client then pins it."""
+    import socket
+    import ssl
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvroute-epp")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "epp.crt", directory / "epp.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])  # gRPC's servers insist on HTTP/2
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw) as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return ssl.DER_cert_to_PEM_cert(der).encode()
 
 
-def test_tls_and_a_router_without_keys(setup: Setup, tmp_path: Path) -> None:
-    """``--epp-tls-cert/--epp-tls-key``: the picker over TLS. Without router keys the
-    client's Authorization is left for the replicas, as the HTTP proxy leaves it."""
-    cert, key = _self_signed(tmp_path)
+def test_tls_by_default_and_a_router_without_keys(setup: Setup) -> None:
+    """No TLS flag: the picker serves TLS with a certificate it made at start (naming
+    127.0.0.1), as the Inference Extension's own picker does, and refuses plaintext. Without
+    router keys the client's Authorization is left for the replicas, as on HTTP."""
     port = free_port("127.0.0.1")
     router = RouterProcess(
         name="router-epp-tls",
         replicas=setup.fleet.endpoints(),
         tokenizer=setup.fleet.model_dir,
         extra_args=[
-            *("--epp-port", str(port), "--epp-tls-cert", str(cert), "--epp-tls-key", str(key)),
-            *("--no-tokenizer-check", "--log-level", "warning"),
+            *("--epp-port", str(port), "--no-tokenizer-check", "--log-level", "warning"),
         ],
     )
 
-    async def pick() -> tuple[str, list[str]]:
-        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    async def pick(certificate: bytes) -> tuple[str, list[str]]:
+        credentials = grpc.ssl_channel_credentials(root_certificates=certificate)
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
             call = pb_grpc.ExternalProcessorStub(channel).Process()
             stream = Stream(call)
@@ -500,10 +487,180 @@ def test_tls_and_a_router_without_keys(setup: Setup, tmp_path: Path) -> None:
             call.cancel()
             return endpoint, removed
 
+    async def plaintext() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/grpc.health.v1.Health/Check")
+            try:
+                await asyncio.wait_for(call(b""), 10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
     with router:
-        endpoint, removed = asyncio.run(pick())
+        certificate = _served_certificate(port)
+        endpoint, removed = asyncio.run(pick(certificate))
+        assert asyncio.run(plaintext()) == grpc.StatusCode.UNAVAILABLE
+    assert b"BEGIN CERTIFICATE" in certificate
     assert endpoint in setup.endpoints.values()
     assert removed == []
+
+
+# --- gateways other than Envoy, fallbacks, every body mode ---------------------------------
+
+
+def _warm(setup: Setup, body: dict[str, Any]) -> str:
+    """Compute ``body`` on the second replica directly, until the router would send it there
+    (``/debug/route``); that replica's endpoint."""
+    holder = setup.fleet.replicas[1]
+    httpx.post(f"{holder.url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
+    _wait(lambda: setup.debug_route(body)["chosen"] == holder.name)
+    return setup.endpoints[holder.name]
+
+
+def _go_headers(values: dict[str, str]) -> pb.ProcessingRequest:
+    """Request headers as NGINX Gateway Fabric's shim sends them: the client's headers from
+    Go's ``http.Header`` (canonical case), each in ``value`` (not ``raw_value``), no
+    pseudo-headers, no ``protocol_config``."""
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[core.HeaderValue(key=k, value=v) for k, v in values.items()]
+            )
+        )
+    )
+
+
+@pytest.mark.parametrize("path_header", ["X-Original-Path", "X-Forwarded-Path", None])
+def test_nginx_gateway_fabrics_shim_is_routed_by_cache(
+    setup: Setup, path_header: str | None
+) -> None:
+    """NGF's shim: no ``:path``; the path from ``X-Original-Path``, else ``X-Forwarded-Path``,
+    else the body's shape (``messages``: a chat completion). Each way the returning prefix
+    goes to the replica that holds it, which routing by load would not promise."""
+    body = _chat(f"NGF shim test ({path_header}). " + "Be terse and exact. " * 40)
+    holder = _warm(setup, body)
+    raw = json.dumps(body).encode()
+    values = {"Content-Type": "application/json", "Authorization": AUTH, "X-Request-Id": "ngf-1"}
+    if path_header is not None:
+        values[path_header] = "/v1/chat/completions"
+
+    async def shim(stream: Stream) -> str:
+        await stream.send(_go_headers(values), _body(raw, True))
+        answer, echoed = await stream.read_many(2)
+        assert answer.WhichOneof("response") == "request_headers"
+        assert echoed.request_body.response.body_mutation.streamed_response.body == raw
+        return _destination(answer)[0]
+
+    assert _run(setup, shim) == holder
+
+
+def test_a_body_whose_guessed_kind_cannot_be_read_goes_by_load(setup: Setup) -> None:
+    """Guessed from its shape (no path header), a body the guessed parser refuses is not
+    refused by the picker: the replica, at the client's real path, is the judge."""
+    raw = json.dumps({"model": MODEL, "prompt": {"not": "a prompt"}}).encode()
+
+    async def shim(stream: Stream) -> str:
+        await stream.send(_go_headers({"Authorization": AUTH}), _body(raw, True))
+        answer = await stream.read()
+        assert answer.WhichOneof("response") == "request_headers", answer
+        return _destination(answer)[0]
+
+    assert _run(setup, shim) in setup.endpoints.values()
+    # With the path named, the same body is the completions parser's to refuse (400).
+
+    async def named(stream: Stream) -> int:
+        await stream.send(header_map("/v1/completions"), _body(raw, True))
+        return _error(await stream.read())[0]
+
+    assert _run(setup, named) == 400
+
+
+def test_agentgateway_style_streams_end_with_an_empty_chunk_or_trailers(setup: Setup) -> None:
+    """A gateway that sends Envoy's pseudo-headers as raw values with a query string, no
+    ``protocol_config``, and ends the body with an empty ``end_of_stream`` chunk (or with
+    trailers): the pick comes once the body is whole, and the body is handed back whole."""
+    body = _chat("agentgateway-style test. " + "Cite your sources. " * 40)
+    holder = _warm(setup, body)
+    raw = json.dumps(body).encode()
+
+    async def empty_end(stream: Stream) -> tuple[str, bytes]:
+        await stream.send(header_map("/v1/chat/completions?api-version=1", mode=None))
+        await stream.send(_body(raw[:100], False), _body(raw[100:], False), _body(b"", True))
+        answer = await stream.read()
+        echoed = b""
+        while True:
+            chunk = (await stream.read()).request_body.response.body_mutation.streamed_response
+            echoed += chunk.body
+            if chunk.end_of_stream:
+                break
+        return _destination(answer)[0], echoed
+
+    assert _run(setup, empty_end) == (holder, raw)
+
+    async def trailers(stream: Stream) -> str:
+        await stream.send(header_map(mode=DUPLEX), _body(raw, False))
+        await stream.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        answer = await stream.read()
+        endpoint = _destination(answer)[0]
+        answers = [await stream.read() for _ in range(2)]
+        assert [a.WhichOneof("response") for a in answers] == ["request_body", "request_trailers"]
+        return endpoint
+
+    assert _run(setup, trailers) == holder
+
+
+def test_fallbacks_follow_the_pick_and_the_served_endpoint_carries_the_load(
+    setup: Setup,
+) -> None:
+    """``--epp-fallbacks 1``: the destination is ``primary,fallback`` (header and metadata
+    alike); when the gateway reports it served the request on the fallback
+    (``x-gateway-destination-endpoint-served``), the in-flight count moves there."""
+    body = _chat("Fallback list test. " + "Answer in French. " * 40, stream=True)
+    holder = _warm(setup, body)
+    other = next(e for e in setup.endpoints.values() if e != holder)
+    names = {v: k for k, v in setup.endpoints.items()}
+
+    async def retried(stream: Stream) -> None:
+        raw = json.dumps(body).encode()
+        await stream.send(header_map(), _body(raw))
+        answer, _ = await stream.read_many(2)
+        primary, value, _, _ = _destination(answer)
+        assert (primary, value) == (holder, f"{holder},{other}")
+        assert setup.in_flight()[names[holder]] == 1
+        served = _response_headers()
+        lb = served.metadata_context.filter_metadata["envoy.lb"]
+        lb.fields["x-gateway-destination-endpoint-served"].string_value = other
+        await stream.send(served)
+        await stream.read()
+        assert setup.in_flight() == {names[holder]: 0, names[other]: 1}
+        await stream.send(_response_body(b"data: [DONE]\n\n", True))
+        await stream.read()
+        assert sum(setup.in_flight().values()) == 0
+
+    _run(setup, retried)
+
+
+@pytest.mark.parametrize(
+    "mode", [modes.ProcessingMode.STREAMED, modes.ProcessingMode.BUFFERED_PARTIAL]
+)
+def test_body_modes_that_may_forward_headers_early_go_by_load_at_the_headers(
+    setup: Setup, mode: int
+) -> None:
+    """In STREAMED and BUFFERED_PARTIAL the headers may leave before the body is read: the
+    pick is made (by load) in the headers answer, and each body chunk is acknowledged."""
+
+    async def early(stream: Stream) -> None:
+        await stream.send(header_map(mode=mode))
+        answer = await stream.read()
+        assert answer.WhichOneof("response") == "request_headers", answer
+        assert _destination(answer)[0] in setup.endpoints.values()
+        await stream.send(_body(json.dumps(_chat("early")).encode(), True))
+        ack = await stream.read()
+        assert ack.WhichOneof("response") == "request_body"
+        assert not ack.request_body.response.HasField("body_mutation")
+
+    _run(setup, early)
+    _wait(lambda: sum(setup.in_flight().values()) == 0)
 
 
 def test_no_healthy_replica_is_a_503(setup: Setup) -> None:
@@ -531,6 +688,9 @@ def test_no_healthy_replica_is_a_503(setup: Setup) -> None:
         {"epp_port": 8000, "port": 8000},
         {"epp_port": 9002, "epp_tls_cert": "c.pem"},
         {"epp_tls_cert": "c.pem", "epp_tls_key": "k.pem"},
+        {"epp_port": 9002, "epp_tls_cert": "c.pem", "epp_tls_key": "k.pem", "epp_plaintext": True},
+        {"epp_port": 9002, "epp_fallbacks": -1},
+        {"epp_port": 9002, "epp_fallbacks": 9},
     ],
 )
 def test_the_epp_settings_are_checked(fields: dict[str, Any]) -> None:

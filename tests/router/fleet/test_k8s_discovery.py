@@ -118,15 +118,9 @@ def test_list_then_watch_follows_pods_through_410_breaks_and_stale_watches(
     assert all("labelSelector=app%3Dvllm" in r for r in api.requests if "/pods" in r)
 
 
-@pytest.mark.parametrize("group_version", ["inference.networking.k8s.io/v1", "alpha"])
-def test_inference_pool_gives_selector_and_ports(
-    api: FakeApiServer, tmp_path: Path, group_version: str
-) -> None:
-    if group_version == "alpha":
-        group_version = "inference.networking.x-k8s.io/v1alpha2"
-        spec = {"selector": {"pool": "a"}, "targetPortNumber": 8100}
-    else:
-        spec = {"selector": {"matchLabels": {"pool": "a"}}, "targetPorts": [{"number": 8100}]}
+def test_inference_pool_gives_selector_and_ports(api: FakeApiServer, tmp_path: Path) -> None:
+    group_version = "inference.networking.k8s.io/v1"
+    spec = {"selector": {"matchLabels": {"pool": "a"}}, "targetPorts": [{"number": 8100}]}
     kind = {"apiVersion": group_version, "kind": "InferencePool"}
     api.set_pool(group_version, "my-pool", {**kind, "metadata": {"name": "my-pool"}, "spec": spec})
     api.add_pod(make_pod("in-pool", "10.0.0.1", labels={"pool": "a"}))
@@ -141,6 +135,71 @@ def test_inference_pool_gives_selector_and_ports(
 
     asyncio.run(scenario())
     assert [(r.key, r.url) for r in applied[-1]] == [("in-pool", "http://10.0.0.1:8100")]
+
+
+def test_an_llm_d_pool_two_ports_events_on_5556_no_replay(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    """An existing llm-d pool, as its pods are (no kvroute annotations; events on 5556, no
+    replay socket), two vLLM servers per pod: --pod-events-port 5556 --pod-replay-port none.
+    A pod's kvroute.io/http-port does not override the pool's ports (noted in the status)."""
+    group_version = "inference.networking.k8s.io/v1"
+    spec = {
+        "selector": {"matchLabels": {"llm-d.ai/inferenceServing": "true"}},
+        "targetPorts": [{"number": 8000}, {"number": 8001}],
+    }
+    pool = {"apiVersion": group_version, "kind": "InferencePool", "metadata": {"name": "llm-d"}}
+    api.set_pool(group_version, "llm-d", {**pool, "spec": spec})
+    labels = {"llm-d.ai/inferenceServing": "true"}
+    api.add_pod(make_pod("decode-0", "10.0.0.1", labels=labels))
+    api.add_pod(
+        make_pod("decode-1", "10.0.0.2", labels=labels, annotations={"kvroute.io/http-port": "9"})
+    )
+    applied: list[list[ReplicaConfig]] = []
+
+    async def scenario() -> dict[str, Any]:
+        d = _discovery(
+            api,
+            tmp_path,
+            applied,
+            selector={},
+            inference_pool="llm-d",
+            pod_events_port=5556,
+            pod_replay_port=None,
+        )
+        await d.load_now()
+        await d.stop()
+        return d.status()
+
+    status = asyncio.run(scenario())
+    assert [(r.key, r.url, r.events, r.replay) for r in applied[-1]] == [
+        ("decode-0:8000", "http://10.0.0.1:8000", "tcp://10.0.0.1:5556", None),
+        ("decode-0:8001", "http://10.0.0.1:8001", "tcp://10.0.0.1:5557", None),
+        ("decode-1:8000", "http://10.0.0.2:8000", "tcp://10.0.0.2:5556", None),
+        ("decode-1:8001", "http://10.0.0.2:8001", "tcp://10.0.0.2:5557", None),
+    ]
+    assert "ignored" in status["pod_notes"]["decode-1"]
+
+
+def test_a_v1alpha2_pool_is_not_read(api: FakeApiServer, tmp_path: Path) -> None:
+    """Only inference.networking.k8s.io/v1: a pool left in the retired alpha API is reported
+    as missing from v1, with the reason, never read."""
+    group_version = "inference.networking.x-k8s.io/v1alpha2"
+    spec = {"selector": {"pool": "a"}, "targetPortNumber": 8100}
+    api.set_pool(group_version, "old", {"metadata": {"name": "old"}, "spec": spec})
+    api.add_pod(make_pod("in-pool", "10.0.0.1", labels={"pool": "a"}))
+    applied: list[list[ReplicaConfig]] = []
+
+    async def scenario() -> str | None:
+        d = _discovery(api, tmp_path, applied, selector={}, inference_pool="old")
+        await d.load_now()
+        await d.stop()
+        return d.last_error
+
+    error = asyncio.run(scenario())
+    assert error is not None and "not found in inference.networking.k8s.io/v1" in error
+    assert "v1alpha2" in error
+    assert applied == []
 
 
 def test_missing_pool_and_unreachable_api_are_reported_not_fatal(tmp_path: Path) -> None:

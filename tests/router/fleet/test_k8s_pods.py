@@ -11,6 +11,7 @@ import pytest
 from kvroute.router.config import ConfigError, ReplicaConfig
 from kvroute.router.fleet.discovery.k8s import pool_spec
 from kvroute.router.fleet.discovery.k8s_pods import (
+    PodPorts,
     fleet_from_pods,
     parse_selector,
     peer_urls,
@@ -64,15 +65,51 @@ def test_http_port_falls_back_to_pool_then_named_container_port() -> None:
     assert pod_replicas(named)[0].url == "http://10.0.0.1:8081"
     assert pod_replicas(named, target_ports=[8200])[0].url == "http://10.0.0.1:8200"
     annotated = make_pod("b", "10.0.0.2", annotations={"kvroute.io/http-port": "7000"})
-    assert pod_replicas(annotated, target_ports=[8200])[0].url == "http://10.0.0.2:7000"
+    assert pod_replicas(annotated)[0].url == "http://10.0.0.2:7000"
+    # With a pool, the pool's ports decide: the gateway sends traffic there.
+    assert pod_replicas(annotated, target_ports=[8200])[0].url == "http://10.0.0.2:8200"
+    fleet = fleet_from_pods([annotated], target_ports=[8200])
+    assert "kvroute.io/http-port=7000 ignored" in fleet.notes["b"]
+    assert fleet_from_pods([annotated]).notes == {}
 
 
-def test_several_pool_target_ports_are_one_replica_each() -> None:
+def test_several_pool_target_ports_are_one_replica_each_and_no_port_is_used_twice() -> None:
+    """Server i: events 5557 + i; the default replay block (5558 + i) would overlap the
+    events block (server 1's events port is server 0's replay port), so it moves after it."""
     reps = pod_replicas(make_pod("p", "10.0.0.1"), target_ports=[8000, 8001])
     assert [(r.key, r.url, r.events, r.replay) for r in reps] == [
-        ("p:8000", "http://10.0.0.1:8000", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558"),
-        ("p:8001", "http://10.0.0.1:8001", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"),
+        ("p:8000", "http://10.0.0.1:8000", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5559"),
+        ("p:8001", "http://10.0.0.1:8001", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5560"),
     ]
+    four = pod_replicas(make_pod("q", "10.0.0.1"), target_ports=[8000, 8001, 8002, 8003])
+    used = [r.events for r in four] + [r.replay for r in four]
+    assert len(set(used)) == 8
+    apart = make_pod("r", "10.0.0.1", annotations={"kvroute.io/replay-port": "6000"})
+    assert [r.replay for r in pod_replicas(apart, target_ports=[8000, 8001])] == [
+        "tcp://10.0.0.1:6000",
+        "tcp://10.0.0.1:6001",
+    ]
+
+
+def test_an_annotated_replay_block_that_overlaps_is_refused() -> None:
+    pod = make_pod("s", "10.0.0.1", annotations={"kvroute.io/replay-port": "5558"})
+    with pytest.raises(ConfigError, match=r"overlap.*replay-port 5559"):
+        pod_replicas(pod, target_ports=[8000, 8001])
+    assert pod_replicas(pod)[0].replay == "tcp://10.0.0.1:5558"  # one server: no overlap
+
+
+def test_the_routers_pod_port_defaults_apply_without_annotations() -> None:
+    """An llm-d pool's pods: events on 5556, no replay socket."""
+    llm_d = PodPorts(events=5556, replay=None)
+    (one,) = pod_replicas(make_pod("d", "10.0.0.3"), defaults=llm_d)
+    assert (one.events, one.replay) == ("tcp://10.0.0.3:5556", None)
+    two = pod_replicas(make_pod("e", "10.0.0.4"), target_ports=[8000, 8001], defaults=llm_d)
+    assert [(r.events, r.replay) for r in two] == [
+        ("tcp://10.0.0.4:5556", None),
+        ("tcp://10.0.0.4:5557", None),
+    ]
+    annotated = make_pod("f", "10.0.0.5", annotations={"kvroute.io/events-port": "7000"})
+    assert pod_replicas(annotated, defaults=llm_d)[0].events == "tcp://10.0.0.5:7000"
 
 
 def test_dp_annotation_makes_rank_targets_as_router_dp_names_them() -> None:
@@ -141,13 +178,17 @@ def test_selector_parsing() -> None:
             parse_selector(bad)
 
 
-def test_pool_spec_v1_and_v1alpha2() -> None:
+def test_pool_spec_is_v1_only() -> None:
     v1 = {"spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}]}}
     assert pool_spec(v1) == ({"app": "vllm"}, [8000])
     alpha = {"spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8080}}
-    assert pool_spec(alpha) == ({"app": "vllm"}, [8080])
-    with pytest.raises(ConfigError, match="selector"):
-        pool_spec({"spec": {"targetPortNumber": 8080}})
+    with pytest.raises(ConfigError, match="matchLabels"):
+        pool_spec(alpha)
+    with pytest.raises(ConfigError, match="targetPorts"):
+        pool_spec({"spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPortNumber": 1}})
+    twice = {"spec": {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 1}] * 2}}
+    with pytest.raises(ConfigError, match="repeats"):
+        pool_spec(twice)
 
 
 def test_peer_urls_exclude_this_pod_and_unready_ones(caplog: pytest.LogCaptureFixture) -> None:

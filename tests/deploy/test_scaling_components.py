@@ -1,0 +1,91 @@
+"""The scaling components (deploy/kubernetes/components/deletion-cost, autoscaling-keda),
+rendered with the real ``kubectl kustomize`` into the CPU overlay as their comments say to
+add them: the routers' flag goes through the real ``kvroute serve`` parser, the Role grants
+what the deletion costs write, and the ScaledObject scales the replicas on a metric the
+router really exports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import yaml
+
+from kvroute.router.cli import settings_from_args
+from kvroute.router.ops.metrics import RouterMetrics
+from tests.deploy.test_kubernetes_manifests import KUBE, one, router, serve_args, vllm
+
+
+def _render_cpu_with(tmp_path: Path, *components: str) -> tuple[dict[str, Any], ...]:
+    work = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, work)
+    kustomization = work / "overlays" / "cpu" / "kustomization.yaml"
+    data = yaml.safe_load(kustomization.read_text())
+    data["components"] = [f"../../components/{c}" for c in components]
+    kustomization.write_text(yaml.safe_dump(data))
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(work / "overlays" / "cpu")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def test_deletion_costs_are_off_by_default(tmp_path: Path) -> None:
+    from tests.deploy.test_kubernetes_manifests import render
+
+    settings = settings_from_args(serve_args(render("cpu")))
+    assert settings.k8s_discovery is not None
+    assert settings.k8s_discovery.deletion_cost_interval_s is None
+
+
+def test_the_deletion_cost_component_turns_it_on_with_patch_on_pods(tmp_path: Path) -> None:
+    objects = _render_cpu_with(tmp_path, "deletion-cost")
+    settings = settings_from_args(serve_args(objects))
+    assert settings.k8s_discovery is not None
+    assert settings.k8s_discovery.deletion_cost_interval_s == 30
+    account = router(objects)["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = one(objects, "RoleBinding", "kvroute-router-deletion-cost")
+    namespace = router(objects)["metadata"]["namespace"]
+    assert {"kind": "ServiceAccount", "name": account, "namespace": namespace} in binding[
+        "subjects"
+    ]
+    role = one(objects, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    for obj in (role, binding):
+        kubernetes_validate.validate(obj, "1.35.0", strict=True)
+
+
+def test_the_keda_component_scales_the_replicas_on_the_exported_saturation(
+    tmp_path: Path,
+) -> None:
+    objects = _render_cpu_with(tmp_path, "autoscaling-keda")
+    scaled = one(objects, "ScaledObject", "vllm")
+    target = scaled["spec"]["scaleTargetRef"]
+    sts = vllm(objects)
+    assert (target["kind"], target["name"]) == (sts["kind"], sts["metadata"]["name"])
+    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+    exported = (
+        RouterMetrics(
+            lambda: {"replicas": {}, "tokenizer_modes": {}, "index_bytes": 0, "hint_keys": 0}
+        )
+        .render()
+        .decode()
+    )
+    assert "kvroute_fleet_saturation " in exported
+    assert "kvroute_fleet_saturation" in trigger["metadata"]["query"]
+    behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    # Scale-down slower than scale-up: each removal takes a cache with it.
+    assert (
+        behavior["scaleDown"]["stabilizationWindowSeconds"]
+        > behavior["scaleUp"]["stabilizationWindowSeconds"]
+    )

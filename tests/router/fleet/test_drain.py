@@ -1,0 +1,105 @@
+"""Drain: a replica pod being deleted (``deletionTimestamp`` seen by discovery) gets no new
+request from that moment, and the requests it is serving finish; no client sees an error.
+
+A real router on 127.0.0.1 (``--discover k8s`` through the real lightkube client) in front
+of two simulated vLLM replicas, the pods served by the kube-apiserver stand-in
+(tests/router/k8s_apiserver.py). The first replica's prefill is slowed so that its request
+is still being served when its pod is marked for deletion."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvroute.bench.sim.faults import ReplicaFaults
+from kvroute.router.app import create_app
+from kvroute.router.config import K8sDiscoverySettings, RouterSettings
+from kvroute.router.serving.http_protocol import header_deadline_protocol
+from kvroute.router.tokens.tokenization import LocalTokenizer
+from tests.router.k8s_apiserver import FakeApiServer, make_pod
+from tests.router.servers import ServerThread, wait_until
+from tests.router.sim_replica import SimServer
+
+
+def _pod(name: str, sim: SimServer, *, ready: bool = True) -> dict[str, Any]:
+    def port(endpoint: str) -> str:
+        return endpoint.rsplit(":", 1)[1]
+
+    return make_pod(
+        name,
+        "127.0.0.1",
+        ready=ready,
+        uid=f"uid-{name}",
+        annotations={
+            "kvroute.io/http-port": str(sim.port),
+            "kvroute.io/events-port": port(sim.events),
+            "kvroute.io/replay-port": port(sim.replay),
+        },
+    )
+
+
+def test_a_pod_marked_for_deletion_takes_no_new_request_and_finishes_its_own(
+    local_tokenizer: LocalTokenizer, tmp_path: Path
+) -> None:
+    with (
+        SimServer("r0", local_tokenizer.name) as r0,
+        SimServer("r1", local_tokenizer.name) as r1,
+        FakeApiServer() as api,
+    ):
+        r0.replica.faults = ReplicaFaults(prefill_delay_s=2.0)
+        api.add_pod(_pod("pod-0", r0))
+        api.add_pod(_pod("pod-1", r1, ready=False))  # not yet: the first request goes to pod-0
+        settings = RouterSettings(
+            k8s_discovery=K8sDiscoverySettings(
+                selector={"app": "vllm"}, kubeconfig=str(api.kubeconfig(tmp_path / "kube"))
+            ),
+            health_interval_s=0.2,
+            tokenizer_check_on_start=False,
+        )
+        router = ServerThread(
+            create_app(settings, tokenizer=local_tokenizer),
+            http=header_deadline_protocol(settings.header_timeout_s),
+        ).start()
+        try:
+            service = router.app.state.service
+            wait_until(lambda: [r.name for r in service.registry.healthy()] == ["pod-0"], 10)
+            body = {"model": "tiny", "prompt": "Drain test: " * 20, "max_tokens": 3, "stream": True}
+            in_flight: dict[str, Any] = {}
+
+            def first() -> None:
+                with httpx.stream(
+                    "POST", f"{router.url}/v1/completions", json=body, timeout=30
+                ) as answer:
+                    in_flight["status"] = answer.status_code
+                    in_flight["replica"] = answer.headers.get("x-kvroute-replica")
+                    in_flight["text"] = answer.read().decode()
+
+            thread = threading.Thread(target=first)
+            thread.start()
+            wait_until(lambda: len(r0.seen) == 1, 10)
+            # pod-1 becomes Ready and pod-0 starts terminating, in that order, while pod-0
+            # is still computing the first request.
+            api.update_pod(_pod("pod-1", r1))
+            leaving = _pod("pod-0", r0)
+            leaving["metadata"]["deletionTimestamp"] = "2026-11-27T21:00:00Z"
+            api.update_pod(leaving)
+            wait_until(lambda: [r.name for r in service.registry] == ["pod-1"], 10)
+            assert thread.is_alive(), "the first request should still be in flight"
+            later = []
+            for i in range(6):
+                answer = httpx.post(
+                    f"{router.url}/v1/completions",
+                    json={"model": "tiny", "prompt": f"After the drain {i}", "max_tokens": 2},
+                    timeout=30,
+                )
+                later.append((answer.status_code, answer.headers.get("x-kvroute-replica")))
+            thread.join(30)
+        finally:
+            router.stop()
+    assert later == [(200, "pod-1")] * 6  # none to the terminating pod, none refused
+    assert in_flight["status"] == 200 and in_flight["replica"] == "pod-0"
+    assert in_flight["text"].rstrip().endswith("data: [DONE]")  # finished, not cut
+    assert len(r0.seen) == 1  # pod-0 received nothing after its deletion began
