@@ -15,9 +15,9 @@ stored there is a hit for all of D's replicas of the same ``layout=L`` (docs/ind
 storage domains).
 
 Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]
-[,storage_domain=D][,layout=L]``.
+[,storage_domain=D][,layout=L][,role=prefill|decode|both][,zone=Z]``.
 File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp,
-storage_domain, layout}, ...]``
+storage_domain, layout, role, zone}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
 (kvroute.router.fleet.discovery.file).
 """
@@ -30,6 +30,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 __all__ = [
+    "REPLICA_ROLES",
     "ConfigError",
     "CostSettings",
     "K8sDiscoverySettings",
@@ -43,6 +44,11 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A replica flag or file that cannot be used, with the reason."""
+
+
+# What a replica serves under prefill/decode disaggregation: both legs (aggregated), the
+# prefill leg only, or the decode leg only.
+REPLICA_ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +78,17 @@ class ReplicaConfig:
     # Which process is behind the URL, when a discovery source knows (a Kubernetes pod's
     # UID): a new value is a new replica, so its index entries are cleared, never inherited.
     incarnation: str | None = None
+    # Prefill/decode disaggregation (router/routing/disagg.py): which leg it serves,
+    # ``prefill``, ``decode`` or ``both`` (an aggregated replica, the default); and where it
+    # runs (a node or zone name), so a prefill replica near the decode one can be preferred.
+    role: str = "both"
+    zone: str | None = None
 
     def __post_init__(self) -> None:
+        if self.role not in REPLICA_ROLES:
+            raise ConfigError(
+                f"replica role must be one of {', '.join(REPLICA_ROLES)}, got {self.role!r}"
+            )
         if self.storage_domain is not None:
             check_storage_domain_name(self.storage_domain)
         if self.layout is not None:
