@@ -33,6 +33,7 @@ __all__ = [
     "REPLICA_ROLES",
     "ConfigError",
     "CostSettings",
+    "DisaggSettings",
     "K8sDiscoverySettings",
     "ModelTokenizerConfig",
     "ReplicaConfig",
@@ -219,6 +220,42 @@ class CostSettings:
             raise ConfigError("cost.queue_s_per_request_max must be >= queue_s_per_request")
 
 
+@dataclass(slots=True)
+class DisaggSettings:
+    """Prefill/decode disaggregation (router/routing/disagg.py; docs/router.md, "P/D").
+
+    ``mode``: ``auto`` (the decider: decode replica first, the prefill leg only where it
+    pays), ``always`` (every eligible request split, as smg and vllm-router do), ``never``
+    (aggregated on the decode pool). The prefill leg is skipped when what the decode replica
+    must compute is small: at most ``skip_tokens`` tokens, or at most ``skip_fraction`` of
+    the prompt (a returning user whose history the decode replica holds); or when the cost
+    model says recomputing on the decode replica is no slower than prefill elsewhere plus
+    the pull (``transfer_s_per_token`` per token pulled, ``split_overhead_s`` per request).
+    A prefill replica in the decode replica's zone is preferred while it costs at most
+    ``1 + zone_slack`` times the cheapest; ``prefill_attempts`` prefill replicas are tried
+    before the request is served decode-only.
+    """
+
+    mode: str = "auto"
+    skip_tokens: int = 256
+    skip_fraction: float = 0.1
+    transfer_s_per_token: float = 1e-5
+    split_overhead_s: float = 0.005
+    zone_slack: float = 0.25
+    prefill_attempts: int = 2
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "always", "never"):
+            raise ConfigError(f"pd mode must be auto, always or never, got {self.mode!r}")
+        if self.skip_tokens < 0 or not 0.0 <= self.skip_fraction <= 1.0:
+            raise ConfigError("pd skip_tokens must be >= 0 and skip_fraction in [0, 1]")
+        for name in ("transfer_s_per_token", "split_overhead_s", "zone_slack"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"pd {name} must be >= 0")
+        if self.prefill_attempts < 1:
+            raise ConfigError("pd prefill_attempts must be >= 1")
+
+
 @dataclass(frozen=True, slots=True)
 class StorageDomainConfig:
     """A storage domain's own event feed: its evictor (``kvroute storage gc``) publishes
@@ -353,6 +390,7 @@ class RouterSettings:
     unconfirmed_max_blocks: int = 262_144
     # Routing
     cost: CostSettings = field(default_factory=CostSettings)
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
     hint_ttl_s: float = 5.0
     hint_max_keys: int = 500_000
     default_block_size: int = 16

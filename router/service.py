@@ -38,6 +38,7 @@ from kvroute.router.peers.followers import PeerFollowers
 from kvroute.router.peers.load import PeerLoad
 from kvroute.router.peers.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
 from kvroute.router.routing.accuracy import AccuracyTracker
+from kvroute.router.routing.disagg import Disaggregation
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.router import Decision, Router
 from kvroute.router.serving.auth import ReplicaAuth
@@ -116,6 +117,7 @@ class RouterService:
         )
         self.metrics = RouterMetrics(self._metrics_state)
         self.accuracy = AccuracyTracker()
+        self.disagg = Disaggregation(settings.disagg, settings.cost)  # P/D decider, counters
         self.upstream: UpstreamClient | None = None
         self.forwarder: Forwarder | None = None
         self._given_tokenizer = tokenizer

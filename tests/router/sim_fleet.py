@@ -54,10 +54,13 @@ def make_fleet(
     faults: list[ReplicaFaults] | None = None,
     loras: list[str] | None = None,
     inject_tokenizer: bool = True,
+    roles: list[str] | None = None,
+    nixl: list[bool] | None = None,
     **settings_kw: Any,
 ) -> Iterator[Fleet]:
     """n simulated replicas behind one router (subscribed to their KV events when
-    ``events``); ``faults[i]`` is replica i's."""
+    ``events``); ``faults[i]`` is replica i's, ``roles[i]`` its P/D role (default both),
+    ``nixl[i]`` whether it has a P/D connector (default yes)."""
     with contextlib.ExitStack() as stack:
         fakes, configs = [], []
         for i in range(n):
@@ -66,6 +69,7 @@ def make_fleet(
                 tokenizer.name,
                 faults=faults[i] if faults else None,
                 loras=list(loras or []),
+                nixl=nixl[i] if nixl else True,
             )
             stack.callback(fake.close)
             fake.start()
@@ -76,6 +80,7 @@ def make_fleet(
                     events=fake.events if events else None,
                     replay=fake.replay if events else None,
                     name=f"r{i}",
+                    role=roles[i] if roles else "both",
                 )
             )
         defaults: dict[str, Any] = {

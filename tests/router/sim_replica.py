@@ -57,6 +57,7 @@ class SimServer:
         chat_template: str | None = None,
         scale_out: bool = False,
         faults: ReplicaFaults | None = None,
+        nixl: bool = True,
     ) -> None:
         self.name = name
         config = SimReplicaConfig(
@@ -70,6 +71,7 @@ class SimServer:
             loras=tuple(loras),
             chat_template=chat_template,
             scale_out=scale_out,
+            nixl=nixl,
         )
         replica = make_server(config, _tokenizer(str(model_dir)))
         assert isinstance(replica, SimReplica)
