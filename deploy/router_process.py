@@ -51,6 +51,7 @@ class ReplicaEndpoint:
     replay: str | None = None
     topic: str = ""
     dp: str | None = None  # a data-parallel server: its rank count, or "auto" (ask the server)
+    role: str = "both"  # its P/D pool: prefill, decode, or both (router/routing/disagg.py)
 
     def flag(self) -> str:
         """The ``kvroute serve --replica`` value for this replica."""
@@ -63,6 +64,8 @@ class ReplicaEndpoint:
             parts.append(f"topic={self.topic}")
         if self.dp:
             parts.append(f"dp={self.dp}")
+        if self.role != "both":
+            parts.append(f"role={self.role}")
         return ",".join(parts)
 
 
