@@ -70,10 +70,11 @@ class ReplicaEndpoint:
 
 
 def settings_from_dict(data: dict[str, Any]) -> Any:
-    """RouterSettings from JSON-able data (``replicas``, ``storage_domains``: dicts; ``cost``:
-    a dict of knobs)."""
+    """RouterSettings from JSON-able data (``replicas``, ``storage_domains``: dicts; ``cost``,
+    ``disagg``: dicts of knobs)."""
     from kvroute.router.config import (
         CostSettings,
+        DisaggSettings,
         ReplicaConfig,
         RouterSettings,
         StorageDomainConfig,
@@ -83,7 +84,10 @@ def settings_from_dict(data: dict[str, Any]) -> Any:
     replicas = [ReplicaConfig(**r) for r in data.pop("replicas", [])]
     cost = CostSettings(**data.pop("cost", {}))
     domains = [StorageDomainConfig(**d) for d in data.pop("storage_domains", [])]
-    return RouterSettings(replicas=replicas, cost=cost, storage_domains=domains, **data)
+    disagg = DisaggSettings(**data.pop("disagg", {}))
+    return RouterSettings(
+        replicas=replicas, cost=cost, storage_domains=domains, disagg=disagg, **data
+    )
 
 
 class RouterProcess(RunsChild):

@@ -274,6 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--pd-split-overhead-s", type=float, default=p.split_overhead_s)
     pd.add_argument("--pd-zone-slack", type=float, default=p.zone_slack)
     pd.add_argument("--pd-prefill-attempts", type=int, default=p.prefill_attempts)
+    pd.add_argument("--pd-prefill-timeout-s", type=float, default=p.prefill_timeout_s)
     proxy = parser.add_argument_group("proxy")
     proxy.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
@@ -491,6 +492,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
             split_overhead_s=args.pd_split_overhead_s,
             zone_slack=args.pd_zone_slack,
             prefill_attempts=args.pd_prefill_attempts,
+            prefill_timeout_s=args.pd_prefill_timeout_s,
         ),
     )
 

@@ -233,7 +233,8 @@ class DisaggSettings:
     the pull (``transfer_s_per_token`` per token pulled, ``split_overhead_s`` per request).
     A prefill replica in the decode replica's zone is preferred while it costs at most
     ``1 + zone_slack`` times the cheapest; ``prefill_attempts`` prefill replicas are tried
-    before the request is served decode-only.
+    before the request is served decode-only, each given ``prefill_timeout_s`` to answer (a
+    prefill replica that holds a request without answering must not hold the client).
     """
 
     mode: str = "auto"
@@ -243,8 +244,11 @@ class DisaggSettings:
     split_overhead_s: float = 0.005
     zone_slack: float = 0.25
     prefill_attempts: int = 2
+    prefill_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.prefill_timeout_s <= 0:
+            raise ConfigError("pd prefill_timeout_s must be > 0")
         if self.mode not in ("auto", "always", "never"):
             raise ConfigError(f"pd mode must be auto, always or never, got {self.mode!r}")
         if self.skip_tokens < 0 or not 0.0 <= self.skip_fraction <= 1.0:

@@ -155,6 +155,8 @@ class Scheduler:
 
         The caller must call ``finish`` (or ``abort``) afterwards, also on error.
         """
+        if self._task is None:
+            raise ReplicaDied("replica died")  # stopped: nothing would ever admit it
         req.arrival = self.now()
         req.prefilled = asyncio.get_running_loop().create_future()
         self._waiting.append(req)

@@ -32,6 +32,7 @@ fault: it goes decode-only at once, whose answer (the same 4xx) is the client's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import MutableMapping
 from functools import partial
@@ -281,8 +282,7 @@ async def _prefill_leg(
     JSON answer), or (None, None) when none did (then the request goes decode-only)."""
     service = endpoint.service
     counters = service.disagg.counters
-    forwarder = service.forwarder
-    assert forwarder is not None
+    assert service.forwarder is not None, "the app's lifespan has not started"
     body = _encode(prefill_body(parsed.body, endpoint.kind))
     attempts = service.settings.disagg.prefill_attempts
     commit = None
@@ -291,24 +291,19 @@ async def _prefill_leg(
     for replica in plan.prefill[:attempts]:
         counters.prefill_legs += 1
         try:
-            upstream = await forwarder.open([replica], target, body, headers, commit)
-        except RouterError as exc:
+            async with asyncio.timeout(service.settings.disagg.prefill_timeout_s):
+                status, data = await _send_prefill(service, replica, target, body, headers, commit)
+        except TimeoutError:
+            service.registry.record_failure(replica, "proxy: the prefill leg timed out")
             counters.prefill_failures += 1
-            log.info("prefill leg on %s failed: %s", replica.name, exc.message)
+            log.warning("prefill leg on %s timed out; trying the next", replica.name)
             continue
-        complete = False
-        try:
-            data = await upstream.response.read()
-            complete = True
-        except UpstreamError as exc:
-            service.registry.record_failure(replica, f"proxy: {exc!r}")
+        if status is None or data is None:
             counters.prefill_failures += 1
             continue
-        finally:
-            forwarder.close(upstream, complete=complete)
-        if upstream.status != 200:
+        if status != 200:
             counters.prefill_failures += 1
-            if 400 <= upstream.status < 500:
+            if 400 <= status < 500:
                 return None, None  # the request's own fault: decode-only says it to the client
             continue
         try:
@@ -320,6 +315,34 @@ async def _prefill_leg(
             return replica, answer
         counters.prefill_failures += 1
     return None, None
+
+
+async def _send_prefill(
+    service: Any,
+    replica: Replica,
+    target: str,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]],
+    commit: Any,
+) -> tuple[int | None, bytes | None]:
+    """One prefill attempt: (status, whole body), or (None, None) when it failed on the way
+    (refused, reset, broken mid-answer)."""
+    forwarder = service.forwarder
+    try:
+        upstream = await forwarder.open([replica], target, body, headers, commit)
+    except RouterError as exc:
+        log.info("prefill leg on %s failed: %s", replica.name, exc.message)
+        return None, None
+    complete = False
+    try:
+        data = await upstream.response.read()
+        complete = True
+    except UpstreamError as exc:
+        service.registry.record_failure(replica, f"proxy: {exc!r}")
+        return None, None
+    finally:
+        forwarder.close(upstream, complete=complete)
+    return upstream.status, data
 
 
 def _router_ids(decision: Any) -> list[int] | None:

@@ -18,6 +18,7 @@ from kvroute.bench.sim.disagg import BOARD
 from kvroute.router.config import DisaggSettings
 from tests.router.servers import wait_until
 from tests.router.sim_fleet import Fleet, make_fleet
+from tests.router.sim_replica import ReplicaFaults
 
 LONG = "You are a careful assistant that answers questions about caches and routers. " * 14
 ALWAYS = DisaggSettings(mode="always", skip_tokens=8, skip_fraction=0.1)
@@ -251,3 +252,25 @@ def test_pd_metrics_are_exported(pd_fleet: Fleet) -> None:
     text = httpx.get(f"{pd_fleet.url}/metrics", timeout=5).text
     assert 'kvroute_pd_decisions_total{reason="split_always"} 1.0' in text
     assert 'kvroute_pd_legs_total{leg="prefill"} 1.0' in text
+
+
+def test_a_prefill_leg_that_never_answers_times_out_and_the_next_one_serves(
+    local_tokenizer: Any,
+) -> None:
+    pd = DisaggSettings(mode="always", prefill_timeout_s=0.5)
+    slow = ReplicaFaults(prefill_delay_s=30.0)
+    with make_fleet(
+        local_tokenizer,
+        3,
+        roles=["prefill", "prefill", "decode"],
+        faults=[slow, ReplicaFaults(), ReplicaFaults()],
+        disagg=pd,
+    ) as fleet:
+        client = _client(fleet)
+        for i in range(2):
+            raw = client.completions.with_raw_response.create(
+                model="tiny", prompt=f"{i} {LONG}", max_tokens=3
+            )
+            assert raw.parse().choices[0].text
+            assert raw.headers["x-kvroute-prefill-replica"] == "r1"
+        assert _stats(fleet)["prefill_failures"] >= 1
