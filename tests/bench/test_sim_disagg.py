@@ -96,6 +96,7 @@ async def _decode(
     return answer, (loop.time() - started) / LATENCY.time_scale
 
 
+@pytest.mark.solo  # the pull's time against a recompute's: with nothing else on the cores
 def test_the_decode_pulls_the_prefills_blocks_caches_and_announces_them(
     tokenizer: SimTokenizer,
 ) -> None:
