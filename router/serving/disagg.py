@@ -175,7 +175,7 @@ async def serve_disaggregated(
     disagg = service.disagg
     decision = await service.decide(parsed, session, narrow=lambda c: pools(c)[0])
     if endpoint.kind not in SPLIT_KINDS:
-        plan = disagg.decode_only(decision, "single_replica_request")
+        plan = PdPlan(decision, False, "single_replica_request")  # not a P/D endpoint: uncounted
     else:
         limit = service.settings.max_pending_per_replica
         prefill_pool = [

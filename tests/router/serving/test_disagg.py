@@ -274,3 +274,25 @@ def test_a_prefill_leg_that_never_answers_times_out_and_the_next_one_serves(
             assert raw.parse().choices[0].text
             assert raw.headers["x-kvroute-prefill-replica"] == "r1"
         assert _stats(fleet)["prefill_failures"] >= 1
+
+
+def test_a_responses_request_is_split_with_its_own_spelling_of_one_token(
+    pd_fleet: Fleet,
+) -> None:
+    client = _client(pd_fleet)
+    response = client.responses.create(model="tiny", input=LONG, max_output_tokens=3)
+    assert response.output_text
+    (prefill,) = [s for s in pd_fleet.fakes[0].seen if s.path == "/v1/responses"]
+    body = prefill.body
+    assert (body["max_output_tokens"], body["store"], body["stream"]) == (1, False, False)
+    assert body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert "max_tokens" not in body
+    # The simulator's Responses endpoint has no connector: the decode replica recomputes.
+    assert _stats(pd_fleet)["missing_transfer_params"] == 1
+
+
+def test_embeddings_stay_on_the_decode_pool_uncounted(pd_fleet: Fleet) -> None:
+    raw = _client(pd_fleet).embeddings.with_raw_response.create(model="tiny", input="hello")
+    assert raw.parse().data and raw.headers["x-kvroute-replica"] == "r1"
+    assert not any(s.path == "/v1/embeddings" for s in pd_fleet.fakes[0].seen)
+    assert sum(_stats(pd_fleet)["decisions"].values()) == 0
