@@ -268,11 +268,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
         "--scenario",
-        choices=["shared_storage"],
+        choices=["shared_storage", "pd"],
         default=None,
         help="instead of workloads x policies: shared_storage (hot documents, a replica "
         "added and one restarted mid-run; kvroute with a shared STORAGE domain vs private "
-        "disks vs approx_prefix vs round_robin; bench/storage_scenario.py)",
+        "disks vs approx_prefix vs round_robin; bench/storage_scenario.py), or pd (the "
+        "prefill/decode mix: kvroute's decider vs always-split vs aggregated, and a prefill "
+        "replica killed; bench/pd_scenario.py)",
     )
     parser.add_argument(
         "--scenario-cold",
@@ -690,6 +692,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns ``{"results": [...], "targets": [...], ...}``."""
     if getattr(args, "scenario", None) == "shared_storage":
         return _run_storage_scenario(args)
+    if getattr(args, "scenario", None) == "pd":
+        return _run_pd_scenario(args)
     preset = PRESETS[args.preset]
     workloads = args.workloads.split(",") if args.workloads else list(preset["workloads"])
     policies = [p for p in args.policies.split(",") if p]
@@ -878,6 +882,34 @@ def _run_storage_scenario(args: argparse.Namespace) -> dict[str, Any]:
         "workload_sizes": {"hot_docs": rows[0]["sizes"]} if rows else {},
         "json": str(out / "routing_shared_storage.json"),
         "plots": plots,
+        "total_wall_s": time.monotonic() - started,
+    }
+
+
+def _run_pd_scenario(args: argparse.Namespace) -> dict[str, Any]:
+    """The prefill/decode scenario (bench/pd_scenario.py): its own fleets and arms."""
+    from kvroute.bench.pd_scenario import PD_PRESETS, pd_targets, run_pd_scenario
+
+    started = time.monotonic()
+    rows = run_pd_scenario(args)
+    public = [
+        {
+            k: None if isinstance(v, float) and math.isnan(v) else v
+            for k, v in r.items()
+            if k != "ttfts_s"
+        }
+        for r in rows
+    ]
+    out = Path(args.out_dir) / "pd"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing_pd.json").write_text(json.dumps(public, indent=2))
+    return {
+        "scenario": "pd",
+        "results": public,
+        "targets": pd_targets(rows),
+        "preset": args.preset,
+        "scenario_preset": PD_PRESETS[args.preset],
+        "json": str(out / "routing_pd.json"),
         "total_wall_s": time.monotonic() - started,
     }
 

@@ -60,8 +60,27 @@ class FleetConfig:
     api_key: str | None = field(default=None, repr=False)
     replica_api_key: str | None = field(default=None, repr=False)
     ready_timeout_s: float = 420.0
+    # Prefill/decode disaggregation: the first ``prefill`` replicas serve the prefill leg,
+    # the next ``decode`` the decode leg (``replicas`` is then their sum); 0 and 0: all both.
+    prefill: int = 0
+    decode: int = 0
+
+    def roles(self) -> list[str]:
+        """Each replica's P/D role, in order (router/routing/disagg.py)."""
+        if not (self.prefill or self.decode):
+            return ["both"] * self.replicas
+        return ["prefill"] * self.prefill + ["decode"] * self.decode
 
     def validate(self) -> None:
+        if self.prefill or self.decode:
+            if self.prefill < 1 or self.decode < 1:
+                raise ValueError("--prefill and --decode go together, each >= 1")
+            if self.engine != "sim":
+                raise ValueError(
+                    "--prefill/--decode start simulated P/D pools (--engine sim); real vLLM "
+                    "pools need NixlConnector flags per pool: docs/router.md, P/D"
+                )
+            self.replicas = self.prefill + self.decode
         if self.replicas < 1:
             raise ValueError("--replicas must be >= 1")
         if self.engine not in ENGINES:
@@ -89,6 +108,15 @@ class FleetConfig:
 def add_fleet_arguments(parser: argparse.ArgumentParser, *, replicas: int = 2) -> None:
     """Flags shared by ``kvroute up`` and ``kvroute demo``."""
     parser.add_argument("--replicas", type=int, default=replicas, help="number of replicas")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill/decode disaggregation: this many prefill replicas (with --decode)",
+    )
+    parser.add_argument(
+        "--decode", type=int, default=0, help="this many decode replicas (with --prefill)"
+    )
     parser.add_argument(
         "--model",
         help="model directory or hub id (default: the tiny local model when there is no GPU)",
@@ -163,6 +191,8 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> FleetConfig:
         "connector": not args.no_connector,
         "fresh_disk": args.fresh_disk,
         "ready_timeout_s": args.ready_timeout,
+        "prefill": getattr(args, "prefill", 0),
+        "decode": getattr(args, "decode", 0),
     }
     if hasattr(args, "api_key"):  # add_key_arguments
         values["api_key"] = args.api_key or os.environ.get("KVROUTE_API_KEY")

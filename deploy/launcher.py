@@ -50,12 +50,15 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 def print_fleet(fleet: LocalFleet) -> None:
     info = fleet.describe()
+    roles = {e.name: e.role for e in fleet.endpoints()}
     print(f"kvroute fleet ready ({info['engine']}, model {info['served_model_name']})")
     for name, r in info["routers"].items():
         print(f"  {name:<12} {r['url']}  (policy {r['policy']}, OpenAI API at {r['url']}/v1)")
         print(f"  {'':<12} {r['url']}/index/stats   {r['url']}/metrics")
     for r in info["replicas"]:
-        print(f"  {r['name']:<12} {r['url']}  events {r['events']}")
+        role = roles.get(r["name"], "both")
+        shown = "" if role == "both" else f"  ({role})"
+        print(f"  {r['name']:<12} {r['url']}  events {r['events']}{shown}")
     print(f"  state        {info['state_dir']} (fleet.json, logs/)")
     print("Ctrl-C stops everything.", flush=True)
 
@@ -68,6 +71,7 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(
             args, policy=args.policy, port=args.port, router_args=list(args.router_arg)
         )
+        config.validate()  # --prefill/--decode set the replica count
         print(
             f"starting {config.replicas} {config.engine} replica(s) and the router...", flush=True
         )

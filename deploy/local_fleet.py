@@ -22,6 +22,7 @@ A state-dir lock keeps two fleets from sharing sockets and disk directories.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -109,7 +110,11 @@ class LocalFleet:
 
     def endpoints(self) -> list[ReplicaEndpoint]:
         if self.sim is not None:
-            return self.sim.endpoints()
+            roles = self.config.roles()
+            return [
+                dataclasses.replace(e, role=role)
+                for e, role in zip(self.sim.endpoints(), roles, strict=False)
+            ]
         return [
             ReplicaEndpoint(
                 name=r.spec.name,

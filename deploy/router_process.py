@@ -51,6 +51,7 @@ class ReplicaEndpoint:
     replay: str | None = None
     topic: str = ""
     dp: str | None = None  # a data-parallel server: its rank count, or "auto" (ask the server)
+    role: str = "both"  # its P/D pool: prefill, decode, or both (router/routing/disagg.py)
 
     def flag(self) -> str:
         """The ``kvroute serve --replica`` value for this replica."""
@@ -63,14 +64,17 @@ class ReplicaEndpoint:
             parts.append(f"topic={self.topic}")
         if self.dp:
             parts.append(f"dp={self.dp}")
+        if self.role != "both":
+            parts.append(f"role={self.role}")
         return ",".join(parts)
 
 
 def settings_from_dict(data: dict[str, Any]) -> Any:
-    """RouterSettings from JSON-able data (``replicas``, ``storage_domains``: dicts; ``cost``:
-    a dict of knobs)."""
+    """RouterSettings from JSON-able data (``replicas``, ``storage_domains``: dicts; ``cost``,
+    ``disagg``: dicts of knobs)."""
     from kvroute.router.config import (
         CostSettings,
+        DisaggSettings,
         ReplicaConfig,
         RouterSettings,
         StorageDomainConfig,
@@ -80,7 +84,10 @@ def settings_from_dict(data: dict[str, Any]) -> Any:
     replicas = [ReplicaConfig(**r) for r in data.pop("replicas", [])]
     cost = CostSettings(**data.pop("cost", {}))
     domains = [StorageDomainConfig(**d) for d in data.pop("storage_domains", [])]
-    return RouterSettings(replicas=replicas, cost=cost, storage_domains=domains, **data)
+    disagg = DisaggSettings(**data.pop("disagg", {}))
+    return RouterSettings(
+        replicas=replicas, cost=cost, storage_domains=domains, disagg=disagg, **data
+    )
 
 
 class RouterProcess(RunsChild):

@@ -35,8 +35,10 @@ from kvroute.router.peers.load import (
     load_version,
 )
 from kvroute.router.peers.snapshot import MEDIA_TYPE, encode_stream
+from kvroute.router.routing.disagg import pools
 from kvroute.router.service import RouterService
 from kvroute.router.serving.auth import ApiKeyMiddleware
+from kvroute.router.serving.disagg import has_prefill_pool
 from kvroute.router.serving.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.serving.openapi import PROXIED, add_proxied_paths
 from kvroute.router.serving.proxy import read_body
@@ -231,8 +233,21 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         parsed = parse_body(raw, kind, service.limits)  # type: ignore[arg-type]
         candidates = service.candidates(parsed.model)
         session = request.headers.get(settings.session_header)
-        decision = await service.router.decide(parsed, candidates, session)
+        if not has_prefill_pool(service.registry):
+            decision = await service.router.decide(parsed, candidates, session)
+            return JSONResponse({"kind": kind, **decision.to_dict()})
+        # P/D: the decode choice (the ranking below), then the prefill leg's, and why.
+        decode_pool, prefill_pool = pools(candidates)
+        decision = await service.router.decide(parsed, decode_pool, session)
+        plan = await service.disagg.decide(
+            decision,
+            parsed,
+            prefill_pool,
+            lambda pool: service.router.decide(parsed, pool, session),
+            record=False,
+        )
         out: dict[str, Any] = {"kind": kind, **decision.to_dict()}
+        out["disaggregation"] = plan.to_dict()
         return JSONResponse(out)
 
     @app.get("/debug/tokenizer_check")

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvroute.router.config import ConfigError, CostSettings, RouterSettings
+from kvroute.router.config import ConfigError, CostSettings, DisaggSettings, RouterSettings
 from kvroute.router.fleet.discovery.flags import add_discovery_arguments, discovery_from_args
 from kvroute.router.routing.policies import POLICIES
 from kvroute.router.specs import (
@@ -291,6 +291,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how much of a match held only by publishers that never announce removals "
         "(LMCache, llm-d's FS backend) is believed (0..1)",
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation (replicas with role=)")
+    p = DisaggSettings()
+    pd.add_argument("--pd-mode", choices=("auto", "always", "never"), default=p.mode)
+    pd.add_argument("--pd-skip-tokens", type=int, default=p.skip_tokens)
+    pd.add_argument("--pd-skip-fraction", type=float, default=p.skip_fraction)
+    pd.add_argument("--pd-transfer-s-per-token", type=float, default=p.transfer_s_per_token)
+    pd.add_argument("--pd-split-overhead-s", type=float, default=p.split_overhead_s)
+    pd.add_argument("--pd-zone-slack", type=float, default=p.zone_slack)
+    pd.add_argument("--pd-prefill-attempts", type=int, default=p.prefill_attempts)
+    pd.add_argument("--pd-prefill-timeout-s", type=float, default=p.prefill_timeout_s)
     proxy = parser.add_argument_group("proxy")
     proxy.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
@@ -461,6 +471,16 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         lmcache_lookup_timeout_s=args.lmcache_lookup_timeout_s,
         session_header=args.session_header,
         cost=cost,
+        disagg=DisaggSettings(
+            mode=args.pd_mode,
+            skip_tokens=args.pd_skip_tokens,
+            skip_fraction=args.pd_skip_fraction,
+            transfer_s_per_token=args.pd_transfer_s_per_token,
+            split_overhead_s=args.pd_split_overhead_s,
+            zone_slack=args.pd_zone_slack,
+            prefill_attempts=args.pd_prefill_attempts,
+            prefill_timeout_s=args.pd_prefill_timeout_s,
+        ),
     )
 
 

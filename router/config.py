@@ -15,9 +15,9 @@ stored there is a hit for all of D's replicas of the same ``layout=L`` (docs/ind
 storage domains).
 
 Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]
-[,storage_domain=D][,layout=L]``.
+[,storage_domain=D][,layout=L][,role=prefill|decode|both][,zone=Z]``.
 File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp,
-storage_domain, layout}, ...]``
+storage_domain, layout, role, zone}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
 (kvroute.router.fleet.discovery.file).
 """
@@ -30,8 +30,10 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 __all__ = [
+    "REPLICA_ROLES",
     "ConfigError",
     "CostSettings",
+    "DisaggSettings",
     "K8sDiscoverySettings",
     "ModelTokenizerConfig",
     "ReplicaConfig",
@@ -43,6 +45,11 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A replica flag or file that cannot be used, with the reason."""
+
+
+# What a replica serves under prefill/decode disaggregation: both legs (aggregated), the
+# prefill leg only, or the decode leg only.
+REPLICA_ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +79,17 @@ class ReplicaConfig:
     # Which process is behind the URL, when a discovery source knows (a Kubernetes pod's
     # UID): a new value is a new replica, so its index entries are cleared, never inherited.
     incarnation: str | None = None
+    # Prefill/decode disaggregation (router/routing/disagg.py): which leg it serves,
+    # ``prefill``, ``decode`` or ``both`` (an aggregated replica, the default); and where it
+    # runs (a node or zone name), so a prefill replica near the decode one can be preferred.
+    role: str = "both"
+    zone: str | None = None
 
     def __post_init__(self) -> None:
+        if self.role not in REPLICA_ROLES:
+            raise ConfigError(
+                f"replica role must be one of {', '.join(REPLICA_ROLES)}, got {self.role!r}"
+            )
         if self.storage_domain is not None:
             check_storage_domain_name(self.storage_domain)
         if self.layout is not None:
@@ -210,6 +226,46 @@ class CostSettings:
             raise ConfigError("cost.queue_learn_half_life_s must be > 0")
         if self.queue_s_per_request_max < self.queue_s_per_request:
             raise ConfigError("cost.queue_s_per_request_max must be >= queue_s_per_request")
+
+
+@dataclass(slots=True)
+class DisaggSettings:
+    """Prefill/decode disaggregation (router/routing/disagg.py; docs/router.md, "P/D").
+
+    ``mode``: ``auto`` (the decider: decode replica first, the prefill leg only where it
+    pays), ``always`` (every eligible request split, as smg and vllm-router do), ``never``
+    (aggregated on the decode pool). The prefill leg is skipped when what the decode replica
+    must compute is small: at most ``skip_tokens`` tokens, or at most ``skip_fraction`` of
+    the prompt (a returning user whose history the decode replica holds); or when the cost
+    model says recomputing on the decode replica is no slower than prefill elsewhere plus
+    the pull (``transfer_s_per_token`` per token pulled, ``split_overhead_s`` per request).
+    A prefill replica in the decode replica's zone is preferred while it costs at most
+    ``1 + zone_slack`` times the cheapest; ``prefill_attempts`` prefill replicas are tried
+    before the request is served decode-only, each given ``prefill_timeout_s`` to answer (a
+    prefill replica that holds a request without answering must not hold the client).
+    """
+
+    mode: str = "auto"
+    skip_tokens: int = 256
+    skip_fraction: float = 0.1
+    transfer_s_per_token: float = 1e-5
+    split_overhead_s: float = 0.005
+    zone_slack: float = 0.25
+    prefill_attempts: int = 2
+    prefill_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_timeout_s <= 0:
+            raise ConfigError("pd prefill_timeout_s must be > 0")
+        if self.mode not in ("auto", "always", "never"):
+            raise ConfigError(f"pd mode must be auto, always or never, got {self.mode!r}")
+        if self.skip_tokens < 0 or not 0.0 <= self.skip_fraction <= 1.0:
+            raise ConfigError("pd skip_tokens must be >= 0 and skip_fraction in [0, 1]")
+        for name in ("transfer_s_per_token", "split_overhead_s", "zone_slack"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"pd {name} must be >= 0")
+        if self.prefill_attempts < 1:
+            raise ConfigError("pd prefill_attempts must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +426,7 @@ class RouterSettings:
     unconfirmed_max_blocks: int = 262_144
     # Routing
     cost: CostSettings = field(default_factory=CostSettings)
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
     hint_ttl_s: float = 5.0
     hint_max_keys: int = 500_000
     default_block_size: int = 16

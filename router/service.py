@@ -39,6 +39,7 @@ from kvroute.router.peers.followers import PeerFollowers
 from kvroute.router.peers.load import PeerLoad
 from kvroute.router.peers.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
 from kvroute.router.routing.accuracy import AccuracyTracker
+from kvroute.router.routing.disagg import Disaggregation
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.router import Decision, Router
 from kvroute.router.serving.auth import ReplicaAuth
@@ -117,6 +118,7 @@ class RouterService:
         )
         self.metrics = RouterMetrics(self._metrics_state)
         self.accuracy = AccuracyTracker()
+        self.disagg = Disaggregation(settings.disagg, settings.cost)  # P/D decider, counters
         self.upstream: UpstreamClient | None = None
         self.forwarder: Forwarder | None = None
         self._given_tokenizer = tokenizer
@@ -133,8 +135,7 @@ class RouterService:
             if settings.replicas_file
             else None
         )
-        # --discover k8s (router/fleet/discovery/k8s.py): the same kind of source as the file.
-        self.discovery: KubernetesDiscovery | None = None
+        self.discovery: KubernetesDiscovery | None = None  # --discover k8s, like the file
         self._discovered_peers: list[str] = []
         if settings.k8s_discovery is not None:
             self.discovery = KubernetesDiscovery(
@@ -156,8 +157,7 @@ class RouterService:
         )
         # Replicas from the replicas file or discovery (sync_replicas), as last applied.
         self._sourced_replicas: dict[str, ReplicaConfig] = {}
-        # Starting and stopping feed threads joins threads: never on the event loop. One
-        # worker keeps the operations in order (a changed replica is removed, then re-added).
+        # Feed threads start and stop (join) off the event loop, one at a time, in order.
         self._feed_ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvroute-feeds")
         self.tokenizer_check: dict[str, Any] | None = None
         self._check_task: asyncio.Task[None] | None = None

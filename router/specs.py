@@ -57,7 +57,8 @@ def _parse_dp(value: object) -> int | str | None:
 
 
 def parse_replica_flag(value: str) -> ReplicaConfig:
-    """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1[,dp=2]``."""
+    """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1[,dp=2]
+    [,role=prefill|decode|both][,zone=Z]``."""
     url, *options = [part.strip() for part in value.split(",")]
     fields: dict[str, str] = {}
     aux: list[str] = []
@@ -75,10 +76,12 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
             "storage_domain",
             "layout",
             "lmcache_instance",
+            "role",
+            "zone",
         ):
             raise ConfigError(
                 f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux=, dp=, storage_domain=, layout=, lmcache_instance="
+                "name=, aux=, dp=, storage_domain=, layout=, lmcache_instance=, role=, zone="
             )
         if name == "aux":
             aux.append(val)
@@ -122,6 +125,8 @@ def parse_replica(item: object) -> ReplicaConfig:
         "storage_domain",
         "layout",
         "lmcache_instance",
+        "role",
+        "zone",
     }
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
@@ -135,6 +140,8 @@ def parse_replica(item: object) -> ReplicaConfig:
         "storage_domain",
         "layout",
         "lmcache_instance",
+        "role",
+        "zone",
     ):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
@@ -154,6 +161,8 @@ def parse_replica(item: object) -> ReplicaConfig:
         storage_domain=item.get("storage_domain"),
         layout=item.get("layout"),
         lmcache_instance=item.get("lmcache_instance"),
+        role=item.get("role") or "both",
+        zone=item.get("zone") or None,
     )
 
 

@@ -361,7 +361,14 @@ class Handlers:
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        gen = self.r.generate(ids, max_tokens, cache_salt=salt, lora_name=lora)
+        kv = body.get("kv_transfer_params")
+        kv = kv if isinstance(kv, dict) else None
+        given = None if kv is None else kv.get("prompt_token_ids")
+        if isinstance(given, list) and given and all(isinstance(t, int) for t in given):
+            ids = given  # vLLM's P/D decode leg: the prompt as the prefill leg saw it
+        gen = self.r.generate(
+            ids, max_tokens, cache_salt=salt, lora_name=lora, kv_transfer_params=kv
+        )
         if stream:
             # Wait for the first token before answering, so errors found before any output
             # (injected faults, a dead replica) get a status code, as in vLLM.
@@ -418,7 +425,7 @@ class Handlers:
                 "usage": _usage(state),
                 "system_fingerprint": None,
                 "service_tier": None,
-                "kv_transfer_params": None,
+                "kv_transfer_params": state.kv_transfer_params,
             }
         )
 

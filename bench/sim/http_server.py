@@ -67,6 +67,14 @@ class SocketHTTPServer:
         if self._server is not None:
             self._server.should_exit = True
             self._server.force_exit = force
+            if force:
+                # A crashed process's sockets are reset by the kernel: abort every open
+                # connection, or a kept-alive one would still take requests that nothing
+                # will ever answer.
+                for connection in list(self._server.server_state.connections):
+                    transport = getattr(connection, "transport", None)
+                    if transport is not None:
+                        transport.abort()
             if self._task is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._task, 5)

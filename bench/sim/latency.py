@@ -25,6 +25,9 @@ class LatencyModel:
     decode_s_per_step: float = 0.012
     decode_s_per_seq: float = 1e-4
     time_scale: float = 1.0
+    # A decode replica pulling a prefill replica's KV (P/D, bench/sim/disagg.py): NIXL over
+    # RDMA, a little slower than a load from local host memory.
+    transfer_s_per_token: float = 1e-5
 
     def __post_init__(self) -> None:
         for name in (
@@ -33,18 +36,22 @@ class LatencyModel:
             "load_storage_s_per_token",
             "decode_s_per_step",
             "decode_s_per_seq",
+            "transfer_s_per_token",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
 
-    def prefill_work(self, uncached: int, from_cpu: int, from_storage: int) -> float:
+    def prefill_work(
+        self, uncached: int, from_cpu: int, from_storage: int, pulled: int = 0
+    ) -> float:
         """Engine-seconds of a request's prefill if it ran alone (concurrent ones share)."""
         return (
             uncached * self.prefill_s_per_token
             + from_cpu * self.load_cpu_s_per_token
             + from_storage * self.load_storage_s_per_token
+            + pulled * self.transfer_s_per_token
         )
 
     def decode_step(self, running: int) -> float:

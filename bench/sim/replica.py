@@ -25,6 +25,7 @@ from typing import Any
 
 from kvroute.bench.publisher import EventPublisher
 from kvroute.bench.sim.cache import TieredPrefixCache
+from kvroute.bench.sim.disagg import BOARD, parse_transfer_params
 from kvroute.bench.sim.faults import ReplicaFaults, RequestLog
 from kvroute.bench.sim.hashing import EngineHasher
 from kvroute.bench.sim.http_server import SocketHTTPServer
@@ -74,6 +75,12 @@ class SimReplicaConfig:
     scale_out: bool = False
     # ``--api-key``: the paths vLLM guards need ``Authorization: Bearer <key>`` (sim api).
     api_key: str | None = field(default=None, repr=False)
+    # P/D (bench/sim/disagg.py): a NixlConnector (kv_both) that serves both legs; how long a
+    # prefill's blocks are held for the decode's pull (vLLM: 30 s); what a pull from a dead
+    # prefill process costs before the decode recomputes (vLLM: about 5 s).
+    nixl: bool = True
+    pd_lease_s: float = 30.0
+    dead_side_channel_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -84,6 +91,7 @@ class Generation:
     max_tokens: int
     cached_tokens: int = 0
     output: list[int] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill leg's answer (P/D)
 
 
 async def _port_released(endpoint: str, timeout_s: float = 5.0) -> None:
@@ -165,6 +173,11 @@ class SimReplica:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_id(self) -> str:
+        """vLLM's engine id, new with each process (a restart is a new engine)."""
+        return f"{self.config.name}-{id(self.scheduler):x}"
 
     @property
     def topic(self) -> str:
@@ -315,6 +328,7 @@ class SimReplica:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[tuple[Generation, list[int]]]:
         """Run one request; yields (state, new token ids) after prefill and per decode chunk.
 
@@ -336,6 +350,20 @@ class SimReplica:
             lora_name=lora_name,
         )
         gen = Generation(prompt_tokens=len(prompt), max_tokens=max_tokens)
+        prefill_leg, pull_from = (
+            parse_transfer_params({"kv_transfer_params": kv_transfer_params})
+            if self.config.nixl
+            else (False, None)
+        )
+        req.hold = prefill_leg
+        if pull_from is not None:
+            pull, dead = BOARD.take(pull_from, len(prompt), bs)
+            if pull is not None:
+                req.pull_tokens, req.remote_cached_tokens = pull.tokens, pull.prefill_cached_tokens
+            elif dead and self.config.dead_side_channel_s:
+                await asyncio.sleep(
+                    self.config.dead_side_channel_s * self.config.latency.time_scale
+                )
         sched = self.scheduler
         lat = self.config.latency
         finished = False
@@ -368,6 +396,8 @@ class SimReplica:
                 yield gen, new
             finished = True
             sched.finish(req, gen.output)
+            if req.hold and sched is self.scheduler:
+                gen.kv_transfer_params = BOARD.hold(self, req)
             self.metrics.observe_e2e(sched.now() - req.arrival)
         except (asyncio.CancelledError, GeneratorExit):
             self.requests_aborted += 1

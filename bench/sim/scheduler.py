@@ -63,6 +63,12 @@ class SimRequest:
     owned: list[CachedBlock] = field(default_factory=list, repr=False)
     deps: list[SimRequest] = field(default_factory=list, repr=False)
     settled: bool = False  # its prompt blocks are computed (or it was aborted)
+    # P/D (bench/sim/disagg.py): a prefill leg keeps its blocks after it finishes, until
+    # ``release_held``; a decode leg may pull this many prompt tokens from its prefill, and
+    # reports the prefill's cached tokens as its own.
+    hold: bool = False
+    pull_tokens: int = 0
+    remote_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +108,7 @@ class Scheduler:
         self._prefilling: dict[int, SimRequest] = {}
         self._blocked: dict[int, SimRequest] = {}  # prefill done, waiting on others' blocks
         self._running: dict[int, SimRequest] = {}
+        self._held: dict[int, SimRequest] = {}  # finished prefill legs, blocks kept
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last = 0.0
@@ -148,6 +155,8 @@ class Scheduler:
 
         The caller must call ``finish`` (or ``abort``) afterwards, also on error.
         """
+        if self._task is None:
+            raise ReplicaDied("replica died")  # stopped: nothing would ever admit it
         req.arrival = self.now()
         req.prefilled = asyncio.get_running_loop().create_future()
         self._waiting.append(req)
@@ -162,11 +171,21 @@ class Scheduler:
         digests = req.digests + self._output_digests(req, tokens)
         created = self.cache.commit(req.alloc, tokens, digests, req.extra_keys, req.lora_name)
         self.cache.write_through(created)
-        self.cache.release(req.alloc)
+        if req.hold:
+            self._held[req.id] = req  # a prefill leg: blocks kept for the decode's pull
+        else:
+            self.cache.release(req.alloc)
         self.stats.generation_tokens += len(output)
         self.stats.requests_finished += 1
         self._flush()
         self._wake.set()
+
+    def release_held(self, req: SimRequest) -> None:
+        """The decode replica pulled a prefill leg's blocks, or its lease ended."""
+        if self._held.pop(req.id, None) is not None and req.alloc is not None:
+            self.cache.release(req.alloc)
+            self._flush()
+            self._wake.set()
 
     def abort(self, req: SimRequest) -> None:
         """The client went away (or decoding failed): free whatever the request holds."""
@@ -214,8 +233,11 @@ class Scheduler:
             from_storage = alloc.hit_blocks_in(Medium.STORAGE) * bs
             req.cached_tokens = alloc.hit_blocks * bs
             req.cached_by_tier = {t: alloc.hit_blocks_in(t) * bs for t in Medium}
-            uncached = len(req.prompt) - req.cached_tokens
-            req.work_left = self.latency.prefill_work(uncached, from_cpu, from_storage)
+            pulled = max(0, req.pull_tokens - req.cached_tokens)
+            uncached = len(req.prompt) - req.cached_tokens - pulled
+            req.work_left = self.latency.prefill_work(uncached, from_cpu, from_storage, pulled)
+            if req.remote_cached_tokens is not None:
+                req.cached_tokens = req.remote_cached_tokens
             self.stats.prefix_queries += len(req.prompt)
             self.stats.prefix_hits += req.cached_by_tier[Medium.GPU]
             self.stats.external_hits += from_cpu + from_storage

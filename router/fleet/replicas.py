@@ -173,6 +173,11 @@ class Replica:
         return self.config.url
 
     @property
+    def role(self) -> str:
+        """Which leg it serves under prefill/decode disaggregation: both, prefill, decode."""
+        return self.config.role
+
+    @property
     def group(self) -> str:
         """The server behind this target: a data-parallel rank's server, else itself."""
         return self.config.server or self.config.key
@@ -234,6 +239,7 @@ class Replica:
             "events": self.config.events,
             "server": self.group,
             "data_parallel_rank": self.config.dp_rank,
+            "role": self.config.role,
         }
 
 

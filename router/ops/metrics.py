@@ -135,6 +135,36 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvroute_burst_hints", "Live burst-hint keys", value=snap["hint_keys"]
         )
+        yield from _pd_metrics(snap.get("pd"))
+
+
+def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
+    """Prefill/decode disaggregation (router/routing/disagg.py): decisions by reason, legs
+    sent, and each failure kind."""
+    if not pd:
+        return
+    decisions = CounterMetricFamily(
+        "kvroute_pd_decisions",
+        "P/D decisions by reason (split*: two legs; the others: decode only)",
+        labels=["reason"],
+    )
+    for reason, n in pd["decisions"].items():
+        decisions.add_metric([reason], n)
+    yield decisions
+    legs = CounterMetricFamily("kvroute_pd_legs", "P/D legs sent", labels=["leg"])
+    legs.add_metric(["prefill"], pd["prefill_legs"])
+    legs.add_metric(["decode"], pd["decode_legs"])
+    yield legs
+    failures = CounterMetricFamily(
+        "kvroute_pd_failures",
+        "P/D failures: prefill leg failed, served decode-only after them, prefill answer "
+        "without kv_transfer_params, decode failed after a split (transfer)",
+        labels=["kind"],
+    )
+    for kind in ("prefill_failures", "prefill_fallbacks", "missing_transfer_params"):
+        failures.add_metric([kind.removesuffix("s")], pd[kind])
+    failures.add_metric(["transfer_failure"], pd["transfer_failures"])
+    yield failures
 
 
 class RouterMetrics:

@@ -48,6 +48,7 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
         "tokenizer_modes": {m: st.mode for m, st in check.models.items()} if check else {},
         "index_bytes": service.index.stats().estimated_bytes,
         "hint_keys": len(service.router.hints),
+        "pd": service.disagg.counters.to_dict(),
     }
 
 
@@ -114,6 +115,7 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         "cost_rates_outliers": None
         if service.router.rates is None
         else service.router.rates.outliers,
+        "disaggregation": _disaggregation(service),
         "queue_samples": None
         if service.router.queue_delay is None
         else {
@@ -122,6 +124,23 @@ def router_stats(service: RouterService) -> dict[str, Any]:
             "from_peers": service.router.queue_delay.shared_applied
             + (0 if service.router.rates is None else service.router.rates.shared_applied),
         },
+    }
+
+
+def _disaggregation(service: RouterService) -> dict[str, Any]:
+    """Prefill/decode disaggregation (router/routing/disagg.py): the pools with their load,
+    the decider's choices and every failure kind."""
+    pools: dict[str, dict[str, Any]] = {}
+    for r in service.registry:
+        pool = pools.setdefault(r.role, {"replicas": 0, "healthy": 0, "in_flight": 0})
+        pool["replicas"] += 1
+        pool["healthy"] += r.healthy
+        pool["in_flight"] += r.in_flight
+        pool["pending"] = round(pool.get("pending", 0.0) + r.pending, 3)
+    return {
+        "mode": service.settings.disagg.mode,
+        "pools": pools,
+        **service.disagg.counters.to_dict(),
     }
 
 

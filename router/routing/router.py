@@ -112,6 +112,12 @@ class Decision:
     # When the chosen replica's first byte came (streamed answers): a calibration sample
     # once the answer reports what it served from cache.
     first_byte_s: float | None = None
+    # Its KV came from a prefill replica (a P/D split): its first byte timed the pull, not
+    # the replica's own work, and teaches the rates nothing.
+    remote_prefill: bool = False
+    # The one prompt's token ids (None for a batch or without a tokenizer): what the
+    # decode leg of a split request is given when the prefill leg reports none.
+    tokens: list[int] | None = None
 
     def view(self, name: str) -> ReplicaView | None:
         return next((v for v in self.views if v.name == name), None)
@@ -274,6 +280,8 @@ class Router:
         total = None if prompts is None else sum(len(p) for p in prompts)
         decision = Decision(self.policy.name, "", [], [], total)
         decision.lora_name = lora
+        if prompts is not None and len(prompts) == 1:
+            decision.tokens = prompts[0]
         affinity = req.model.encode()
         if tokens:
             assert prompts is not None
@@ -405,14 +413,15 @@ class Router:
         if self.lmcache is not None:
             await self.lmcache.aclose()
 
-    def commit(self, decision: Decision, replica: Replica) -> None:
+    def commit(self, decision: Decision, replica: Replica, *, home: bool = True) -> None:
         """The request went to ``replica``: remember it for siblings and routing history, and
-        as the prefix's home if it has none (or its home is no longer a candidate)."""
+        as the prefix's home if it has none (or its home is no longer a candidate). A
+        prefill leg (``home=False``) is no home: the prefix lives on where it is decoded."""
         view = decision.view(replica.name)
         if view is None:
             return
         self.recent.record(decision, replica.name)
-        if self.policy.uses_homes and decision.home is None and decision.affinity:
+        if home and self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
         bs = view.block_size or self.settings.default_block_size
         if self.policy.uses_homes and decision.prompt_tokens:
@@ -450,7 +459,7 @@ class Router:
         seconds = decision.first_byte_s
         if self.rates is None or view is None or seconds is None or view.queue_s is None:
             return
-        if len(decision.batch_sizes) > 1 or not decision.prompt_tokens:
+        if len(decision.batch_sizes) > 1 or not decision.prompt_tokens or decision.remote_prefill:
             return
         tiers = view.tokens_by_tier
         gpu = tiers.get(_GPU, 0) + max(0, view.hint_tokens - view.match_tokens)

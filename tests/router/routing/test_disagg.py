@@ -1,0 +1,188 @@
+"""The P/D decider (router/routing/disagg.py) on hand-made decisions: when the prefill leg
+is skipped and why, how the prefill pool is ranked (cost, zone), and which requests never
+split. The two-leg driver over simulated replicas is tests/router/serving/test_disagg.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvroute.indexer.tiers import Tier
+from kvroute.router.config import CostSettings, DisaggSettings, ReplicaConfig
+from kvroute.router.fleet.replicas import Replica
+from kvroute.router.routing.disagg import Disaggregation, PdPlan, decode_only_reason, pools
+from kvroute.router.routing.policies import ReplicaView
+from kvroute.router.routing.router import Decision
+from kvroute.router.tokens.requests import ParsedRequest
+
+_GPU = Tier.GPU.label()
+
+
+def _replica(name: str, role: str, zone: str | None = None, pending: float = 0.0) -> Replica:
+    r = Replica(ReplicaConfig(url=f"http://{name}:8000", name=name, role=role, zone=zone))
+    r.healthy = True
+    r.running = pending
+    return r
+
+
+def _decision(prompt: int, replicas: list[tuple[Replica, int]]) -> Decision:
+    """A decision over ``replicas`` (each with its cached tokens), in the given order."""
+    views = []
+    for r, cached in replicas:
+        view = ReplicaView(name=r.name, pending=r.pending, running=r.running)
+        view.match_tokens = view.predicted_cached_tokens = cached
+        view.tokens_by_tier = {_GPU: cached} if cached else {}
+        views.append(view)
+    return Decision("kvroute", "prefix", [r for r, _ in replicas], views, prompt)
+
+
+def _request(**body: Any) -> ParsedRequest:
+    return ParsedRequest(kind="completion", body={"prompt": "x", **body}, model="m", stream=False)
+
+
+def _plan(
+    disagg: Disaggregation,
+    decode: Decision,
+    prefill: list[tuple[Replica, int]],
+    req: ParsedRequest | None = None,
+) -> tuple[PdPlan, list[int]]:
+    calls: list[int] = []
+
+    async def rank(pool: list[Replica]) -> Decision:
+        calls.append(len(pool))
+        return _decision(decode.prompt_tokens or 0, prefill)
+
+    plan = asyncio.run(disagg.decide(decode, req or _request(), [r for r, _ in prefill], rank))
+    return plan, calls
+
+
+def _disagg(**kw: Any) -> Disaggregation:
+    return Disaggregation(DisaggSettings(**kw), CostSettings(learn_queue_delay=False))
+
+
+def test_a_short_uncached_part_stays_on_decode_without_asking_the_prefill_pool() -> None:
+    disagg = _disagg(skip_tokens=256)
+    d = _replica("d0", "decode")
+    plan, calls = _plan(disagg, _decision(200, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert (plan.split, plan.reason, plan.uncached_on_decode, calls) == (
+        False,
+        "small_uncached",
+        200,
+        [],
+    )
+    assert disagg.counters.decisions["small_uncached"] == 1
+
+
+def test_a_returning_user_whose_history_decode_holds_skips_the_prefill() -> None:
+    disagg = _disagg(skip_tokens=64, skip_fraction=0.1)
+    d = _replica("d0", "decode", pending=8)  # even a busy decode replica: 300 of 4000 tokens
+    plan, _ = _plan(disagg, _decision(4000, [(d, 3700)]), [(_replica("p0", "prefill"), 0)])
+    assert (plan.split, plan.reason, plan.uncached_on_decode) == (False, "small_fraction", 300)
+
+
+def test_a_long_new_prompt_on_a_busy_decode_replica_splits_to_the_cheapest_prefill() -> None:
+    disagg = _disagg(skip_tokens=64)
+    d = _replica("d0", "decode", pending=6)
+    busy, idle = _replica("p0", "prefill", pending=12), _replica("p1", "prefill")
+    plan, calls = _plan(disagg, _decision(4000, [(d, 0)]), [(busy, 0), (idle, 0)])
+    assert plan.split and plan.reason == "split"
+    assert [r.name for r in plan.prefill] == ["p1", "p0"]
+    assert plan.split_s is not None and plan.decode_only_s is not None
+    assert plan.split_s < plan.decode_only_s
+    assert calls == [2]
+    shown = plan.to_dict()
+    assert (shown["decode"], shown["prefill"], shown["split"]) == ("d0", "p1", True)
+    assert {v["name"] for v in shown["prefill_replicas"]} == {"p0", "p1"}
+
+
+def test_a_prefill_replica_holding_the_prefix_is_cheaper_than_an_idle_one() -> None:
+    disagg = _disagg(skip_tokens=64)
+    d = _replica("d0", "decode", pending=6)
+    holder, other = _replica("p0", "prefill", pending=1), _replica("p1", "prefill")
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(other, 0), (holder, 3000)])
+    assert plan.prefill[0].name == "p0"
+
+
+def test_an_idle_decode_replica_or_a_loaded_prefill_pool_recomputes_on_decode() -> None:
+    disagg = _disagg(skip_tokens=64)
+    idle = _replica("d0", "decode")
+    plan, _ = _plan(disagg, _decision(4000, [(idle, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert (plan.split, plan.reason, plan.prefill) == (False, "cheaper_on_decode", [])
+    busy_decode = _replica("d1", "decode", pending=4)
+    swamped = _replica("p0", "prefill", pending=60)
+    plan, _ = _plan(disagg, _decision(4000, [(busy_decode, 0)]), [(swamped, 0)])
+    assert (plan.split, plan.reason) == (False, "cheaper_on_decode")
+
+
+def test_a_prefill_replica_in_the_decode_replicas_zone_is_preferred_within_the_slack() -> None:
+    disagg = _disagg(skip_tokens=64, zone_slack=0.25)
+    d = _replica("d0", "decode", zone="z1", pending=6)
+    far, near = _replica("p0", "prefill", zone="z2"), _replica("p1", "prefill", zone="z1")
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(far, 0), (near, 0)])
+    assert [r.name for r in plan.prefill] == ["p1", "p0"]
+    loaded_near = _replica("p1", "prefill", zone="z1", pending=30)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(far, 0), (loaded_near, 0)])
+    assert plan.prefill[0].name == "p0"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"n": 2}, {"echo": True}, {"prompt_logprobs": 1}, {"kv_transfer_params": {"x": 1}}],
+)
+def test_requests_vllm_cannot_split_stay_on_one_replica(body: dict[str, Any]) -> None:
+    assert decode_only_reason(_request(**body)) == "single_replica_request"
+    disagg = _disagg(mode="always")
+    d = _replica("d0", "decode", pending=6)
+    plan, calls = _plan(
+        disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)], _request(**body)
+    )
+    assert (plan.split, plan.reason, calls) == (False, "single_replica_request", [])
+
+
+def test_a_batch_of_prompts_is_one_replicas_work() -> None:
+    req = ParsedRequest(kind="completion", body={}, model="m", stream=False, batch=["a", "b"])
+    assert decode_only_reason(req) == "single_replica_request"
+    assert decode_only_reason(_request(n=1, echo=False)) is None
+
+
+def test_modes_always_and_never() -> None:
+    d = _replica("d0", "decode")
+    p = _replica("p0", "prefill")
+    plan, _ = _plan(_disagg(mode="always"), _decision(100, [(d, 90)]), [(p, 0)])
+    assert (plan.split, plan.reason, [r.name for r in plan.prefill]) == (
+        True,
+        "split_always",
+        ["p0"],
+    )
+    plan, calls = _plan(_disagg(mode="never"), _decision(4000, [(d, 0)]), [(p, 0)])
+    assert (plan.split, plan.reason, calls) == (False, "mode_never", [])
+
+
+def test_without_a_prefill_pool_or_token_ids() -> None:
+    disagg = _disagg()
+    d = _replica("d0", "decode", pending=6)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [])
+    assert plan.reason == "no_prefill_pool"
+    plan, _ = _plan(disagg, _decision(None, [(d, 0)]), [(_replica("p0", "prefill"), 0)])  # type: ignore[arg-type]
+    assert (plan.split, plan.reason) == (True, "split_unmeasured")
+
+
+def test_record_false_leaves_the_counters_alone() -> None:
+    disagg = _disagg()
+    d = _replica("d0", "decode")
+
+    async def rank(pool: list[Replica]) -> Decision:
+        return _decision(100, [(r, 0) for r in pool])
+
+    asyncio.run(disagg.decide(_decision(100, [(d, 0)]), _request(), [], rank, record=False))
+    assert sum(disagg.counters.decisions.values()) == 0
+    stats = disagg.counters.to_dict()
+    assert stats["bypass_rate"] is None and stats["split"] == 0
+
+
+def test_pools_keep_whole_requests_off_the_prefill_pool_unless_nothing_else_is_left() -> None:
+    p, d, a = _replica("p", "prefill"), _replica("d", "decode"), _replica("a", "both")
+    assert pools([p, d, a]) == ([d, a], [p])
+    assert pools([p]) == ([p], [])
