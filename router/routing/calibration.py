@@ -18,8 +18,8 @@ byte came back. One sample is
 
 with ``uncached = prompt - delivered`` and the predicted tier split trimmed to what was
 delivered (a shortfall is taken from the slowest tier first: storage, then CPU). Requests
-sent into a longer queue carry more noise (their wait is itself an estimate) and weigh less:
-``1 / (1 + pending)``.
+sent into a longer queue carry more noise (their wait is itself an estimate, whose error grows
+with the queue) and weigh less: ``1 / (1 + pending)^2``, the inverse of that variance.
 
 The estimate is a weighted least-squares fit, regularised towards the configured rates (the
 priors) with the strength of ``prior_samples`` typical samples, and with the data's weight
@@ -104,7 +104,7 @@ class CalibrationSample:
             cached = min(float(prompt_tokens), gpu + cpu + storage)
         uncached = max(0.0, prompt_tokens - cached)
         seconds = first_byte_s - max(0.0, queue_s)
-        return cls(uncached, cpu, storage, seconds, 1.0 / (1.0 + max(0.0, pending)))
+        return cls(uncached, cpu, storage, seconds, 1.0 / (1.0 + max(0.0, pending)) ** 2)
 
     def features(self) -> tuple[float, float, float, float]:
         return (1.0, self.uncached, self.cpu, self.storage)

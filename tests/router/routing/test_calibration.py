@@ -116,7 +116,7 @@ def test_a_sample_trims_the_prediction_to_what_the_replica_served() -> None:
     short = CalibrationSample.from_request(delivered=600, pending=1, **kw)
     assert short is not None
     assert (short.uncached, short.cpu, short.storage) == (400, 300, 100)
-    assert short.seconds == 0.75 and short.weight == 0.5
+    assert short.seconds == 0.75 and short.weight == 0.25
     shorter = CalibrationSample.from_request(delivered=100, pending=0, **kw)
     assert shorter is not None and (shorter.uncached, shorter.cpu, shorter.storage) == (900, 0, 0)
     more = CalibrationSample.from_request(delivered=950, pending=0, **kw)
