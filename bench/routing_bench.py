@@ -36,7 +36,7 @@ from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
 from kvroute.bench.sim.tokenizer import SimTokenizer
-from kvroute.bench.workloads import BUILDERS, TextSource
+from kvroute.bench.workloads import BUILDERS, TextSource, mooncake_trace
 from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 from kvroute.deploy.processes import free_port
@@ -258,6 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that answered)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    mooncake_trace.add_arguments(parser)
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -683,9 +684,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "scenario", None) == "shared_storage":
         return _run_storage_scenario(args)
     preset = PRESETS[args.preset]
+    trace = mooncake_trace.load_from_args(args)  # checked before anything starts
     workloads = args.workloads.split(",") if args.workloads else list(preset["workloads"])
+    if trace is not None:
+        workloads = [mooncake_trace.TRACE_WORKLOAD]
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [w for w in workloads if w not in BUILDERS] + [
+    unknown = [w for w in workloads if w not in BUILDERS and trace is None] + [
         p for p in policies if p not in POLICIES
     ]
     if unknown:
@@ -699,7 +703,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = args.deadline_s or preset["deadline_s"] * (
         config.latency.time_scale / preset["time_scale"]
     )
-    sizes_by_workload = workload_sizes(preset, workloads, args.size)
+    if trace is None:
+        sizes_by_workload = workload_sizes(preset, workloads, args.size)
+    else:
+        if args.size:
+            raise ValueError("--size sets a preset workload's sizes; a --trace has none")
+        sizes_by_workload = {workloads[0]: mooncake_trace.trace_sizes(args, trace)}
+        if not args.deadline_s:  # the trace's own span, on top of the preset's drain time
+            deadline += sizes_by_workload[workloads[0]]["span_s"] * config.latency.time_scale
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     request_lines: list[str] = []
@@ -717,6 +728,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         text = TextSource(args.seed, count_tokens=lambda s: len(tokenizer.encode(s)))
         built = {}
         for w in workloads:
+            if trace is not None:
+                built[w] = mooncake_trace.workload_from_args(args, trace, tokenizer.tok)
+                continue
             sizes = dict(sizes_by_workload[w])
             for key in ("rate", "user_rate", "agent_rate"):
                 if key in sizes:
