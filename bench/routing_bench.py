@@ -36,7 +36,7 @@ from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
 from kvroute.bench.sim.tokenizer import SimTokenizer
-from kvroute.bench.workloads import BUILDERS, TextSource, mooncake_trace
+from kvroute.bench.workloads import BUILDERS, TextSource, mooncake_trace, tenants
 from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 from kvroute.deploy.processes import free_port
@@ -156,6 +156,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+# llm-d's precise-routing benchmark shape: many tenants' prefixes, a ramping rate.
+PRESETS["llmd"] = tenants.LLMD_PRESET
 
 TARGET_WORKLOADS = ("chat", "shared_prefix")
 
@@ -385,6 +388,9 @@ def workload_sizes(
 ) -> dict[str, dict[str, Any]]:
     """The preset's sizes of each workload with ``WORKLOAD.KEY=JSON`` overrides applied; an
     unknown workload or key is an error before anything starts."""
+    missing = [w for w in workloads if w not in preset["sizes"]]
+    if missing:
+        raise ValueError(f"this preset has no sizes for {', '.join(missing)}: pick another preset")
     sizes = {w: dict(preset["sizes"][w]) for w in workloads}
     for option in overrides:
         key, sep, raw = option.partition("=")
@@ -735,6 +741,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for key in ("rate", "user_rate", "agent_rate"):
                 if key in sizes:
                     sizes[key] *= args.rate_scale
+            if "stages" in sizes:  # a ramp: (seconds, rate) per stage
+                sizes["stages"] = [(d, r * args.rate_scale) for d, r in sizes["stages"]]
             text.rng.seed(f"{args.seed}/{w}")
             built[w] = BUILDERS[w](text, seed=args.seed, **sizes)
         # One router process per policy (its start-up costs seconds); the fleet's caches are
