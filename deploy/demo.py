@@ -15,7 +15,7 @@ Why the workload looks as it does (issue 35: the first demo's fleet held everyth
 tiny model prefilled so fast that a hit saved less than the router cost):
 
 * more conversations than one replica can hold: 13 users, each pasting a long excerpt every
-  turn, so a conversation's history grows by ~250 tokens a turn; one replica's device cache
+  turn, so a conversation's history grows by ~320 tokens a turn; one replica's device cache
   plus RAM tier holds about half of them. Kept on one replica each (kvroute), every history
   fits; dealt out in turn (round-robin), each replica sees all of them and evicts;
 * returning users: every user speaks once per wave, then waits for the 12 others, so a
@@ -74,9 +74,9 @@ class Workload:
     replica c mod 2)."""
 
     conversations: int = 13
-    turns: int = 6
+    turns: int = 5
     system_words: int = 120
-    user_words: int = 110
+    user_words: int = 140
     max_tokens: int = 8
     concurrency: int = 2
     seed: int = 0
@@ -345,28 +345,29 @@ def _get_json(url: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- command
-# The demo's model: 4 layers of 384 (6 heads, 2 KV heads of 64): on one core of this class of
-# machine a 250-token turn prefills in ~0.1 s and a 2,000-token history in ~0.45 s, so a hit
-# saves far more than the router costs; it loads in well under a minute. Its KV cache takes
-# 4 x 2 x 2 x 64 x 2 bytes = 2 KiB per token.
-DEMO_MODEL = dict(num_layers=4, hidden_size=384, num_heads=6, num_kv_heads=2)
+# The demo's model: 6 layers of 384 (6 heads, 2 KV heads of 64). On one core of this class of
+# machine 4 such layers prefilled 650 tokens in ~0.11 s and 2,200 in ~0.45 s (measured while
+# the machine was loaded); 6 make a missed history cost several times the router's own
+# overhead (tens of ms), and still load in about a minute. Its KV cache takes
+# 6 x 2 x 2 x 64 x 2 bytes = 3 KiB per token.
+DEMO_MODEL = dict(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2)
 
 
 def demo_model_dir() -> Path:
     """Where the demo builds its model (once; later runs reuse it)."""
-    return default_state_dir() / "models" / "demo-4x384"
+    return default_state_dir() / "models" / "demo-6x384"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser, replicas=2)
-    # Per replica a device cache of 128 blocks (4,096 tokens) and a RAM tier of 0.02 GiB
-    # (~10,000 tokens at 2 KiB a token), no disk tier: together about 14,000 tokens, room for
-    # the ~6 histories (up to ~1,900 tokens each) a replica keeps when each user stays on one
-    # replica, not for the 13 that round-robin brings to each.
+    # Per replica a device cache of 128 blocks (4,096 tokens) and a RAM tier of 0.036 GiB
+    # (~12,600 tokens at 3 KiB a token), no disk tier: room for the ~6-7 histories (up to
+    # ~1,900 tokens each) a replica keeps when each user stays on one replica, not for the 13
+    # that round-robin brings to each.
     parser.set_defaults(
         num_gpu_blocks=129,
         max_model_len=2560,
-        cpu_gib=0.02,
+        cpu_gib=0.036,
         disk_gib=0.0,
         fresh_disk=True,
         state_dir=default_state_dir() / "demo",
@@ -456,7 +457,8 @@ def main(args: argparse.Namespace) -> int:
             ]
             for i, policy in enumerate(order):
                 fleet.reset_prefix_caches()
-                time.sleep(0.5)  # let the AllBlocksCleared events reach the index
+                _prime(fleet, workload.system_prompt(f"{args.seed}-{i}"))
+                time.sleep(0.5)  # let the clears and the primed blocks' events reach the index
                 total = workload.conversations * workload.turns
                 before = replica_counters(fleet)
                 with progress(total, f"{policy:<12}", "req") as bar:
@@ -570,6 +572,26 @@ def _print_report(
             "note: some responses reported no cached_tokens (replica without "
             "--enable-prompt-tokens-details); they count as prompt tokens only."
         )
+
+
+def _prime(fleet: LocalFleet, system: str) -> None:
+    """The run's system prompt, once on every replica, straight to it: a shared system
+    prompt is hot on every replica of a production fleet, and both policies start with it
+    everywhere. (Otherwise the replica that computed it first is the cheapest place for every
+    new conversation, and one replica gets most of them.)"""
+    import httpx
+
+    for ep in fleet.endpoints():
+        resp = httpx.post(
+            ep.url + "/v1/chat/completions",
+            json={
+                "model": fleet.served_model_name,
+                "messages": [{"role": "system", "content": system}],
+                "max_tokens": 1,
+            },
+            timeout=120,
+        )
+        resp.raise_for_status()
 
 
 def _warm_up(fleet: LocalFleet) -> None:
