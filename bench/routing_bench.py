@@ -37,7 +37,7 @@ from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
 from kvroute.bench.sim.tokenizer import SimTokenizer
-from kvroute.bench.workloads import BUILDERS, TextSource
+from kvroute.bench.workloads import BUILDERS, TextSource, mooncake_trace, tenants
 from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 from kvroute.deploy.processes import free_port
@@ -158,6 +158,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# llm-d's precise-routing benchmark shape: many tenants' prefixes, a ramping rate.
+PRESETS["llmd"] = tenants.LLMD_PRESET
+
 TARGET_WORKLOADS = ("chat", "shared_prefix")
 
 
@@ -259,6 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that answered)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    mooncake_trace.add_arguments(parser)
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -394,6 +398,9 @@ def workload_sizes(
 ) -> dict[str, dict[str, Any]]:
     """The preset's sizes of each workload with ``WORKLOAD.KEY=JSON`` overrides applied; an
     unknown workload or key is an error before anything starts."""
+    missing = [w for w in workloads if w not in preset["sizes"]]
+    if missing:
+        raise ValueError(f"this preset has no sizes for {', '.join(missing)}: pick another preset")
     sizes = {w: dict(preset["sizes"][w]) for w in workloads}
     for option in overrides:
         key, sep, raw = option.partition("=")
@@ -695,9 +702,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "scenario", None) == "pd":
         return _run_pd_scenario(args)
     preset = PRESETS[args.preset]
+    trace = mooncake_trace.load_from_args(args)  # checked before anything starts
     workloads = args.workloads.split(",") if args.workloads else list(preset["workloads"])
+    if trace is not None:
+        workloads = [mooncake_trace.TRACE_WORKLOAD]
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [w for w in workloads if w not in BUILDERS] + [
+    unknown = [w for w in workloads if w not in BUILDERS and trace is None] + [
         p for p in policies if PolicyVariant.parse(p).policy not in POLICIES
     ]
     if unknown:
@@ -711,7 +721,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = args.deadline_s or preset["deadline_s"] * (
         config.latency.time_scale / preset["time_scale"]
     )
-    sizes_by_workload = workload_sizes(preset, workloads, args.size)
+    if trace is None:
+        sizes_by_workload = workload_sizes(preset, workloads, args.size)
+    else:
+        if args.size:
+            raise ValueError("--size sets a preset workload's sizes; a --trace has none")
+        sizes_by_workload = {workloads[0]: mooncake_trace.trace_sizes(args, trace)}
+        if not args.deadline_s:  # the trace's own span, on top of the preset's drain time
+            deadline += sizes_by_workload[workloads[0]]["span_s"] * config.latency.time_scale
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     request_lines: list[str] = []
@@ -729,10 +746,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         text = TextSource(args.seed, count_tokens=lambda s: len(tokenizer.encode(s)))
         built = {}
         for w in workloads:
+            if trace is not None:
+                built[w] = mooncake_trace.workload_from_args(args, trace, tokenizer.tok)
+                continue
             sizes = dict(sizes_by_workload[w])
             for key in ("rate", "user_rate", "agent_rate"):
                 if key in sizes:
                     sizes[key] *= args.rate_scale
+            if "stages" in sizes:  # a ramp: (seconds, rate) per stage
+                sizes["stages"] = [(d, r * args.rate_scale) for d, r in sizes["stages"]]
             text.rng.seed(f"{args.seed}/{w}")
             built[w] = BUILDERS[w](text, seed=args.seed, **sizes)
         # One router process per policy (its start-up costs seconds); the fleet's caches are

@@ -61,6 +61,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvroute.bench.tokenizer_bench",
         "chat render and encode cost per request, one router and several",
     ),
+    "trace-gen": (
+        "kvroute.bench.workloads.trace_gen",
+        "write a synthetic trace in the Mooncake format (for bench routing --trace)",
+    ),
 }
 
 
@@ -150,7 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module = args._module
     if args.command == "bench":
-        result = module.run(args)
+        try:
+            result = module.run(args)
+        except ValueError as exc:  # bad input (a flag, a trace file): its message, no traceback
+            print(f"kvroute bench {args.bench}: {exc}", file=sys.stderr)
+            return 2
         text = json.dumps(result, indent=2)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as fh:

@@ -462,11 +462,15 @@ class TieredPrefixCache:
 
     # --- whole-cache operations ---------------------------------------------------------------
 
-    def reset(self) -> bool:
+    def reset(self, *, every_tier: bool = False) -> bool:
         """vLLM's /reset_prefix_cache: the device tier is dropped and AllBlocksCleared
         published; the lower tiers are kept (vLLM resets offloading only when asked to).
         Refused while requests hold blocks. Lower-tier blocks whose parent was on the device
-        go too (the module's invariant), each with its BlockRemoved."""
+        go too (the module's invariant), each with its BlockRemoved.
+
+        ``every_tier``: the replica's own CPU and STORAGE blocks go as well, each with its
+        BlockRemoved (a shared domain is not the replica's to clear). Benchmarks reset this way
+        between runs, so that no run starts on blocks an earlier run's policy left in RAM."""
         if self._private or any(b.ref for b in self._blocks.values()):
             return False
         self._events.append(AllBlocksCleared())
@@ -486,6 +490,10 @@ class TieredPrefixCache:
                 if not (isinstance(e, BlockRemoved) and e.medium is Medium.GPU)
             ]
         self._gpu_cached = 0
+        if every_tier:
+            for b in list(self._blocks.values()):
+                if b.tier is not None and (b.parent is None or b.parent.tier is None):
+                    self._drop(b)  # a chain's first local block takes the rest with it
         return True
 
     def restart(self) -> list[CachedBlock]:

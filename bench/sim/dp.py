@@ -196,9 +196,9 @@ class SimDPServer:
             prompt, max_tokens, cache_salt=cache_salt, lora_name=lora_name
         )
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, every_tier: bool = False) -> bool:
         """Every engine's device cache (vLLM resets all ranks); False while one is busy."""
-        results = [e.reset_prefix_cache() for e in self.engines if e.alive]
+        results = [e.reset_prefix_cache(every_tier=every_tier) for e in self.engines if e.alive]
         return all(results)
 
     # --- placement ----------------------------------------------------------------------------

@@ -365,11 +365,12 @@ async def serve_fleet(
         )
 
     async def reset(request: Request) -> Response:
-        """Reset every live replica's cache once it is idle (benchmarks, between runs)."""
+        """Reset every live replica's cache, every tier of its own, once it is idle
+        (benchmarks, between runs: no run may start on what an earlier run left)."""
         deadline = time.monotonic() + 30
         pending = [r for r in replicas if r.alive]
         while pending:
-            pending = [r for r in pending if not r.reset_prefix_cache()]
+            pending = [r for r in pending if not r.reset_prefix_cache(every_tier=True)]
             if not pending:
                 break
             if time.monotonic() > deadline:

@@ -293,10 +293,10 @@ class SimReplica:
             self.publisher.close()
             self.publisher = None
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, every_tier: bool = False) -> bool:
         """vLLM's POST /reset_prefix_cache: the device tier dropped, AllBlocksCleared published
-        (lower tiers kept, as vLLM keeps its offloaded tiers)."""
-        ok = self.cache.reset()
+        (lower tiers kept, as vLLM keeps its offloaded tiers, unless ``every_tier``)."""
+        ok = self.cache.reset(every_tier=every_tier)
         if ok:
             self._publish(self.cache.take_events())
         return ok

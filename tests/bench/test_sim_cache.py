@@ -182,6 +182,31 @@ def test_events_are_vllm_shaped() -> None:
     assert cache.take_events() == [AllBlocksCleared()]
 
 
+def test_a_reset_of_every_tier_leaves_nothing_and_says_so() -> None:
+    """The benchmarks' reset between runs: the device and the replica's own lower tiers are
+    emptied, each lower-tier block with its BlockRemoved, so the index empties too."""
+    cache = TieredPrefixCache(BS, gpu_blocks=4, cpu_blocks=2, storage_blocks=2)
+    mirror = _Mirror()
+    for ids in ((1, 2), (3, 4), (5, 6)):
+        _run(cache, _prompt(*ids))
+    before = cache.contents()
+    lower = len(before[Medium.CPU]) + len(before[Medium.STORAGE])
+    assert before[Medium.CPU] and before[Medium.STORAGE]
+    mirror.feed(cache)
+    plain = TieredPrefixCache(BS, gpu_blocks=4, cpu_blocks=2, storage_blocks=2)
+    for ids in ((1, 2), (3, 4), (5, 6)):
+        _run(plain, _prompt(*ids))
+    assert plain.reset() is True  # vLLM's reset keeps the offloaded tiers
+    assert plain.contents()[Medium.CPU]
+    assert cache.reset(every_tier=True) is True
+    assert all(not blocks for blocks in cache.contents().values())
+    removed = [e for e in cache.take_events() if isinstance(e, BlockRemoved)]
+    assert len(removed) == lower and {e.medium for e in removed} == {Medium.CPU, Medium.STORAGE}
+    cache.check_invariants()
+    mirror.index.apply("r", [AllBlocksCleared(), *removed])
+    mirror.assert_agrees(cache, [_prompt(1, 2), _prompt(3, 4)])
+
+
 def test_cache_salt_blocks_never_meet_unsalted_ones() -> None:
     cache = TieredPrefixCache(BS, gpu_blocks=16)
     mirror = _Mirror()

@@ -116,3 +116,18 @@ def test_chat_user_history_is_private_and_opens_the_conversation(tokenizer: SimT
     assert all("\n\n" not in t.content for s in rich.sessions for t in s.turns[1:])
     assert all("\n\n" not in s.turns[0].content for s in plain.sessions)
     assert [s.start_s for s in plain.sessions] == [s.start_s for s in rich.sessions]
+
+
+def test_tenants_ramp_and_share_only_their_prefix() -> None:
+    w = BUILDERS["tenants"](
+        TextSource(0), tenants=4, users=3, prefix_tokens=200, stages=[(10, 2.0), (10, 8.0)]
+    )
+    first = [s for s in w.sessions if s.start_s < 10]
+    second = [s for s in w.sessions if s.start_s >= 10]
+    assert 0 < len(first) < len(second) <= 10 * 8 * 2  # the rate ramps up
+    assert all(s.start_s < 20 for s in w.sessions)
+    systems = {s.system for s in w.sessions}
+    assert len(systems) <= 4 and all(len(s.turns) == 1 for s in w.sessions)
+    assert len({s.turns[0].content for s in w.sessions}) == len(w.sessions)
+    with pytest.raises(ValueError, match="stages"):
+        BUILDERS["tenants"](TextSource(0), stages=[(10, 0)])

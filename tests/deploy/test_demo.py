@@ -66,7 +66,7 @@ def test_demo_runs_end_to_end_on_the_simulated_fleet(tmp_path: Path) -> None:
         timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "kvroute / round_robin" in done.stdout
+    assert "kvroute vs round_robin" in done.stdout
     # Not a terminal: one progress line per run, no carriage-return redraws; dashboards named.
     assert "\r" not in done.stdout + done.stderr
     runs = [line for line in done.stderr.splitlines() if " req in " in line]
