@@ -119,7 +119,11 @@ def header_map(
     extra: dict[str, str] | None = None,
 ) -> pb.ProcessingRequest:
     """The first message of a stream, as Envoy sends it: pseudo-headers and headers as raw
-    values, the subset hint in filter metadata, the body modes in ``protocol_config``."""
+    values (envoyproxy/envoy source/extensions/filters/http/ext_proc/mutation_utils.cc,
+    ``headersToProto``: ``raw_value`` under the runtime flag ``send_header_raw_value``, else
+    ``value``; read at 00acddf3a6fb095d9a686caeb3b31db459c97d12, and Envoy reads a mutation's
+    ``raw_value`` under the same flag), the subset hint in filter metadata, the body modes
+    in ``protocol_config``."""
     values = {":method": method, ":path": path, ":authority": "gateway", "x-request-id": "rq-1"}
     values["content-type"] = "application/json"
     if authorization is not None:
