@@ -160,7 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.epp_fallbacks,
         metavar="N",
         help="list up to N further-ranked replicas after the pick, for the gateway to retry "
-        "on (Endpoint Picker Protocol v0.4). Default 0: the pick alone",
+        "on (Endpoint Picker Protocol v0.4; Envoy's override_host policy reads the list). "
+        "Default 0: the pick alone, the one address agentgateway and NGINX Gateway Fabric "
+        "accept",
     )
     server.add_argument("--log-level", default="info")
     server.add_argument("--access-log", action="store_true", help="log every request")

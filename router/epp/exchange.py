@@ -15,10 +15,11 @@ here answers 500 the same way. Neither ends the server or another stream.
 Modes, each handled explicitly (``_RequestMode``): Envoy announces its body modes in the
 first message (``protocol_config``).
 
-* ``FULL_DUPLEX_STREAMED``, or no announcement (an older Envoy configured as the Inference
-  Extension documents, NGINX Gateway Fabric's shim, agentgateway): the headers answer waits
-  for the whole body, then the body is handed back as streamed chunks, as the reference
-  picker does.
+* ``FULL_DUPLEX_STREAMED`` (what the Inference Extension configures, and what agentgateway
+  announces for inference routing), or no announcement (an older Envoy; NGINX Gateway
+  Fabric's shim, which sends the whole body in one message and reads only the headers
+  answer): the headers answer waits for the whole body, then the body is handed back as
+  streamed chunks, as the reference picker does.
 * ``BUFFERED``: Envoy waits for an answer to the headers before it sends the body, so the
   headers pass unchanged and the pick rides on the body's answer (header mutation and
   metadata: Envoy still holds the headers).
@@ -31,13 +32,14 @@ The response's body is handed back chunk by chunk in ``FULL_DUPLEX_STREAMED`` (o
 announcement) and simply acknowledged otherwise.
 
 The endpoint kind (which parser reads the body) comes from ``:path``, else ``x-original-path``,
-else ``x-forwarded-path`` (gateways that are not Envoy send no pseudo-headers), else the
-body's shape (``messages.kind_from_body``); a body whose kind was only guessed from its shape
-and that the guessed parser cannot read goes by load instead of being refused, since the
-replica may well accept it at the path the client used.
+else ``x-forwarded-path`` (the reference picker's order), else the body's shape
+(``messages.kind_from_body``: NGINX Gateway Fabric's shim sends no path at all); a body whose
+kind was only guessed from its shape and that the guessed parser cannot read goes by load
+instead of being refused, since the replica may well accept it at the path the client used.
 
 The destination is the primary, then up to ``--epp-fallbacks`` further-ranked replicas
-(protocol v0.4: the gateway retries down the list); the request is counted in flight on
+(protocol v0.4: the gateway retries down the list; default 0, since agentgateway and NGINX
+Gateway Fabric take the value as one address); the request is counted in flight on
 whichever one the gateway reports it served (``x-gateway-destination-endpoint-served``).
 """
 

@@ -49,9 +49,11 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # fallback the gateway retried on), under ``envoy.lb`` in the request's metadata context.
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 
-# Where the request's path may be, in order: Envoy's pseudo-header; the headers a gateway
-# that is not Envoy puts the original path in (NGINX Gateway Fabric's shim sends no
-# pseudo-headers at all: it forwards the client's headers, Go canonical case, and the body).
+# Where the request's path may be, in the reference picker's order (llm-d/llm-d-router
+# pkg/epp/framework/common/request/headers.go, GetRequestPath): the pseudo-header (Envoy and
+# agentgateway send it), then headers a rewriting route or a client may set. NGINX Gateway
+# Fabric's shim sends neither: no pseudo-headers, and its njs module calls the shim at the
+# shim's own URL, so the client's path is not sent at all (the body's shape tells).
 PATH_HEADERS = (":path", "x-original-path", "x-forwarded-path")
 
 # Envoy's limit on one streamed body chunk is 64 KiB; the reference picker keeps under it.
@@ -121,9 +123,11 @@ def kind_from_body(raw: bytes) -> str:
 
 
 def header_map(message: pb.HttpHeaders) -> dict[str, str]:
-    """Header names (lowercase) to values. Envoy sends ``raw_value`` (bytes); NGINX Gateway
-    Fabric's shim and older Envoys send ``value`` (a string), in whatever case the client
-    wrote (Go's canonical ``X-Original-Path``): both are read, names folded to lowercase."""
+    """Header names (lowercase) to values, from ``raw_value`` (bytes) when set, else
+    ``value`` (a string). Envoy sends ``raw_value``; NGINX Gateway Fabric's shim sends every
+    header in ``value`` (names lowercased); agentgateway sends headers in ``raw_value`` and
+    its pseudo-headers (``:path`` included) in ``value``. Names are folded to lowercase
+    anyway, for a gateway that does not."""
     out: dict[str, str] = {}
     for h in message.headers.headers:
         out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value

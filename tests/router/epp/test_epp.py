@@ -18,6 +18,7 @@ ImmediateResponse with OpenAI's error JSON and the HTTP endpoints' status.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -90,8 +91,6 @@ def setup() -> Iterator[Setup]:
                 "--epp-port",
                 str(epp_port),
                 "--epp-plaintext",  # TLS by default: test_tls_by_default_... covers it
-                "--epp-fallbacks",
-                "1",
                 "--health-interval-s",
                 "0.3",
                 "--max-body-bytes",
@@ -120,7 +119,11 @@ def header_map(
     extra: dict[str, str] | None = None,
 ) -> pb.ProcessingRequest:
     """The first message of a stream, as Envoy sends it: pseudo-headers and headers as raw
-    values, the subset hint in filter metadata, the body modes in ``protocol_config``."""
+    values (envoyproxy/envoy source/extensions/filters/http/ext_proc/mutation_utils.cc,
+    ``headersToProto``: ``raw_value`` under the runtime flag ``send_header_raw_value``, else
+    ``value``; read at 00acddf3a6fb095d9a686caeb3b31db459c97d12, and Envoy reads a mutation's
+    ``raw_value`` under the same flag), the subset hint in filter metadata, the body modes
+    in ``protocol_config``."""
     values = {":method": method, ":path": path, ":authority": "gateway", "x-request-id": "rq-1"}
     values["content-type"] = "application/json"
     if authorization is not None:
@@ -506,6 +509,21 @@ def test_tls_by_default_and_a_router_without_keys(setup: Setup) -> None:
 
 
 # --- gateways other than Envoy, fallbacks, every body mode ---------------------------------
+#
+# Each gateway below is driven the way its source does it, read at these commits:
+#
+# * NGINX Gateway Fabric, nginx/nginx-gateway-fabric at e55bfe33969f313b210d3497b3ae56b923175d69:
+#   cmd/gateway/endpoint_picker.go (the Go shim; last changed in
+#   2ab4fe4746a3d249b6d685c19734729e6af062cd),
+#   internal/controller/nginx/modules/src/epp.js (the njs module that calls the shim),
+#   internal/controller/nginx/config/servers.go and maps.go (what NGINX does with the answer).
+# * agentgateway, agentgateway/agentgateway at 75b4e6ce6e0e1ac7959d5548ebe8dbeaede4f180:
+#   crates/agentgateway/src/http/ext_proc.rs (InferenceRouting, mutate_request,
+#   send_body_stream, mutate_response), crates/agentgateway/src/http/ext_proc/headers.rs.
+# * The reference picker, llm-d/llm-d-router at ebab687927f5331c1b39defcb579a07951bce56c:
+#   pkg/epp/framework/common/request/headers.go (the path headers it reads, in order),
+#   pkg/epp/requestcontrol/director.go (the destination list), and
+#   pkg/epp/framework/plugins/scheduling/picker/common.go (one endpoint by default).
 
 
 def _warm(setup: Setup, body: dict[str, Any]) -> str:
@@ -517,55 +535,89 @@ def _warm(setup: Setup, body: dict[str, Any]) -> str:
     return setup.endpoints[holder.name]
 
 
-def _go_headers(values: dict[str, str]) -> pb.ProcessingRequest:
-    """Request headers as NGINX Gateway Fabric's shim sends them: the client's headers from
-    Go's ``http.Header`` (canonical case), each in ``value`` (not ``raw_value``), no
-    pseudo-headers, no ``protocol_config``."""
+def _ngf_headers(values: dict[str, str], *, end_of_stream: bool = False) -> pb.ProcessingRequest:
+    """Request headers as NGINX Gateway Fabric's shim builds them (``buildHeaderRequest``):
+    the client's headers as njs forwards them to the shim, names lowercased
+    (``strings.ToLower``), each value in ``value`` (never ``raw_value``); no pseudo-headers
+    (the njs module fetches the shim's own URL, so the client's path is not sent at all), no
+    ``protocol_config``, no metadata (no subset hint); ``end_of_stream`` when there is no body."""
     return pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=core.HeaderMap(
-                headers=[core.HeaderValue(key=k, value=v) for k, v in values.items()]
-            )
+                headers=[core.HeaderValue(key=k.lower(), value=v) for k, v in values.items()]
+            ),
+            end_of_stream=end_of_stream,
         )
     )
 
 
-@pytest.mark.parametrize("path_header", ["X-Original-Path", "X-Forwarded-Path", None])
-def test_nginx_gateway_fabrics_shim_is_routed_by_cache(
-    setup: Setup, path_header: str | None
-) -> None:
-    """NGF's shim: no ``:path``; the path from ``X-Original-Path``, else ``X-Forwarded-Path``,
-    else the body's shape (``messages``: a chat completion). Each way the returning prefix
-    goes to the replica that holds it, which routing by load would not promise."""
-    body = _chat(f"NGF shim test ({path_header}). " + "Be terse and exact. " * 40)
+async def _ngf_shim(stream: Stream, headers: dict[str, str], raw: bytes) -> str | None:
+    """The shim's whole exchange (``sendRequest``, then its receive loop): the headers, the
+    body in one message with ``end_of_stream`` (``io.ReadAll``), half-close, then read every
+    answer until the picker ends the stream. It keeps only the destination header of a
+    ``request_headers`` answer, as ``raw_value`` (``GetRawValue``), and puts it whole into
+    ``proxy_pass http://$inference_backend_...`` (maps.go, servers.go): one address."""
+    await stream.send(_ngf_headers(headers, end_of_stream=not raw))
+    if raw:
+        await stream.send(_body(raw, True))
+    await stream.call.done_writing()
+    endpoint: str | None = None
+    while (answer := await asyncio.wait_for(stream.call.read(), 10.0)) is not grpc.aio.EOF:
+        assert answer.WhichOneof("response") != "immediate_response", answer
+        for h in answer.request_headers.response.header_mutation.set_headers:
+            if h.header.key == "x-gateway-destination-endpoint":
+                endpoint = h.header.raw_value.decode()
+    assert await stream.call.code() == grpc.StatusCode.OK
+    return endpoint
+
+
+def test_nginx_gateway_fabrics_shim_is_routed_by_cache(setup: Setup) -> None:
+    """NGF's shim sends no path: the kind comes from the body's shape (``messages``: a chat
+    completion), and the returning prefix goes to the replica that holds it, which routing by
+    load would not promise. The destination is one address (fallbacks off by default), which
+    is all NGINX can proxy to; a GET (no body) is picked at its headers, by load."""
+    body = _chat("NGF shim test. " + "Be terse and exact. " * 40)
     holder = _warm(setup, body)
     raw = json.dumps(body).encode()
-    values = {"Content-Type": "application/json", "Authorization": AUTH, "X-Request-Id": "ngf-1"}
-    if path_header is not None:
-        values[path_header] = "/v1/chat/completions"
+    headers = {
+        "Content-Type": "application/json",
+        "Authorization": AUTH,
+        "X-Request-Id": "ngf-1",
+        "X-Epp-Host": "kvroute-epp.default.svc",  # the shim's own headers, forwarded too
+        "X-Epp-Port": "9002",
+    }
+    assert _run(setup, lambda stream: _ngf_shim(stream, headers, raw)) == holder
+    get = _run(setup, lambda stream: _ngf_shim(stream, {"Authorization": AUTH}, b""))
+    assert get in setup.endpoints.values()
 
-    async def shim(stream: Stream) -> str:
-        await stream.send(_go_headers(values), _body(raw, True))
-        answer, echoed = await stream.read_many(2)
-        assert answer.WhichOneof("response") == "request_headers"
-        assert echoed.request_body.response.body_mutation.streamed_response.body == raw
-        return _destination(answer)[0]
 
-    assert _run(setup, shim) == holder
+@pytest.mark.parametrize("path_header", ["x-original-path", "x-forwarded-path"])
+def test_a_path_header_names_the_endpoint_when_there_is_no_path(
+    setup: Setup, path_header: str
+) -> None:
+    """Without ``:path``, the reference picker reads ``x-original-path``, then
+    ``x-forwarded-path`` (query stripped: headers.go); so does kvroute. None of the gateways
+    read here sets them (a route's rewrite or the client may): with one naming the
+    completions path, a chat-shaped body is that parser's to refuse, not guessed as chat."""
+    raw = json.dumps(_chat("named path")).encode()
+    headers = {"Authorization": AUTH, path_header: "/v1/completions?stream=false"}
+
+    async def named(stream: Stream) -> int:
+        await stream.send(_ngf_headers(headers), _body(raw, True))
+        return _error(await stream.read())[0]
+
+    assert _run(setup, named) == 400
+    headers[path_header] = "/v1/chat/completions?x=1"
+    assert _run(setup, lambda stream: _ngf_shim(stream, headers, raw)) in setup.endpoints.values()
 
 
 def test_a_body_whose_guessed_kind_cannot_be_read_goes_by_load(setup: Setup) -> None:
-    """Guessed from its shape (no path header), a body the guessed parser refuses is not
-    refused by the picker: the replica, at the client's real path, is the judge."""
+    """Guessed from its shape (no path header, as from NGF's shim), a body the guessed parser
+    refuses is not refused by the picker: the replica, at the client's real path, is the
+    judge."""
     raw = json.dumps({"model": MODEL, "prompt": {"not": "a prompt"}}).encode()
-
-    async def shim(stream: Stream) -> str:
-        await stream.send(_go_headers({"Authorization": AUTH}), _body(raw, True))
-        answer = await stream.read()
-        assert answer.WhichOneof("response") == "request_headers", answer
-        return _destination(answer)[0]
-
-    assert _run(setup, shim) in setup.endpoints.values()
+    endpoint = _run(setup, lambda stream: _ngf_shim(stream, {"Authorization": AUTH}, raw))
+    assert endpoint in setup.endpoints.values()
     # With the path named, the same body is the completions parser's to refuse (400).
 
     async def named(stream: Stream) -> int:
@@ -575,69 +627,158 @@ def test_a_body_whose_guessed_kind_cannot_be_read_goes_by_load(setup: Setup) -> 
     assert _run(setup, named) == 400
 
 
-def test_agentgateway_style_streams_end_with_an_empty_chunk_or_trailers(setup: Setup) -> None:
-    """A gateway that sends Envoy's pseudo-headers as raw values with a query string, no
-    ``protocol_config``, and ends the body with an empty ``end_of_stream`` chunk (or with
-    trailers): the pick comes once the body is whole, and the body is handed back whole."""
-    body = _chat("agentgateway-style test. " + "Cite your sources. " * 40)
+def _agentgateway_headers(path: str, values: dict[str, str]) -> pb.ProcessingRequest:
+    """The first message of agentgateway's InferenceRouting stream: the request's headers in
+    ``raw_value``, then the pseudo-headers ``:method``, ``:scheme`` (``http`` when the URI has
+    none), ``:authority`` and ``:path`` (path and query) in ``value`` (headers.rs
+    ``req_to_header_map``); ``protocol_config`` with both body modes FULL_DUPLEX_STREAMED
+    (ext_proc.rs ``InferenceRouting::build``); no metadata context, so no subset hint."""
+    headers = [core.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+    pseudo = {":method": "POST", ":scheme": "http", ":authority": "gateway", ":path": path}
+    headers += [core.HeaderValue(key=k, value=v) for k, v in pseudo.items()]
+    request = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=core.HeaderMap(headers=headers))
+    )
+    request.protocol_config.request_body_mode = DUPLEX
+    request.protocol_config.response_body_mode = DUPLEX
+    return request
+
+
+def _agentgateway_destination(answer: pb.ProcessingResponse) -> str:
+    """What agentgateway does with the picker's headers answer (``mutate_request``): applies
+    the header mutation, then parses ``x-gateway-destination-endpoint`` as one socket
+    address; anything else fails the request ("EPP returned invalid address"). Dynamic
+    metadata is kept for its CEL context only, never routed on."""
+    assert answer.WhichOneof("response") == "request_headers", answer
+    values = {
+        h.header.key: (h.header.raw_value or h.header.value.encode()).decode()
+        for h in answer.request_headers.response.header_mutation.set_headers
+    }
+    value = values["x-gateway-destination-endpoint"]
+    host, _, port = value.rpartition(":")
+    ipaddress.ip_address(host.strip("[]"))  # a SocketAddr: an IP literal and a port
+    assert port.isdigit() and 0 < int(port) < 65536, value
+    return value
+
+
+@pytest.mark.parametrize("ending", ["last_chunk", "empty_chunk", "trailers"])
+def test_agentgateway_is_routed_by_cache_and_reports_the_served_endpoint(
+    setup: Setup, ending: str
+) -> None:
+    """agentgateway streams the body as its frames come (``send_body_stream``): each chunk's
+    ``end_of_stream`` is whether the body has ended after it, so it is on the last chunk
+    (a body of known length), or, when no chunk said so, an empty chunk with
+    ``end_of_stream`` follows, or the body ends with trailers and nothing after them. Each
+    way the pick comes once the body is whole, the body is handed back whole, and the
+    destination parses as the one address agentgateway requires. In the response phase it
+    sends ``:status`` in ``value`` and the endpoint that served in the metadata context
+    (``envoy.lb`` → ``x-gateway-destination-endpoint-served``, ``mutate_response``); the
+    request counts in flight on the pick until the response's body ends."""
+    body = _chat(f"agentgateway test ({ending}). " + "Cite your sources. " * 40, stream=True)
     holder = _warm(setup, body)
     raw = json.dumps(body).encode()
+    names = {v: k for k, v in setup.endpoints.items()}
+    values = {"content-type": "application/json", "authorization": AUTH, "x-request-id": "ag-1"}
 
-    async def empty_end(stream: Stream) -> tuple[str, bytes]:
-        await stream.send(header_map("/v1/chat/completions?api-version=1", mode=None))
-        await stream.send(_body(raw[:100], False), _body(raw[100:], False), _body(b"", True))
-        answer = await stream.read()
+    async def agentgateway(stream: Stream) -> tuple[str, bytes]:
+        await stream.send(_agentgateway_headers("/v1/chat/completions?api-version=1", values))
+        last = ending == "last_chunk"
+        await stream.send(_body(raw[:100], False), _body(raw[100:], last))
+        if ending == "empty_chunk":
+            await stream.send(_body(b"", True))
+        elif ending == "trailers":
+            await stream.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        endpoint = _agentgateway_destination(await stream.read())
         echoed = b""
         while True:
-            chunk = (await stream.read()).request_body.response.body_mutation.streamed_response
-            echoed += chunk.body
-            if chunk.end_of_stream:
+            answer = await stream.read()
+            if answer.WhichOneof("response") == "request_trailers":
                 break
-        return _destination(answer)[0], echoed
+            chunk = answer.request_body.response.body_mutation.streamed_response
+            echoed += chunk.body
+            if chunk.end_of_stream and ending != "trailers":
+                break
+        assert setup.in_flight()[names[endpoint]] == 1
+        served = pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(
+                headers=core.HeaderMap(
+                    headers=[
+                        core.HeaderValue(key="content-type", raw_value=b"text/event-stream"),
+                        core.HeaderValue(key=":status", value="200"),
+                    ]
+                )
+            )
+        )
+        lb = served.metadata_context.filter_metadata["envoy.lb"]
+        lb.fields["x-gateway-destination-endpoint-served"].string_value = endpoint
+        await stream.send(served)
+        assert (await stream.read()).WhichOneof("response") == "response_headers"
+        await stream.send(_response_body(b"data: [DONE]\n\n", True))
+        echoed_response = await stream.read()
+        streamed = echoed_response.response_body.response.body_mutation.streamed_response
+        assert streamed.body == b"data: [DONE]\n\n" and streamed.end_of_stream
+        assert setup.in_flight()[names[endpoint]] == 0
+        return endpoint, echoed
 
-    assert _run(setup, empty_end) == (holder, raw)
-
-    async def trailers(stream: Stream) -> str:
-        await stream.send(header_map(mode=DUPLEX), _body(raw, False))
-        await stream.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
-        answer = await stream.read()
-        endpoint = _destination(answer)[0]
-        answers = [await stream.read() for _ in range(2)]
-        assert [a.WhichOneof("response") for a in answers] == ["request_body", "request_trailers"]
-        return endpoint
-
-    assert _run(setup, trailers) == holder
+    assert _run(setup, agentgateway) == (holder, raw)
 
 
 def test_fallbacks_follow_the_pick_and_the_served_endpoint_carries_the_load(
     setup: Setup,
 ) -> None:
-    """``--epp-fallbacks 1``: the destination is ``primary,fallback`` (header and metadata
-    alike); when the gateway reports it served the request on the fallback
-    (``x-gateway-destination-endpoint-served``), the in-flight count moves there."""
-    body = _chat("Fallback list test. " + "Answer in French. " * 40, stream=True)
-    holder = _warm(setup, body)
-    other = next(e for e in setup.endpoints.values() if e != holder)
-    names = {v: k for k, v in setup.endpoints.items()}
+    """``--epp-fallbacks 1`` (a router of its own: the default is 0): the destination is
+    ``primary,fallback`` (header and metadata alike); when the gateway reports it served the
+    request on the fallback (``x-gateway-destination-endpoint-served``), the in-flight count
+    moves there.
 
-    async def retried(stream: Stream) -> None:
-        raw = json.dumps(body).encode()
-        await stream.send(header_map(), _body(raw))
-        answer, _ = await stream.read_many(2)
-        primary, value, _, _ = _destination(answer)
-        assert (primary, value) == (holder, f"{holder},{other}")
-        assert setup.in_flight()[names[holder]] == 1
-        served = _response_headers()
-        lb = served.metadata_context.filter_metadata["envoy.lb"]
-        lb.fields["x-gateway-destination-endpoint-served"].string_value = other
-        await stream.send(served)
-        await stream.read()
-        assert setup.in_flight() == {names[holder]: 0, names[other]: 1}
-        await stream.send(_response_body(b"data: [DONE]\n\n", True))
-        await stream.read()
-        assert sum(setup.in_flight().values()) == 0
+    Who reads a list: Envoy's override_host load balancing policy, the one the Inference
+    Extension's Envoy-based gateways route with, splits the header or metadata value on
+    commas and takes the next address on each retry (envoyproxy/envoy
+    source/extensions/load_balancing_policies/override_host/load_balancer.cc at
+    043486c77de4ddeb519f7cf39f48e58550c01ca1, ``getSelectedHosts``, ``getEndpoint``), and
+    the reference picker joins its picks with commas (director.go ``prepareRequest``), though
+    it picks one by default (picker/common.go ``DefaultMaxNumOfEndpoints = 1``). agentgateway
+    parses the header as one socket address and NGINX Gateway Fabric proxies to it whole,
+    so a list breaks every request through them: hence the default of 0."""
+    port = free_port("127.0.0.1")
+    router = RouterProcess(
+        name="router-epp-fallbacks",
+        replicas=setup.fleet.endpoints(),
+        tokenizer=setup.fleet.model_dir,
+        api_key=KEY,
+        extra_args=[
+            *("--epp-port", str(port), "--epp-plaintext", "--epp-fallbacks", "1"),
+            *("--no-tokenizer-check", "--log-level", "warning"),
+        ],
+    )
+    with router:
+        assert router.wait_feeds_settled(30)
+        here = Setup(setup.fleet, router, port)
+        body = _chat("Fallback list test. " + "Answer in French. " * 40, stream=True)
+        holder = _warm(here, body)
+        other = next(e for e in here.endpoints.values() if e != holder)
+        names = {v: k for k, v in here.endpoints.items()}
 
-    _run(setup, retried)
+        async def retried(stream: Stream) -> None:
+            raw = json.dumps(body).encode()
+            await stream.send(header_map(), _body(raw))
+            answer, _ = await stream.read_many(2)
+            primary, value, _, _ = _destination(answer)
+            assert (primary, value) == (holder, f"{holder},{other}")
+            with pytest.raises(ValueError):
+                _agentgateway_destination(answer)  # what agentgateway would refuse
+            assert here.in_flight()[names[holder]] == 1
+            served = _response_headers()
+            lb = served.metadata_context.filter_metadata["envoy.lb"]
+            lb.fields["x-gateway-destination-endpoint-served"].string_value = other
+            await stream.send(served)
+            await stream.read()
+            assert here.in_flight() == {names[holder]: 0, names[other]: 1}
+            await stream.send(_response_body(b"data: [DONE]\n\n", True))
+            await stream.read()
+            assert sum(here.in_flight().values()) == 0
+
+        _run(here, retried)
 
 
 @pytest.mark.parametrize(

@@ -65,14 +65,17 @@ def test_a_body_that_is_not_json_goes_by_load() -> None:
     assert kind_from_body(b"\xff\xfe") == "other"
 
 
-def test_headers_in_go_canonical_case_and_value_are_read() -> None:
-    """NGINX Gateway Fabric's shim: ``value`` strings, Go's canonical case; Envoy: raw bytes."""
+def test_headers_in_value_or_raw_value_and_any_case_are_read() -> None:
+    """NGINX Gateway Fabric's shim and agentgateway's pseudo-headers: ``value`` strings; Envoy
+    and agentgateway's other headers: raw bytes. The shim lowercases names; a gateway that
+    does not is read the same."""
     message = pb.HttpHeaders(
         headers=core.HeaderMap(
             headers=[
                 core.HeaderValue(key="X-Original-Path", value="/v1/chat/completions"),
                 core.HeaderValue(key="Authorization", value="Bearer k"),
                 core.HeaderValue(key=":method", raw_value=b"POST"),
+                core.HeaderValue(key=":path", value="/v1/completions?x=1"),
             ]
         )
     )
@@ -80,6 +83,7 @@ def test_headers_in_go_canonical_case_and_value_are_read() -> None:
         "x-original-path": "/v1/chat/completions",
         "authorization": "Bearer k",
         ":method": "POST",
+        ":path": "/v1/completions?x=1",
     }
 
 
