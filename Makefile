@@ -52,11 +52,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# vLLM's NixlConnector (P/D, tests/e2e/test_pd_nixl_e2e.py): nixl-cu12 first, then nixl
+# without its dependencies (plain `nixl` pulls both the cu12 and the cu13 builds).
+NIXL_STAMP := $(VENV)/.nixl-installed-1.5.1
+$(NIXL_STAMP): $(STAMP)
+	$(PY) -m pip install $(PIP_QUIET) nixl-cu12==1.5.1 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -m pip install $(PIP_QUIET) --no-deps nixl==1.5.1 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	@touch $@
+
 # Two xdist workers: the real-vLLM tests run one after the other on one of them, the rest
 # beside them (tests/xdist_groups.py). `make test PYTEST_XDIST=` runs it in one process.
 PYTEST_XDIST ?= -n 2 --dist loadgroup
 
-test: $(STAMP) $(LMCACHE_STAMP) browser
+test: $(STAMP) $(LMCACHE_STAMP) $(NIXL_STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	KVROUTE_REQUIRE_VLLM=1 KVROUTE_LMCACHE_PATH=$(CURDIR)/$(LMCACHE_DIR) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_XDIST)

@@ -39,7 +39,7 @@ from kvroute.router.peers.followers import PeerFollowers
 from kvroute.router.peers.load import PeerLoad
 from kvroute.router.peers.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
 from kvroute.router.routing.accuracy import AccuracyTracker
-from kvroute.router.routing.disagg import Disaggregation
+from kvroute.router.routing.disagg import Disaggregation, pools
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.router import Decision, Router
 from kvroute.router.serving.auth import ReplicaAuth
@@ -573,8 +573,9 @@ class RouterService:
         """Rank the replicas for a parsed request: the one decision path of the proxied
         endpoints and the endpoint picker (router/epp/), so both pick alike. ``narrow``
         keeps the replicas a caller may use (the gateway's subset hint; it raises when none
-        is left). 404/503 in OpenAI's schema when no candidate remains."""
-        candidates = self.candidates(parsed.model)
+        is left). 404/503 in OpenAI's schema when no candidate remains. Whole requests stay
+        off a P/D fleet's prefill pool (router/routing/disagg.py ``pools``)."""
+        candidates = pools(self.candidates(parsed.model))[0]
         if narrow is not None:
             candidates = narrow(candidates)
         candidates = self.unsaturated(candidates, parsed.model)

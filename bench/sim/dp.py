@@ -187,13 +187,18 @@ class SimDPServer:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[tuple[Generation, list[int]]]:
         """Run on the rank the ASGI wrapper chose for this request (least loaded without)."""
         rank = _rank.get()
         if rank is None:
             rank = self.pick()
         return self.engines[rank].generate(
-            prompt, max_tokens, cache_salt=cache_salt, lora_name=lora_name
+            prompt,
+            max_tokens,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            kv_transfer_params=kv_transfer_params,
         )
 
     def reset_prefix_cache(self, *, every_tier: bool = False) -> bool:

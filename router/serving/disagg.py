@@ -173,7 +173,7 @@ async def serve_disaggregated(
     pool, or split (module docstring)."""
     service = endpoint.service
     disagg = service.disagg
-    decision = await service.decide(parsed, session, narrow=lambda c: pools(c)[0])
+    decision = await service.decide(parsed, session)  # over the decode pool
     if endpoint.kind not in SPLIT_KINDS:
         plan = PdPlan(decision, False, "single_replica_request")  # not a P/D endpoint: uncounted
     else:
