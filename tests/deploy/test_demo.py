@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvroute.deploy.demo import RunResult, Workload, format_stats, format_table
 from tests.deploy.helpers import leftovers
 
@@ -32,6 +34,39 @@ def test_hit_rate_is_token_weighted_and_ttft_percentiles() -> None:
     assert r.ttft(0.5) == 0.3 and r.ttft(0.9) == 1.0
     table = format_table([r, RunResult("round_robin", prompt_tokens=1000, cached_tokens=500)])
     assert "75.0%" in table and "50.0%" in table and "300.0ms" in table
+
+
+def test_device_share_never_exceeds_the_hit_rate() -> None:
+    """The device share comes from the replicas' metrics, the hit rate from the responses:
+    the split is capped so the picture's bars never stack past the hit rate."""
+    r = RunResult("kvroute", prompt_tokens=1000, cached_tokens=600, device_cached_tokens=400)
+    assert r.device_hit_rate == 0.4 and r.summary()["device_hit_rate"] == 0.4
+    r.device_cached_tokens = 900
+    assert r.device_hit_rate == 0.6
+    assert RunResult("round_robin").device_hit_rate == 0.0
+
+
+def test_waves_bring_every_user_back_after_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn t of every conversation is sent before turn t+1 of any."""
+    from kvroute.deploy import demo
+
+    sent: list[tuple[int, int]] = []
+
+    def fake_turn(
+        client: object, model: str, messages: list[dict[str, str]], max_tokens: int
+    ) -> tuple[str, float, int, int]:
+        user = messages[-1]["content"]
+        c, t = (
+            int(x) for x in user.split(":")[0].removeprefix("Conversation ").split(", question ")
+        )
+        sent.append((c, t))
+        return "ok", 0.01, 100, 50
+
+    monkeypatch.setattr(demo, "_chat_turn", fake_turn)
+    w = Workload(conversations=3, turns=2, concurrency=1)
+    result = demo.run_workload("http://127.0.0.1:9", "m", w, policy="kvroute", tag="t")
+    assert sent == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert (result.requests, result.prompt_tokens, result.cached_tokens) == (6, 600, 300)
 
 
 def test_stats_summary_names_every_replica_and_tier() -> None:
@@ -59,7 +94,7 @@ def test_demo_runs_end_to_end_on_the_simulated_fleet(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvroute.deploy.cli", "demo", "--engine", "sim", "--state-dir",
          str(state), "--conversations", "3", "--turns", "3", "--rounds", "1",
-         "--json-out", str(out)],
+         "--json-out", str(out), "--png", str(tmp_path / "demo.png")],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -72,6 +107,10 @@ def test_demo_runs_end_to_end_on_the_simulated_fleet(tmp_path: Path) -> None:
     runs = [line for line in done.stderr.splitlines() if " req in " in line]
     assert len(runs) == 2 and all(": 9/9 req in " in line for line in runs), done.stderr
     assert "/dashboard (kvroute)" in done.stdout and "/dashboard (round_robin)" in done.stdout
+    assert f"picture: {tmp_path / 'demo.png'}" in done.stdout
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "The workload: 3 users chat with the model, 3 turns each, in waves" in done.stdout
+    assert "kvroute      hit rate by tier: device" in done.stdout
     report = json.loads(out.read_text())
     results = {r["policy"]: r for r in report["results"]}
     assert set(results) == {"kvroute", "round_robin"}
