@@ -112,7 +112,7 @@ def router(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
 
 
 def vllm(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
-    return one(objects, "StatefulSet", "vllm")
+    return one(objects, "Deployment", "vllm")
 
 
 def flag(args: list[str], name: str) -> str:
