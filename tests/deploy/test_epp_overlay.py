@@ -241,10 +241,10 @@ def test_the_pool_the_picker_and_the_routers_name_each_other() -> None:
     # The routers' replica list is the pool: a pick is an address the gateway serves.
     assert args.inference_pool == pool["metadata"]["name"] and args.selector is None
     selector, target_ports = pool_spec(pool)
-    sts = vllm(objects)
-    template = sts["spec"]["template"]
+    replicas = vllm(objects)
+    template = replicas["spec"]["template"]
     assert selects(selector, template["metadata"]["labels"])
-    http = int(flag(container(sts, "vllm")["args"], "--port"))
+    http = int(flag(container(replicas, "vllm")["args"], "--port"))
     assert target_ports == [http]
     ready_pod = {
         "metadata": {**template["metadata"], "name": "vllm-0", "uid": "u"},

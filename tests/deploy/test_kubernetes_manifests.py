@@ -112,7 +112,7 @@ def router(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
 
 
 def vllm(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
-    return one(objects, "StatefulSet", "vllm")
+    return one(objects, "Deployment", "vllm")
 
 
 def flag(args: list[str], name: str) -> str:
@@ -242,9 +242,9 @@ def test_vllm_pods_publish_where_their_annotations_say(overlay: str) -> None:
     """The router's own discovery, fed a Ready pod made from the template, connects to the
     ports vLLM binds; the connector accepts its config."""
     objects = render(overlay)
-    sts = vllm(objects)
-    template = sts["spec"]["template"]
-    c = container(sts, "vllm")
+    replicas = vllm(objects)
+    template = replicas["spec"]["template"]
+    c = container(replicas, "vllm")
     args = c["args"]
     events = json.loads(flag(args, "--kv-events-config"))
     transfer = json.loads(flag(args, "--kv-transfer-config"))
@@ -286,6 +286,40 @@ def test_vllm_pods_publish_where_their_annotations_say(overlay: str) -> None:
         assert transfer["kv_connector_extra_config"]["self_describing_kv_events"] is True
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PYTHONHASHSEED"] == "0"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_vllm_replicas_are_a_deployment_so_the_deletion_cost_applies(overlay: str) -> None:
+    """The replicas' controller reads controller.kubernetes.io/pod-deletion-cost (the
+    routers' components/deletion-cost): a Deployment's ReplicaSet does, a StatefulSet
+    ignores it and removes its highest ordinal. Nothing may need a StatefulSet's identity:
+    no per-pod claim (a volume is an emptyDir or one ReadWriteMany claim all pods share),
+    and discovery finds the pods by label, not by a governing Service's names."""
+    objects = render(overlay)
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    replicas = vllm(objects)
+    assert (replicas["apiVersion"], replicas["kind"]) == ("apps/v1", "Deployment")
+    spec = replicas["spec"]
+    assert not {"serviceName", "podManagementPolicy", "volumeClaimTemplates"} & set(spec)
+    labels = spec["template"]["metadata"]["labels"]
+    assert selects(spec["selector"]["matchLabels"], labels)
+    # One replica at a time, as the StatefulSet rolled: a surge pod would need a spare GPU.
+    rolling = spec["strategy"]["rollingUpdate"]
+    assert spec["strategy"]["type"] == "RollingUpdate"
+    assert (rolling["maxSurge"], rolling["maxUnavailable"]) == (0, 1)
+    claims = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PersistentVolumeClaim"}
+    for volume in spec["template"]["spec"]["volumes"]:
+        if "persistentVolumeClaim" in volume:
+            claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+            assert claim["spec"]["accessModes"] == ["ReadWriteMany"], volume["name"]
+        else:
+            assert set(volume) == {"name", "emptyDir"}, volume
+    pdb = one(objects, "PodDisruptionBudget", "vllm")
+    assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    discovery = discovery_from_args(serve_args(objects))
+    assert discovery is not None
+    if not discovery.inference_pool:
+        assert selects(discovery.selector, labels)
 
 
 @pytest.mark.vllm
@@ -401,10 +435,10 @@ def test_shared_storage_overlay_wires_replicas_evictor_and_router() -> None:
     objects = render("shared-storage")
     claim = one(objects, "PersistentVolumeClaim", "kvroute-shared-kv")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    sts = vllm(objects)
-    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    replicas = vllm(objects)
+    annotations = replicas["spec"]["template"]["metadata"]["annotations"]
     domain = annotations["kvroute.io/storage-domain"]
-    transfer = json.loads(flag(container(sts, "vllm")["args"], "--kv-transfer-config"))
+    transfer = json.loads(flag(container(replicas, "vllm")["args"], "--kv-transfer-config"))
     extra = transfer["kv_connector_extra_config"]
     assert extra["storage_domain"] == domain
     gc = one(objects, "Deployment", "kvroute-storage-gc")
@@ -421,7 +455,7 @@ def test_shared_storage_overlay_wires_replicas_evictor_and_router() -> None:
         c = container(workload, name)
         return {m["mountPath"] for m in c["volumeMounts"] if m["name"] in volumes}
 
-    assert claim_mounts(sts, "vllm") == {extra["disk_dir"]} == claim_mounts(gc, "gc")
+    assert claim_mounts(replicas, "vllm") == {extra["disk_dir"]} == claim_mounts(gc, "gc")
 
     (storage,) = settings_from_args(serve_args(objects)).storage_domains
     assert storage.name == domain
