@@ -42,9 +42,20 @@ from kvroute.router.routing.router import Decision, Router
 from kvroute.router.tokens.requests import ParsedRequest, parse_body
 from kvroute.router.tokens.tokenization import LocalTokenizer, TokenizerBase
 
-__all__ = ["RayFleet", "RayReplica", "body_of"]
+__all__ = ["RayFleet", "RayReplica", "body_of", "router_stats"]
 
-log = logging.getLogger("kvroute.ray")
+log = logging.getLogger("ray.serve.kvroute")  # in the replica's Serve log
+
+# Every open fleet of this process (one per request router, so per deployment handle). Here,
+# not in request_router.py: Ray Serve ships a router's own module to the handle's process by
+# value (cloudpickle), so a registry there would be a copy no caller could reach.
+_OPEN: list[RayFleet] = []
+
+
+def router_stats() -> list[dict[str, Any]]:
+    """The stats of every kvroute request router in this process (``RayFleet.stats``)."""
+    return [f.stats() for f in list(_OPEN)]
+
 
 # ReplicaConfig wants a URL; a Ray replica is reached through its actor, never by HTTP.
 _NO_URL = "http://ray-serve-replica.invalid"
@@ -89,11 +100,13 @@ class RayFleet:
         self,
         settings: RouterSettings,
         *,
+        deployment: str = "",
         tokenizer: TokenizerBase | str | None = None,
         decision_log: str | None = None,
         keep_decisions: int = 1000,
     ) -> None:
         self.settings = settings
+        self.deployment = deployment
         self.index = InMemoryPrefixIndex(
             max_entries=settings.index_max_entries,
             unconfirmed_ttl_s=settings.unconfirmed_ttl_s,
@@ -123,6 +136,7 @@ class RayFleet:
         self._log_path = decision_log
         self._log_lock = threading.Lock()
         self.closed = False
+        _OPEN.append(self)
 
     # --- replicas -------------------------------------------------------------------------
 
@@ -303,6 +317,7 @@ class RayFleet:
                 "index": index["replicas"].get(name),
             }
         return {
+            "deployment": self.deployment,
             "policy": self.router.policy.name,
             "tokenizer": getattr(self.router.tokenizer, "name", None),
             "decisions": self.decisions,
@@ -317,5 +332,7 @@ class RayFleet:
         if self.closed:
             return
         self.closed = True
+        if self in _OPEN:
+            _OPEN.remove(self)
         self._feed_ops.shutdown(wait=True)
         self.subscriber.close()

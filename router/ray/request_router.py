@@ -42,17 +42,9 @@ from kvroute.router.ray.endpoints import replica_events
 from kvroute.router.ray.fleet import RayFleet, RayReplica
 from kvroute.router.routing.router import Decision
 
-__all__ = ["KVRouteRequestRouter", "routers"]
+__all__ = ["KVRouteRequestRouter"]
 
-log = logging.getLogger("kvroute.ray")
-
-# Every live router of this process, for a caller in it that wants their stats.
-_ROUTERS: list[KVRouteRequestRouter] = []
-
-
-def routers() -> list[KVRouteRequestRouter]:
-    """The kvroute request routers built in this process (one per deployment handle)."""
-    return list(_ROUTERS)
+log = logging.getLogger("ray.serve.kvroute")  # in the replica's Serve log
 
 
 def _settings(kwargs: dict[str, Any]) -> RouterSettings:
@@ -71,6 +63,7 @@ class KVRouteRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.fleet = RayFleet(
             _settings(kwargs),
+            deployment=str(self._deployment_id),
             tokenizer=kwargs.get("tokenizer"),
             decision_log=kwargs.get("decision_log"),
         )
@@ -100,7 +93,6 @@ class KVRouteRequestRouter(RequestRouter):
             boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5],
             tag_keys=("deployment", "application"),
         ).set_default_tags(tags)
-        _ROUTERS.append(self)
         log.info("kvroute request router for %s: %s", self._deployment_id, kwargs)
 
     # --- replica set ----------------------------------------------------------------------
@@ -180,5 +172,7 @@ class KVRouteRequestRouter(RequestRouter):
     # --- views ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """What this router knows and decided: feeds, index, in-flight counts, decisions."""
-        return {"deployment": str(self._deployment_id), **self.fleet.stats()}
+        """What this router knows and decided: feeds, index, in-flight counts, decisions
+        (``kvroute.router.ray.fleet.router_stats()`` gives every router's of a process: Serve
+        loads this module by value, so it holds no registry of its own)."""
+        return self.fleet.stats()

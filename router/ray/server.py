@@ -35,7 +35,7 @@ from kvroute.router.ray.endpoints import (
 
 __all__ = ["PORT_BASE_KEY", "KVRouteLLMServer", "configure_events"]
 
-log = logging.getLogger("kvroute.ray")
+log = logging.getLogger("ray.serve.kvroute")  # in the replica's Serve log
 
 PORT_BASE_KEY = "kvroute_kv_events_port_base"  # in LLMConfig.experimental_configs
 
