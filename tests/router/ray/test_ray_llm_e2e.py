@@ -78,6 +78,14 @@ def _app(model_dir: Path, state: Path, router: str, kwargs: dict[str, Any]) -> A
             "enable_prefix_caching": True,
             "enable_prompt_tokens_details": True,
             "dtype": "bfloat16",
+            # The seeds' shape: a KV transfer config in engine_kwargs (kvroute's connector,
+            # a RAM tier; its events reach the router in the engine's own stream).
+            "kv_transfer_config": {
+                "kv_connector": "KVRouteConnector",
+                "kv_connector_module_path": "kvroute.connector.kvroute_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_gib": 0.05, "chunk_tokens": 64},
+            },
         },
         runtime_env={
             "env_vars": {
@@ -87,6 +95,7 @@ def _app(model_dir: Path, state: Path, router: str, kwargs: dict[str, Any]) -> A
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONHASHSEED": "0",
             }
         },
         # Free event ports (port base 0): no clash with another deployment on the machine;
