@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from kvroute.indexer.index import InMemoryPrefixIndex
@@ -71,10 +72,20 @@ class RayReplica:
 
 
 def body_of(request: Any) -> dict[str, Any] | None:
-    """The OpenAI body of what Ray hands a router: a dict, or a pydantic request model
-    (``ChatCompletionRequest``/``CompletionRequest``: the fields the client set)."""
+    """The OpenAI body of what Ray hands a router: a pydantic request model on the classic
+    path (``ChatCompletionRequest``/``CompletionRequest``: the fields the client set), a
+    namespace of the body's fields on the direct-streaming path (``LLMRouter``), a dict, or
+    the JSON text itself."""
     if isinstance(request, dict):
         return request
+    if isinstance(request, bytes | str):
+        try:
+            body = json.loads(request)
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+    if isinstance(request, SimpleNamespace):
+        return dict(vars(request))
     dump = getattr(request, "model_dump", None)
     if dump is None:
         return None
@@ -212,9 +223,19 @@ class RayFleet:
                         self._tokenizer_path = None
         return self.router.tokenizer
 
-    def parse(self, request: Any) -> ParsedRequest | None:
-        """The request as the router reads it; None when it cannot be (routed by load)."""
+    def parse(self, request: Any, token_ids: Any = None) -> ParsedRequest | None:
+        """The request as the router reads it; None when it cannot be (routed by load).
+        ``token_ids``: the prompt's ids when the caller already has them (Ray's
+        ``LLMRouter`` passes ``request_token_ids`` when its tokenizer ran): routed on as is."""
         body = body_of(request)
+        if (
+            body is not None
+            and isinstance(token_ids, list)
+            and token_ids
+            and all(isinstance(t, int) for t in token_ids)
+        ):
+            keep = ("model", "cache_salt", "max_tokens", "max_completion_tokens")
+            body = {k: body[k] for k in keep if k in body} | {"prompt": token_ids}
         kind = None if body is None else _kind(body)
         if body is None or kind is None:
             return None
@@ -224,11 +245,15 @@ class RayFleet:
             return None
 
     async def decide(
-        self, request: Any, candidates: list[str], session: str | None = None
+        self,
+        request: Any,
+        candidates: list[str],
+        session: str | None = None,
+        token_ids: Any = None,
     ) -> Decision | None:
         """Rank ``candidates`` (replica names) for ``request``; None when the request cannot
         be parsed or tokenized (the caller routes it by load)."""
-        parsed = self.parse(request)
+        parsed = self.parse(request, token_ids)
         known = [self.replicas[n] for n in candidates if n in self.replicas]
         if parsed is None or not known:
             self.unparsed += 1

@@ -136,7 +136,12 @@ class KVRouteRequestRouter(RequestRouter):
             self.fleet.set_queue_len(name, cache.get(r.replica_id))
         started = time.perf_counter()
         session = getattr(pending_request.metadata, "session_id", None) or None
-        decision = await self.fleet.decide(pending_request.args[0], list(by_name), session)
+        decision = await self.fleet.decide(
+            pending_request.args[0],
+            list(by_name),
+            session,
+            pending_request.kwargs.get("request_token_ids"),
+        )
         self._decision_time.observe(time.perf_counter() - started)
         key = pending_request.metadata.internal_request_id
         if len(self._pending) > 100_000:  # requests cancelled before they were routed

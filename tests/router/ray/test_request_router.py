@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -214,6 +215,37 @@ def test_what_it_cannot_parse_is_routed_by_load(tiny_model_dir: Path) -> None:
                 assert groups == [replicas]
             assert await router.choose_replicas(replicas, None) == [replicas]  # type: ignore[arg-type]
             assert router.stats()["routed_by_load"] == 3
+        finally:
+            router.fleet.close()
+
+    asyncio.run(main())
+
+
+def test_the_direct_streaming_path_namespace_and_token_ids(
+    tiny_model_dir: Path, publishers: list[EventPublisher]
+) -> None:
+    """Ray's ``LLMRouter`` (direct streaming) hands the body as a namespace of its fields,
+    and the prompt's ids as ``request_token_ids`` when its tokenizer ran."""
+
+    async def main() -> None:
+        router = _router(tiny_model_dir)
+        replicas = [
+            FakeReplica(f"r{i}", replica_metadata=_advertise(publishers[i])) for i in range(2)
+        ]
+        router.update_replicas(replicas)  # type: ignore[arg-type]
+        try:
+            body = _chat("Where does the prefix live?")
+            tokens = await _tokens(router, body)
+            publishers[1].publish([stored(tokens, 0, (len(tokens) - 1) // BS)])
+            wait_until(lambda: router.stats()["fleet"]["entries"] > 0)
+            groups = await router.choose_replicas(replicas, _pending(SimpleNamespace(**body), "a"))  # type: ignore[arg-type]
+            assert groups[0][0].name == "r1"
+            ids = {"model": "tiny", "messages": [{"role": "user", "content": "unrelated"}]}
+            pending = _pending(SimpleNamespace(**ids), "b")
+            pending.kwargs["request_token_ids"] = tokens  # the ids win over the text
+            groups = await router.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+            assert groups[0][0].name == "r1"
+            assert router.stats()["recent"] == []  # nothing routed yet: decisions only
         finally:
             router.fleet.close()
 
