@@ -5,6 +5,8 @@ what the router reads back, kvroute's entry or Ray's ``kv_event_metadata``."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -98,3 +100,16 @@ def test_the_server_gives_its_engine_its_own_events_config() -> None:
     }
     got = replica_events({METADATA_KEY: advertised}, {})
     assert got is not None and got.replay == advertised["replay_endpoint"]
+
+
+def test_the_core_and_the_ray_free_modules_import_without_ray() -> None:
+    """Ray is an extra: the router, the simulator and router/ray's Ray-free half load in a
+    process where ``import ray`` fails."""
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import kvroute.router.app, kvroute.deploy.cli, kvroute.bench.sim.fleet\n"
+        "import kvroute.router.ray.fleet, kvroute.router.ray.endpoints\n"
+        "try:\n    import kvroute.router.ray.request_router\nexcept ImportError:\n    pass\n"
+        "else:\n    raise SystemExit('request_router imported without ray')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

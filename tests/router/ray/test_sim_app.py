@@ -41,6 +41,12 @@ def _turns(user: int, n: int) -> Iterator[list[dict[str, str]]]:
         messages.append({"role": "assistant", "content": f"Because of reason {turn}."})
 
 
+def _hit_rate(answers: list[dict[str, Any]]) -> float:
+    usage = [a["usage"] for a in answers]
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+    return round(cached / sum(u["prompt_tokens"] for u in usage), 3)
+
+
 def _run(handle: Any, users: int, turns: int) -> list[dict[str, Any]]:
     """Every user's turns, interleaved; a moment between rounds for the events to arrive."""
     convs = [_turns(u, turns) for u in range(users)]
@@ -75,6 +81,7 @@ def test_kvroute_keeps_conversations_on_their_replica(
         predicted = [d["predicted_cached_tokens"] for d in stats["recent"]]
         delivered = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
         assert predicted == delivered
+        print("simulated engines, kvroute: prefix hit rate", _hit_rate(answers))
     finally:
         serve.delete("kvroute-sim")
 
@@ -89,6 +96,7 @@ def test_prefix_cache_affinity_router_in_the_same_app(
     try:
         answers = _run(handle, users=4, turns=3)
         assert len(answers) == 12
+        print("simulated engines, PrefixCacheAffinityRouter: prefix hit rate", _hit_rate(answers))
         assert handle.router_stats.remote().result(timeout_s=30) == []
     finally:
         serve.delete("prefix-sim")
