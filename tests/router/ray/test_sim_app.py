@@ -22,11 +22,19 @@ SYSTEM = "You are a patient tutor. Explain each idea with one plain example. " *
 
 
 @pytest.fixture(scope="module")
-def ray_serve() -> Iterator[None]:
+def handles(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
+    """Both apps, deployed at once (their replicas start side by side)."""
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"location": "NoServer"})
     try:
-        yield
+        apps = {
+            "kvroute": build_app(str(tiny_model_dir), replicas=2),
+            "prefix": build_app(
+                str(tiny_model_dir), replicas=2, request_router_class=PREFIX_ROUTER
+            ),
+        }
+        targets = [serve.RunTarget(app, name=name, route_prefix=None) for name, app in apps.items()]
+        yield dict(zip(apps, serve.run_many(targets), strict=True))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -61,42 +69,33 @@ def _run(handle: Any, users: int, turns: int) -> list[dict[str, Any]]:
 
 
 def test_kvroute_keeps_conversations_on_their_replica(
-    ray_serve: None, tiny_model_dir: Path
+    handles: dict[str, Any], tiny_model_dir: Path
 ) -> None:
-    handle = serve.run(build_app(str(tiny_model_dir), replicas=2), name="kvroute-sim")
-    try:
-        answers = _run(handle, users=4, turns=3)
-        homes: dict[int, set[str]] = {}
-        for a in answers:
-            homes.setdefault(a["user"], set()).add(a["replica"])
-        assert all(len(h) == 1 for h in homes.values()), homes
-        assert len({next(iter(h)) for h in homes.values()}) == 2  # both replicas used
-        follow_ups = answers[4:]
-        assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in follow_ups)
+    handle = handles["kvroute"]
+    answers = _run(handle, users=4, turns=3)
+    homes: dict[int, set[str]] = {}
+    for a in answers:
+        homes.setdefault(a["user"], set()).add(a["replica"])
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len({next(iter(h)) for h in homes.values()}) == 2  # both replicas used
+    follow_ups = answers[4:]
+    assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in follow_ups)
 
-        [stats] = handle.router_stats.remote().result(timeout_s=30)
-        assert stats["decisions"] == len(answers) and stats["routed_by_load"] == 0
-        assert stats["tokenizer"] == str(tiny_model_dir)
-        assert all(r["freshness"] == "live" for r in stats["replicas"].values())
-        predicted = [d["predicted_cached_tokens"] for d in stats["recent"]]
-        delivered = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
-        assert predicted == delivered
-        print("simulated engines, kvroute: prefix hit rate", _hit_rate(answers))
-    finally:
-        serve.delete("kvroute-sim")
+    [stats] = handle.router_stats.remote().result(timeout_s=30)
+    assert stats["decisions"] == len(answers) and stats["routed_by_load"] == 0
+    assert stats["tokenizer"] == str(tiny_model_dir)
+    assert all(r["freshness"] == "live" for r in stats["replicas"].values())
+    predicted = [d["predicted_cached_tokens"] for d in stats["recent"]]
+    delivered = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert predicted == delivered
+    print("simulated engines, kvroute: prefix hit rate", _hit_rate(answers))
 
 
-def test_prefix_cache_affinity_router_in_the_same_app(
-    ray_serve: None, tiny_model_dir: Path
-) -> None:
+def test_prefix_cache_affinity_router_in_the_same_app(handles: dict[str, Any]) -> None:
     """Ray's router runs the same conversations (it never errs here; it only has to serve):
     the comparison figures are the real-vLLM test's (docs/benchmarks.md)."""
-    app = build_app(str(tiny_model_dir), replicas=2, request_router_class=PREFIX_ROUTER)
-    handle = serve.run(app, name="prefix-sim")
-    try:
-        answers = _run(handle, users=4, turns=3)
-        assert len(answers) == 12
-        print("simulated engines, PrefixCacheAffinityRouter: prefix hit rate", _hit_rate(answers))
-        assert handle.router_stats.remote().result(timeout_s=30) == []
-    finally:
-        serve.delete("prefix-sim")
+    handle = handles["prefix"]
+    answers = _run(handle, users=4, turns=3)
+    assert len(answers) == 12
+    print("simulated engines, PrefixCacheAffinityRouter: prefix hit rate", _hit_rate(answers))
+    assert handle.router_stats.remote().result(timeout_s=30) == []
