@@ -160,7 +160,8 @@ class RayFleet:
             old = self._advertised.get(name)
             if old == replica:
                 continue
-            if old is not None and old.events != replica.events:
+            if old is not None and old.events is not None and old.events != replica.events:
+                # Another stream is another engine: what the old one held is no longer there.
                 self.forget(name, "its event stream changed")
             self._add(replica)
 
