@@ -45,7 +45,7 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     # Each replica's placement group takes the actor's CPU and the engine's bundle: more
     # logical CPUs than the machine's (docs/deploy.md, "Ray Serve").
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}/v1"

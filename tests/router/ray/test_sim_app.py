@@ -24,7 +24,8 @@ SYSTEM = "You are a patient tutor. Explain each idea with one plain example. " *
 @pytest.fixture(scope="module")
 def handles(tiny_model_dir: Path) -> Iterator[dict[str, Any]]:
     """Both apps, deployed at once (their replicas start side by side)."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # A cluster of its own ("local"), never one another test started beside it.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"location": "NoServer"})
     try:
         apps = {
