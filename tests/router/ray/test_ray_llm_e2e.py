@@ -4,9 +4,10 @@ driven through the official ``openai`` client.
 With kvroute's request router (in the ``OpenAiIngress`` replica) and ``KVRouteLLMServer``
 (each replica's own event ports, replay on, a topic naming it), every follow-up turn goes to
 the replica holding the conversation and the cached tokens the router predicted are the
-cached tokens vLLM reports. Ray's ``PrefixCacheAffinityRouter`` then serves the same
-conversations on fresh replicas of the same app in the same run; both routers' prefix hit
-rate and TTFT are printed (docs/benchmarks.md, "Ray Serve").
+cached tokens vLLM reports. With ``KVROUTE_RAY_COMPARE=1``, Ray's
+``PrefixCacheAffinityRouter`` then serves the same conversations on fresh replicas of the
+same app in the same run, and both routers' prefix hit rate and TTFT are printed
+(docs/benchmarks.md, "Ray Serve"); ``make test`` leaves it out (two more vLLM starts).
 """
 
 from __future__ import annotations
@@ -191,13 +192,15 @@ def _deploy(name: str, app: Any, url: str) -> Any:
             time.sleep(1)
 
 
-def test_ray_serve_llm_with_kvroute_then_prefix_cache_affinity(
+_RESULTS: dict[str, dict[str, Any]] = {}  # kvroute's figures, for the comparison after it
+
+
+def test_ray_serve_llm_follow_ups_go_to_the_conversations_replica(
     serve_url: str, model_dir: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "decisions.jsonl"
-    client = _deploy(
-        "kvroute", _app(model_dir, tmp_path, KVROUTE, {"decision_log": str(log)}), serve_url
-    )
+    app = _app(model_dir, tmp_path, KVROUTE, {"decision_log": str(log)})
+    client = _deploy("kvroute", app, serve_url)
     try:
         answers = _conversations(client)
     finally:
@@ -212,16 +215,31 @@ def test_ray_serve_llm_with_kvroute_then_prefix_cache_affinity(
     assert len(set().union(*homes.values())) == 2  # and both replicas in use
     assert all(a["cached_tokens"] > 0 for a in answers if a["turn"] > 0)
     assert [a["predicted"] for a in answers] == [a["cached_tokens"] for a in answers]
-    kvroute = _summary("kvroute", answers)
+    _RESULTS["kvroute"] = _summary("kvroute", answers)
+    print(json.dumps(_RESULTS["kvroute"]))
 
+
+@pytest.mark.skipif(
+    os.environ.get("KVROUTE_RAY_COMPARE") != "1",
+    reason="the comparison with Ray's router starts two more vLLM replicas (~100 s): "
+    "KVROUTE_RAY_COMPARE=1 runs it",
+)
+def test_prefix_cache_affinity_router_on_the_same_conversations(
+    serve_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """The same app and conversations with Ray's router on fresh replicas, after kvroute's
+    in the same run (docs/benchmarks.md, "Ray Serve"); ``KVROUTE_RAY_E2E_REPORT`` names a
+    file for both routers' figures."""
+    if "kvroute" not in _RESULTS:
+        pytest.skip("kvroute's run did not complete")
     client = _deploy("prefix", _app(model_dir, tmp_path, PREFIX, {}), serve_url)
     try:
         theirs = _summary("PrefixCacheAffinityRouter", _conversations(client))
     finally:
         serve.delete("prefix")
-    report = {"kvroute": kvroute, "prefix_cache_affinity": theirs}
+    report = {"kvroute": _RESULTS["kvroute"], "prefix_cache_affinity": theirs}
     print(json.dumps(report, indent=1))
     out = os.environ.get("KVROUTE_RAY_E2E_REPORT")
     if out:
         Path(out).write_text(json.dumps(report, indent=1))
-    assert kvroute["hit_rate_follow_ups"] >= theirs["hit_rate_follow_ups"]
+    assert _RESULTS["kvroute"]["hit_rate_follow_ups"] >= theirs["hit_rate_follow_ups"]
