@@ -37,7 +37,7 @@ LAYERS: list[set[str]] = [
     {"indexer", "router.tokens", "router.fleet"},
     {"router.routing", "router.peers"},
     {"router.ops"},
-    {"router.serving"},
+    {"router.serving", "router.ray"},  # the front doors over routing: HTTP, Ray Serve
     {"router.epp"},
     {"router.service"},
     {"router.app"},

