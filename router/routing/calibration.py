@@ -265,26 +265,47 @@ class LearnedRates:
                 for j in range(n):
                     a[i][j] += keep * f.a[i][j]
                 scale[i] = max(scale[i], f.x2[i])
-        # The prior: ``prior_samples`` samples' worth of each feature's typical size, pulling
-        # each rate to the configured one; a feature never seen keeps its prior exactly.
-        for i in range(n):
-            strength = self.prior_samples * (scale[i] if scale[i] > 0 else 1.0)
-            a[i][i] += strength
-            b[i] += strength * self._theta0[i]
-        # Solved in units of each feature's typical size: tokens and the constant differ by
-        # orders of magnitude, and the system is better conditioned scaled.
-        unit = [math.sqrt(v) if v > 0 else 1.0 for v in scale]
-        a = [[a[i][j] / (unit[i] * unit[j]) for j in range(n)] for i in range(n)]
-        scaled = _solve_linear(a, [b[i] / unit[i] for i in range(n)])
-        if scaled is None:
+        theta = self._fit(a, b, scale, self._theta0)
+        if theta is None:
             return self._theta0
-        theta = [scaled[i] / unit[i] for i in range(n)]
+        # The priors say how much faster a load is than recomputing: absent evidence of a
+        # tier's own, its rate follows the learned prefill rate at the priors' ratio (a
+        # replica that prefills 5x faster than assumed is not thereby slower to load).
+        ratio = theta[1] / self._theta0[1] if self._theta0[1] > 0 else 1.0
+        scaled_prior = (self._theta0[0], self._theta0[1], *(t * ratio for t in self._theta0[2:]))
+        theta = self._fit(a, b, scale, scaled_prior) or theta
         out = [max(0.0, theta[0])]
         for i in range(1, n):
             prior = self._theta0[i]
             lo, hi = prior / self.max_ratio, prior * self.max_ratio
             out.append(min(hi, max(lo, theta[i])) if prior > 0 else max(0.0, theta[i]))
         return tuple(out)
+
+    def _fit(
+        self,
+        a: list[list[float]],
+        b: list[float],
+        scale: list[float],
+        theta0: tuple[float, ...],
+    ) -> list[float] | None:
+        """The regularised fit of the statistics ``a``, ``b`` towards ``theta0``."""
+        n = _N
+        # The prior: ``prior_samples`` samples' worth of each feature's typical size, pulling
+        # each rate to ``theta0``; a feature never seen keeps it exactly.
+        a = [row[:] for row in a]
+        b = b[:]
+        for i in range(n):
+            strength = self.prior_samples * (scale[i] if scale[i] > 0 else 1.0)
+            a[i][i] += strength
+            b[i] += strength * theta0[i]
+        # Solved in units of each feature's typical size: tokens and the constant differ by
+        # orders of magnitude, and the system is better conditioned scaled.
+        unit = [math.sqrt(v) if v > 0 else 1.0 for v in scale]
+        a = [[a[i][j] / (unit[i] * unit[j]) for j in range(n)] for i in range(n)]
+        scaled = _solve_linear(a, [b[i] / unit[i] for i in range(n)])
+        if scaled is None:
+            return None
+        return [scaled[i] / unit[i] for i in range(n)]
 
     def to_dict(self) -> dict[str, dict[str, float | int]]:
         """Per replica: the learned rates and their sample counts (/debug/route, stats)."""

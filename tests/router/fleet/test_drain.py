@@ -87,6 +87,9 @@ def test_a_pod_marked_for_deletion_takes_no_new_request_and_finishes_its_own(
             leaving["metadata"]["deletionTimestamp"] = "2026-11-27T21:00:00Z"
             api.update_pod(leaving)
             wait_until(lambda: [r.name for r in service.registry] == ["pod-1"], 10)
+            # pod-1 serves once the router's own health check has seen it (a Ready pod is
+            # probed first: kubelet's readiness is a scrape old).
+            wait_until(lambda: [r.name for r in service.registry.healthy()] == ["pod-1"], 10)
             assert thread.is_alive(), "the first request should still be in flight"
             later = []
             for i in range(6):

@@ -323,6 +323,11 @@ def test_a_peer_learns_the_rates_the_first_router_learned(local_tokenizer: Local
         make_fleet(local_tokenizer, n=2, api_keys=[KEY]) as fleet,
         _peer(fleet, local_tokenizer, peers=[fleet.url], peer_load_interval_s=0.05) as b,
     ):
+        # B follows A first: a follower skips what its peer took before the first answer.
+        wait_until(
+            lambda: (_stats(b.url)["peer_load"]["peers"].get(fleet.url) or {}).get("fresh"),
+            timeout_s=5,
+        )
         for i in range(4):
             body = {"model": "tiny", "prompt": f"question {i} " * (10 + 20 * i), "stream": True}
             with httpx.stream(

@@ -151,3 +151,19 @@ def test_any_samples_give_finite_rates_within_the_bound(raw: list) -> None:
     for got, p in zip(_ratios(r), (1.0, 1.0, 1.0), strict=True):
         assert 1 / 100 - 1e-12 <= got / p <= 100 + 1e-9
     assert r.overhead_s >= 0
+
+
+def test_a_tier_without_samples_keeps_the_priors_ratio_to_the_learned_prefill() -> None:
+    """Only recomputes seen (no CPU or disk hit yet): the prefill rate is learned 10x below
+    its prior, and the load rates follow at the priors' ratios, so a disk hit is still
+    cheaper than recomputing it, as the priors said."""
+    clock = ManualClock()
+    rates = LearnedRates(_prior(10.0), clock=clock)
+    for sample in _samples(200):
+        rates.observe(
+            "r", CalibrationSample(sample.uncached, 0, 0, TRUE[0] + TRUE[1] * sample.uncached)
+        )
+    learned = rates.rates("r")
+    prefill, cpu, storage = _ratios(learned)
+    assert 0.9 < prefill < 1.1
+    assert cpu == pytest.approx(prefill, rel=0.05) and storage == pytest.approx(prefill, rel=0.05)
