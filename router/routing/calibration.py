@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 __all__ = ["CalibrationSample", "LearnedRates", "Rates"]
 
 _N = 4  # overhead, prefill, load from CPU, load from storage
+_MIN_TIER_SAMPLES = 16
 _NAMES = ("overhead_s", "prefill_s_per_token", "load_s_per_token_cpu", "load_s_per_token_storage")
 
 
@@ -116,8 +117,10 @@ class _Fit:
 
     a: list[list[float]] = field(default_factory=lambda: [[0.0] * _N for _ in range(_N)])
     b: list[float] = field(default_factory=lambda: [0.0] * _N)
-    # decayed mean of each feature squared (the scale the prior's strength is given in)
+    # mean of each feature squared where it is not zero (the scale the prior's strength is
+    # given in), and how many samples had it (a tier's loads are a few of all requests)
     x2: list[float] = field(default_factory=lambda: [0.0] * _N)
+    seen: list[int] = field(default_factory=lambda: [0] * _N)
     weight: float = 0.0
     samples: int = 0
     abs_residual: float = 0.0  # decayed mean absolute residual (the outlier bound's unit)
@@ -147,9 +150,10 @@ class _Fit:
                 row[j] += wx * x[j]
         self.weight += w
         self.samples += 1
-        rate = 1.0 / min(self.samples, 50)
         for i in range(_N):
-            x2[i] += rate * (x[i] * x[i] - x2[i])
+            if x[i] > 0:
+                self.seen[i] += 1
+                x2[i] += (x[i] * x[i] - x2[i]) / min(self.seen[i], 50)
 
 
 class LearnedRates:
@@ -255,6 +259,7 @@ class LearnedRates:
         own = fit.samples if fit is not None else 0
         share = self.pool_samples / (self.pool_samples + own) if self.pool_samples else 0.0
         scale = [0.0] * n
+        seen = [0] * n
         for f, w in ((fit, 1.0), (pooled, share)):
             if f is None or w == 0.0:
                 continue
@@ -265,7 +270,8 @@ class LearnedRates:
                 for j in range(n):
                     a[i][j] += keep * f.a[i][j]
                 scale[i] = max(scale[i], f.x2[i])
-        theta = self._fit(a, b, scale, self._theta0)
+                seen[i] = max(seen[i], f.seen[i])
+        theta = self._fit(a, b, scale, seen, self._theta0)
         if theta is None:
             return self._theta0
         # The priors say how much faster a load is than recomputing: absent evidence of a
@@ -273,7 +279,7 @@ class LearnedRates:
         # replica that prefills 5x faster than assumed is not thereby slower to load).
         ratio = theta[1] / self._theta0[1] if self._theta0[1] > 0 else 1.0
         scaled_prior = (self._theta0[0], self._theta0[1], *(t * ratio for t in self._theta0[2:]))
-        theta = self._fit(a, b, scale, scaled_prior) or theta
+        theta = self._fit(a, b, scale, seen, scaled_prior) or theta
         out = [max(0.0, theta[0])]
         for i in range(1, n):
             prior = self._theta0[i]
@@ -286,16 +292,22 @@ class LearnedRates:
         a: list[list[float]],
         b: list[float],
         scale: list[float],
+        seen: list[int],
         theta0: tuple[float, ...],
     ) -> list[float] | None:
         """The regularised fit of the statistics ``a``, ``b`` towards ``theta0``."""
         n = _N
         # The prior: ``prior_samples`` samples' worth of each feature's typical size, pulling
-        # each rate to ``theta0``; a feature never seen keeps it exactly.
+        # each rate to ``theta0``; a feature never seen keeps it exactly. A load rate is
+        # held by at least ``_MIN_TIER_SAMPLES`` samples' worth until that many requests
+        # loaded from the tier: a few loads among many recomputes identify little.
         a = [row[:] for row in a]
         b = b[:]
         for i in range(n):
-            strength = self.prior_samples * (scale[i] if scale[i] > 0 else 1.0)
+            weight = self.prior_samples
+            if i >= 2:
+                weight = max(weight, _MIN_TIER_SAMPLES - seen[i])
+            strength = weight * (scale[i] if scale[i] > 0 else 1.0)
             a[i][i] += strength
             b[i] += strength * theta0[i]
         # Solved in units of each feature's typical size: tokens and the constant differ by
