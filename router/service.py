@@ -572,9 +572,8 @@ class RouterService:
     ) -> Decision:
         """Rank the replicas for a parsed request: the one decision path of the proxied
         endpoints and the endpoint picker (router/epp/), so both pick alike. ``narrow``
-        keeps the replicas a caller may use (the gateway's subset hint; it raises when none
-        is left). 404/503 in OpenAI's schema when no candidate remains. Whole requests stay
-        off a P/D fleet's prefill pool (router/routing/disagg.py ``pools``)."""
+        keeps the replicas a caller may use (the gateway's subset hint; raises when none is
+        left); 404/503 when none remains; never a P/D fleet's prefill pool (``pools``)."""
         candidates = pools(self.candidates(parsed.model))[0]
         if narrow is not None:
             candidates = narrow(candidates)
