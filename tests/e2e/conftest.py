@@ -27,7 +27,13 @@ BLOCK_SIZE = 32
 CHUNK_TOKENS = 64
 GPU_BLOCKS = 65  # 64 usable: 2048 tokens, one max-length request
 # Fast health checks: a killed replica is ejected within about a second.
-ROUTER_ARGS = ["--health-interval-s", "0.5"]
+# These tests check what the index and the connectors hold and load, on a fleet the whole
+# package shares: the choice between a tier and recomputing stays the configured cost
+# model's. Learned rates (tests/router/routing/test_calibration.py, test_proxy.py, the
+# routing benchmark) would price it with whatever the package's earlier tests taught the
+# router about a tiny model on one core, and the routing each test arranges would depend on
+# the order the tests ran in.
+ROUTER_ARGS = ["--health-interval-s", "0.5", "--no-learn-rates"]
 
 
 @pytest.fixture(scope="package")

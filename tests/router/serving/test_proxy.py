@@ -309,9 +309,15 @@ def test_prefill_rate_is_learned_from_answered_streams(local_tokenizer) -> None:
                 stream_options={"include_usage": True},
             ):
                 pass
-        stats = httpx.get(f"{fleet.url}/index/stats").json()
-        rates = {n: e["cost_rates"] for n, e in stats["replicas"].items()}
-        assert sum(r["samples"] for r in rates.values()) == 24
+
+        # The router takes the sample once the stream has ended, just after the client has
+        # read its last byte.
+        def learned() -> dict[str, dict]:
+            stats = httpx.get(f"{fleet.url}/index/stats").json()
+            return {n: e["cost_rates"] for n, e in stats["replicas"].items()}
+
+        wait_until(lambda: sum(r["samples"] for r in learned().values()) == 24, timeout_s=5)
+        rates = learned()
         for name, r in rates.items():
             assert r["learned"] and r["samples"] > 0, (name, r)
             assert 0.65 < r["prefill_s_per_token"] / 2e-4 < 1.35, (name, r)
