@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 
 from kvroute.indexer.cpu_priority import as_latency_sensitive, custom_slices_supported
-from kvroute.indexer.index import InMemoryPrefixIndex, PrefixIndex, domain_key
-from kvroute.indexer.subscriber import EventSource, EventSubscriber, Freshness, ReplicaSnapshot
+from kvroute.indexer.index import PrefixIndex, domain_key
+from kvroute.indexer.subscriber import EventSource, Freshness, ReplicaSnapshot
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.errors import RouterError
@@ -40,6 +40,7 @@ from kvroute.router.peers.load import PeerLoad
 from kvroute.router.peers.warm_start import SEED_TTL_S, PeerUrls, WarmStart, peer_list
 from kvroute.router.routing.accuracy import AccuracyTracker
 from kvroute.router.routing.disagg import Disaggregation, pools
+from kvroute.router.routing.feeds import index_and_feeds
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.router import Decision, Router
 from kvroute.router.serving.auth import ReplicaAuth
@@ -74,17 +75,8 @@ class RouterService:
             max_messages=settings.max_messages,
             max_n=settings.max_n,
         )
-        self.index: PrefixIndex = InMemoryPrefixIndex(
-            max_entries=settings.index_max_entries,
-            unconfirmed_ttl_s=settings.unconfirmed_ttl_s,
-            unconfirmed_max_blocks=settings.unconfirmed_max_blocks,
-        )
-        self.subscriber = EventSubscriber(
-            self.index,
-            replay_timeout_s=settings.replay_timeout_s,
-            stale_clear_after_s=settings.stale_clear_after_s,
-            max_bytes_per_s=settings.event_max_mib_per_s * 2**20,
-        )
+        self.index: PrefixIndex
+        self.index, self.subscriber = index_and_feeds(settings)
         self.registry = ReplicaRegistry(
             unhealthy_after=settings.unhealthy_after, healthy_after=settings.healthy_after
         )

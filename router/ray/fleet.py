@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.stats import collect_stats
-from kvroute.indexer.subscriber import EventSource, EventSubscriber
+from kvroute.indexer.subscriber import EventSource
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.errors import RouterError
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.ray.endpoints import ReplicaEvents
+from kvroute.router.routing.feeds import index_and_feeds
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.router import Decision, Router
 from kvroute.router.tokens.requests import ParsedRequest, parse_body
@@ -118,17 +118,7 @@ class RayFleet:
     ) -> None:
         self.settings = settings
         self.deployment = deployment
-        self.index = InMemoryPrefixIndex(
-            max_entries=settings.index_max_entries,
-            unconfirmed_ttl_s=settings.unconfirmed_ttl_s,
-            unconfirmed_max_blocks=settings.unconfirmed_max_blocks,
-        )
-        self.subscriber = EventSubscriber(
-            self.index,
-            replay_timeout_s=settings.replay_timeout_s,
-            stale_clear_after_s=settings.stale_clear_after_s,
-            max_bytes_per_s=settings.event_max_mib_per_s * 2**20,
-        )
+        self.index, self.subscriber = index_and_feeds(settings)
         self.router = Router(
             settings, self.index, self.subscriber, None, make_policy(settings.policy, settings)
         )
