@@ -114,23 +114,16 @@ def replica_events(
     """A replica's stream from its replica metadata or routing stats: kvroute's entry (either
     place), else Ray's ``kv_event_metadata`` (routing stats; its topic is vLLM's default,
     empty). None when the replica advertises neither, or nothing usable."""
-    for where in (metadata or {}, routing_stats or {}):
-        entry = where.get(METADATA_KEY)
-        if isinstance(entry, Mapping) and _text(entry.get("endpoint")):
-            return ReplicaEvents(
-                endpoint=entry["endpoint"],
-                replay=_text(entry.get("replay_endpoint")),
-                topic=entry.get("topic") or "",
-                block_size=_int(entry.get("block_size")),
-            )
-    for where in (routing_stats or {}, metadata or {}):
-        entry = where.get(RAY_METADATA_KEY)
-        if isinstance(entry, Mapping) and _text(entry.get("endpoint")):
-            return ReplicaEvents(
-                endpoint=entry["endpoint"],
-                replay=_text(entry.get("replay_endpoint")),
-                topic=entry.get("topic") or "",
-                block_size=_int(entry.get("block_size")),
-                source=RAY_METADATA_KEY,
-            )
+    ours, rays = metadata or {}, routing_stats or {}
+    for key, places in ((METADATA_KEY, (ours, rays)), (RAY_METADATA_KEY, (rays, ours))):
+        for where in places:
+            entry = where.get(key)
+            if isinstance(entry, Mapping) and _text(entry.get("endpoint")):
+                return ReplicaEvents(
+                    endpoint=entry["endpoint"],
+                    replay=_text(entry.get("replay_endpoint")),
+                    topic=entry.get("topic") or "",
+                    block_size=_int(entry.get("block_size")),
+                    source=key,
+                )
     return None
