@@ -318,7 +318,13 @@ def test_prefill_rate_is_learned_from_answered_streams(local_tokenizer) -> None:
             stats = httpx.get(f"{fleet.url}/index/stats").json()
             return {n: e["cost_rates"] for n, e in stats["replicas"].items()}
 
-        wait_until(lambda: sum(r["samples"] for r in learned().values()) == 24, timeout_s=5)
+        # Each of the 24 answers is one sample once its stream has been closed on the
+        # router's side; wait for them all (a busy machine may take seconds), say how many came.
+        deadline = time.monotonic() + 30
+        while (taken := sum(r["samples"] for r in learned().values())) < 24:
+            assert time.monotonic() < deadline, f"{taken} of 24 samples taken: {learned()}"
+            time.sleep(0.05)
+        assert taken == 24, learned()
         rates = learned()
         for name, r in rates.items():
             assert r["learned"] and r["samples"] > 0, (name, r)
