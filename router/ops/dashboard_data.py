@@ -146,9 +146,10 @@ class DashboardData:
                 "uptime_s": round(time.time() - service.started_at, 1),
                 "decisions_recorded": recent.recorded,
             },
-            # No peer discovery yet: a router knows only itself. Each router's page is its
-            # own view (its load counts, its decisions); the cache state is the same on all.
-            "peers": [],
+            # Each router's page is its own view (its load counts, its decisions); the
+            # cache state is the same on all. Its peers are those it shares load with.
+            "peers": _peers(stats.get("peer_load")),
+            "disaggregation": _disaggregation(stats.get("disaggregation"), replicas),
             "fleet": {
                 "replicas": len(replicas),
                 "healthy_replicas": fleet["healthy_replicas"],
@@ -178,15 +179,52 @@ class DashboardData:
         }
 
 
+def _peers(peer_load: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The other routers this one shares load with (``--peer``), as /index/stats shows them."""
+    if not peer_load:
+        return []
+    return [
+        {"url": url, "router": p.get("router"), "fresh": p.get("fresh"), "error": p.get("error")}
+        for url, p in sorted(peer_load.get("peers", {}).items())
+        if not p.get("self")
+    ]
+
+
+def _disaggregation(
+    disagg: dict[str, Any] | None, replicas: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The P/D panel's data, or None for a fleet with no prefill or decode replica (the
+    panel is then hidden: an aggregated fleet has nothing to show there)."""
+    if not disagg or all(r["role"] == "both" for r in replicas):
+        return None
+    keys = (
+        "mode",
+        "pools",
+        "split",
+        "bypassed",
+        "bypass_rate",
+        "prefill_legs",
+        "decode_legs",
+        "prefill_failures",
+        "prefill_fallbacks",
+        "missing_transfer_params",
+        "transfer_failures",
+    )
+    return {k: disagg.get(k) for k in keys}
+
+
 def _replica(name: str, r: dict[str, Any]) -> dict[str, Any]:
-    """One replica's row: health, feed, tiers, load, traffic."""
+    """One replica's row: health, role, feed, tiers, load, the rates it is priced with,
+    traffic."""
     health = r.get("health") or {}
     load = r.get("load") or {}
     feed = r.get("feed") or {}
     tiers = r.get("entries_by_tier") or {}
     acc = r.get("accuracy") or {}
+    rates = r.get("cost_rates") or {}
     return {
         "name": name,
+        "role": r.get("role", "both"),
         "url": health.get("url"),
         "healthy": bool(health.get("healthy")),
         "last_error": health.get("last_error"),
@@ -201,6 +239,14 @@ def _replica(name: str, r: dict[str, Any]) -> dict[str, Any]:
         "running": load.get("running", 0),
         "waiting": load.get("waiting", 0),
         "kv_cache_usage": load.get("kv_cache_usage", 0),
+        "queue_s_per_request": load.get("queue_s_per_request"),
+        # The cost model's rates (learned from answered requests, or the configured priors
+        # while ``rates_learned`` is false), and the samples behind them.
+        "prefill_s_per_token": rates.get("prefill_s_per_token"),
+        "load_s_per_token_cpu": rates.get("load_s_per_token_cpu"),
+        "load_s_per_token_storage": rates.get("load_s_per_token_storage"),
+        "rates_learned": bool(rates.get("learned")),
+        "rates_samples": rates.get("samples", 0),
         "requests": acc.get("requests", 0),
         "predicted_cached_tokens": acc.get("predicted_cached_tokens", 0),
         "delivered_cached_tokens": acc.get("delivered_cached_tokens", 0),

@@ -70,6 +70,7 @@ def router_stats(service: RouterService) -> dict[str, Any]:
             entry["freshness"], entry["freshness_reason"] = None, "no event feed configured"
         acc = service.accuracy.replica(r.name)
         entry["storage_domain"] = r.config.storage_domain
+        entry["role"], entry["zone"] = r.role, r.config.zone
         entry["health"] = r.snapshot()
         entry["load"] = {
             "in_flight": r.in_flight,

@@ -56,11 +56,45 @@ function renderSummary(d) {
   for (const t of TIERS) setText("fleet-" + t, fmt(f.entries_by_tier[t]));
   setText("hit-predicted", pct(f.predicted_hit_rate));
   setText("hit-delivered", pct(f.delivered_hit_rate));
+  renderPeers(d.peers || []);
   const reasons = $("reasons");
   reasons.replaceChildren("decisions by reason: ");
   for (const [k, v] of Object.entries(f.reasons).sort((a, b) => b[1] - a[1])) {
     reasons.append(`${k} `, el("b", {}, fmt(v)));
   }
+}
+
+function renderPeers(peers) {
+  const node = $("peers");
+  if (!peers.length) { node.textContent = "Peers: none (no --peer): open each router's /dashboard."; return; }
+  node.replaceChildren("Sharing load with: ");
+  peers.forEach((p, i) => {
+    if (i) node.append(", ");
+    node.append(el("span", { class: "peer " + (p.fresh ? "ok" : "stale"), "data-peer": p.url, title: p.error || (p.fresh ? "fresh" : "stale") }, p.router || p.url));
+  });
+}
+
+// ---------------------------------------------------------------- prefill/decode
+function renderPd(pd) {
+  const panel = $("pd");
+  panel.hidden = !pd;
+  if (!pd) return;
+  setText("pd-split", fmt(pd.split));
+  setText("pd-bypassed", fmt(pd.bypassed));
+  setText("pd-bypass-rate", pct(pd.bypass_rate));
+  setText("pd-prefill-legs", fmt(pd.prefill_legs));
+  setText("pd-decode-legs", fmt(pd.decode_legs));
+  setText("pd-prefill-failures", fmt(pd.prefill_failures));
+  setText("pd-prefill-fallbacks", fmt(pd.prefill_fallbacks));
+  setText("pd-missing-params", fmt(pd.missing_transfer_params));
+  setText("pd-transfer-failures", fmt(pd.transfer_failures));
+  const body = $("pd-pools").tBodies[0];
+  body.replaceChildren(...Object.entries(pd.pools || {}).sort().map(([role, p]) => {
+    const tr = el("tr", { "data-pool": role });
+    tr.append(td("role", role), td("replicas", fmt(p.replicas), "num"), td("healthy", fmt(p.healthy), "num"),
+      td("in_flight", fmt(p.in_flight), "num"), td("pending", fmt(p.pending), "num"));
+    return tr;
+  }));
 }
 
 // ---------------------------------------------------------------- charts
@@ -155,6 +189,7 @@ function renderReplicas(replicas) {
   body.replaceChildren(...shown.map((r) => {
     const tr = el("tr", { "data-replica": r.name });
     tr.append(td("name", el("span", { title: r.url || "" }, r.name)));
+    tr.append(td("role", r.role));
     tr.append(td("health", r.healthy ? pill("ok", "ok") : pill("down", "down")));
     if (!r.healthy && r.last_error) tr.lastChild.title = r.last_error;
     const feed = r.freshness === null ? pill("no feed", "nofeed") : pill(r.freshness, r.freshness);
@@ -181,6 +216,11 @@ function renderReplicas(replicas) {
     usage.append(fill);
     const kv = el("span", {}, usage, " ", pct(r.kv_cache_usage));
     tr.append(td("kv_cache_usage", kv));
+    tr.append(td("prefill_s_per_1k", r.prefill_s_per_token === null || r.prefill_s_per_token === undefined ? "–" : (1000 * r.prefill_s_per_token).toPrecision(3), "num"));
+    tr.lastChild.title = (r.rates_learned ? `learned from ${r.rates_samples} samples` : "the configured prior (not learned)") +
+      `; load s/1k tok: CPU ${(1000 * (r.load_s_per_token_cpu || 0)).toPrecision(3)}, STORAGE ${(1000 * (r.load_s_per_token_storage || 0)).toPrecision(3)}`;
+    tr.lastChild.dataset.samples = String(r.rates_samples);
+    tr.append(td("queue_s_per_request", ms(r.queue_s_per_request), "num"));
     tr.append(td("requests", fmt(r.requests), "num"));
     tr.append(td("predicted_cached_tokens", fmt(r.predicted_cached_tokens), "num"));
     tr.append(td("delivered_cached_tokens", fmt(r.delivered_cached_tokens), "num"));
@@ -219,6 +259,7 @@ function render() {
   renderSummary(d);
   hitChart(d.series);
   requestsChart(d.replicas);
+  renderPd(d.disaggregation);
   renderReplicas(d.replicas);
   renderDecisions(d.decisions);
   document.body.dataset.takenAt = String(d.taken_at);

@@ -39,6 +39,7 @@ from tests.router.servers import ServerThread
 MODEL = "kvroute-sim"
 REPLICAS = 4
 TIERS = ("GPU", "CPU", "STORAGE")
+ROLES = ("prefill", "decode", "both", "both")  # the hundred: a P/D fleet beside aggregated ones
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +185,14 @@ def test_dashboard_renders_the_router_view_and_updates(
         }
 
     wait_for(driver, lambda d: shown(d) == want, what=f"replica rows equal to {want}")
+    # Each row's role, and the prefill rate it is priced with (seconds per 1,000 tokens, as
+    # /index/stats has it) with the samples behind it.
+    rows = _rows(driver)
+    for name, r in stats["replicas"].items():
+        assert rows[name]["role"] == r["role"] == "both"
+        shown_rate = float(rows[name]["prefill_s_per_1k"])
+        assert shown_rate == pytest.approx(1000 * r["cost_rates"]["prefill_s_per_token"], rel=0.01)
+    assert driver.execute_script('return document.getElementById("pd").hidden') is True
     entries = stats["fleet"]["entries_by_tier"]
     wait_for(
         driver,
@@ -236,8 +245,11 @@ def test_dashboard_renders_the_router_view_and_updates(
 @pytest.fixture(scope="module")
 def hundred() -> Iterator[ServerThread]:
     """The dashboard over a real RouterService with 100 replicas (not started: no traffic,
-    no feeds), each given its own load, so the page can be checked at fleet scale."""
-    configs = [ReplicaConfig(url=f"http://127.0.0.1:9/r{i}", name=f"r{i:03d}") for i in range(100)]
+    no feeds), each given its own load and a role, so the page can be checked at fleet scale."""
+    configs = [
+        ReplicaConfig(url=f"http://127.0.0.1:9/r{i}", name=f"r{i:03d}", role=ROLES[i % 4])
+        for i in range(100)
+    ]
     service = RouterService(RouterSettings(replicas=configs, policy="round_robin"))
     for i, config in enumerate(configs):
         replica = service.add_replica(config)
@@ -281,6 +293,19 @@ def test_a_hundred_replicas_are_paged_sorted_and_filtered(
     driver.find_element(By.ID, "filter").send_keys("r09")
     assert sorted(names()) == [f"r09{i}" for i in range(10)]
     assert text_of(driver, "#requests-chart-note") == "top 10 of 100"
+
+    # The P/D panel: each pool's replicas and healthy ones (every tenth replica is down).
+    pools = driver.execute_script(
+        """return [...document.querySelectorAll("#pd-pools tbody tr")].map((tr) =>
+             [...tr.children].map((td) => td.textContent));"""
+    )
+    down = {role: sum(1 for i in range(7, 100, 10) if ROLES[i % 4] == role) for role in ROLES}
+    assert driver.execute_script('return document.getElementById("pd").hidden') is False
+    assert [row[:3] for row in pools] == [
+        [role, str(n), str(n - down[role])]
+        for role, n in sorted({"both": 50, "decode": 25, "prefill": 25}.items())
+    ]
+    assert text_of(driver, "#pd-split") == "0"
 
 
 def test_a_router_with_a_key_asks_for_it_once(driver: Any) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import httpx
 
-from kvroute.router.ops.dashboard_data import HitRateSeries, Totals
+from kvroute.router.config import ReplicaConfig, RouterSettings
+from kvroute.router.ops.dashboard_data import DashboardData, HitRateSeries, Totals
 from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.router import Decision
+from kvroute.router.service import RouterService
 from tests.router.servers import wait_until
 from tests.router.sim_fleet import Fleet
 
@@ -35,11 +37,52 @@ def test_data_agrees_with_index_stats_and_logs_decisions_newest_first(fleet: Fle
         assert row["healthy"] == want["health"]["healthy"]
         for tier in ("GPU", "CPU", "STORAGE"):
             assert row["entries_by_tier"][tier] == want["entries_by_tier"].get(tier, 0)
+        assert row["role"] == want["role"] == "both"
+        # the rates the cost model prices the replica with, and their samples
+        rates = want["cost_rates"]
+        assert row["prefill_s_per_token"] == rates["prefill_s_per_token"] > 0
+        assert row["load_s_per_token_cpu"] == rates["load_s_per_token_cpu"]
+        assert row["load_s_per_token_storage"] == rates["load_s_per_token_storage"]
+        assert (row["rates_learned"], row["rates_samples"]) == (rates["learned"], rates["samples"])
+        assert row["queue_s_per_request"] == want["load"]["queue_s_per_request"]
     assert [d["chosen"] for d in data["decisions"]] == served[::-1]
     newest = data["decisions"][0]
     assert {c["name"] for c in newest["candidates"]} == {"r0", "r1"}
     assert newest["reason"] and newest["prompt_tokens"] > 0
     assert data["peers"] == [] and data["router"]["policy"] == fleet.settings.policy
+    assert data["disaggregation"] is None  # an aggregated fleet: no P/D panel
+
+
+def test_a_pd_fleet_shows_its_pools_and_the_deciders_counts() -> None:
+    """Prefill and decode replicas beside aggregated ones: the P/D data is /index/stats's
+    ``disaggregation`` (pools with their load, the decider's counters), and every row names
+    its replica's role."""
+    roles = ["prefill", "prefill", "decode", "both"]
+    configs = [
+        ReplicaConfig(url=f"http://127.0.0.1:9/r{i}", name=f"r{i}", role=role)
+        for i, role in enumerate(roles)
+    ]
+    service = RouterService(RouterSettings(replicas=configs))
+    for i, config in enumerate(configs):
+        replica = service.add_replica(config)
+        replica.healthy = i != 1
+    service.disagg.counters.decided("split")
+    service.disagg.counters.prefill_failures += 1
+    data = DashboardData(service).snapshot()
+    assert {r["name"]: r["role"] for r in data["replicas"]} == {
+        f"r{i}": role for i, role in enumerate(roles)
+    }
+    pd = data["disaggregation"]
+    want = service.stats()["disaggregation"]
+    assert pd["pools"] == want["pools"]
+    assert {k: v["replicas"] for k, v in pd["pools"].items()} == {
+        "prefill": 2,
+        "decode": 1,
+        "both": 1,
+    }
+    assert pd["pools"]["prefill"]["healthy"] == 1
+    assert (pd["split"], pd["prefill_failures"]) == (1, 1)
+    assert pd["split"] == want["split"] and pd["bypass_rate"] == want["bypass_rate"]
 
 
 def _totals(at: float, requests: int, prompt: int, predicted: int, delivered: int) -> Totals:

@@ -284,6 +284,16 @@ def test_a_peer_sees_and_routes_around_what_the_first_router_holds(
         # Followed: A streams B a line each time its counts change.
         assert peer_load["peers"][fleet.url]["followed"] is (mode == "follow")
         assert peer_load["peers"][fleet.url]["streamed"] is (mode == "follow")
+        # B's dashboard names the router it shares load with, fresh.
+        peers = httpx.get(f"{b.url}/dashboard/data", headers=AUTH, timeout=5).json()["peers"]
+        assert peers == [
+            {
+                "url": fleet.url,
+                "router": peer_load["peers"][fleet.url]["router"],
+                "fresh": True,
+                "error": None,
+            }
+        ]
         # B has sent nothing, yet it puts a new request where A's queue is shorter.
         decision = httpx.post(
             f"{b.url}/debug/route",
