@@ -107,6 +107,7 @@ class RouterService:
             interval_s=settings.health_interval_s,
             timeout_s=settings.health_timeout_s,
             models_refresh_s=settings.models_refresh_s,
+            on_counters=lambda replica, scraped: self.router.observe_counters(replica, scraped),
         )
         self.metrics = RouterMetrics(self._metrics_state)
         self.accuracy = AccuracyTracker()

@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvroute.bench.sim.scheduler import Scheduler
@@ -120,14 +125,42 @@ class _EngineCollector(Collector):
         yield self._counter(
             "vllm:generation_tokens", "Generation tokens processed.", st.generation_tokens
         )
+        # vLLM 0.32's two per-source counters (v1/metrics/loggers.py): every prompt token by
+        # where it came from, and cached ones by the tier that supplied them
+        # (v1/metrics/cache_hit_source.py's CacheHitSource values).
         by_source = CounterMetricFamily(
-            "vllm:prompt_tokens_cached_by_source",
-            "Prompt tokens served from a cache, by source.",
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
             labels=[*self._names, "source"],
         )
+        by_source.add_metric([*self._values, "local_compute"], st.computed_tokens)
         by_source.add_metric([*self._values, "local_cache_hit"], st.prefix_hits)
-        by_source.add_metric([*self._values, "external_kv_transfer"], st.external_hits)
+        by_source.add_metric(
+            [*self._values, "external_kv_transfer"], st.external_hits + st.p2p_hits
+        )
         yield by_source
+        cached = CounterMetricFamily(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+            labels=[*self._names, "source"],
+        )
+        for source, value in (
+            ("device", st.prefix_hits),
+            ("host", st.host_hits),
+            ("disk", st.disk_hits),
+            ("p2p", st.p2p_hits),
+            ("external_unspecified", 0),
+        ):
+            cached.add_metric([*self._values, source], value)
+        yield cached
+        # Its sum and count only (one +Inf bucket): the router reads nothing else of it.
+        prefill = HistogramMetricFamily(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            labels=self._names,
+        )
+        prefill.add_metric(self._values, [("+Inf", st.prefills)], st.prefill_time_s)
+        yield prefill
         success = CounterMetricFamily(
             "vllm:request_success",
             "Successfully processed requests.",

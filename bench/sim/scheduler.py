@@ -69,6 +69,7 @@ class SimRequest:
     hold: bool = False
     pull_tokens: int = 0
     remote_cached_tokens: int | None = None
+    scheduled_at: float = 0.0  # simulated seconds, when admitted (vLLM's scheduled_ts)
 
 
 @dataclass(slots=True)
@@ -78,6 +79,15 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     external_hits: int = 0
+    # vLLM's per-source counters (vllm:prompt_tokens_by_source, ..._cached_by_source):
+    # tokens computed, and hits the connector loaded from host RAM, disk, another instance
+    computed_tokens: int = 0
+    host_hits: int = 0
+    disk_hits: int = 0
+    p2p_hits: int = 0
+    # vllm:request_prefill_time_seconds (scheduled -> first token, wall seconds)
+    prefill_time_s: float = 0.0
+    prefills: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
@@ -242,6 +252,11 @@ class Scheduler:
             self.stats.prefix_hits += req.cached_by_tier[Medium.GPU]
             self.stats.external_hits += from_cpu + from_storage
             self.stats.prompt_tokens += len(req.prompt)
+            self.stats.computed_tokens += uncached
+            self.stats.host_hits += from_cpu
+            self.stats.disk_hits += from_storage
+            self.stats.p2p_hits += pulled
+            req.scheduled_at = self.now()
             self._running[req.id] = req
             self._prefilling[req.id] = req
             req.deps = list({id(o): o for b in alloc.blocks if (o := b.owner) is not None}.values())
@@ -273,6 +288,8 @@ class Scheduler:
                     self._settle(req)
                     if req.prefilled is not None and not req.prefilled.done():
                         req.prefilled.set_result(now)
+                    self.stats.prefills += 1
+                    self.stats.prefill_time_s += (now - req.scheduled_at) * self.latency.time_scale
                     progress = True
         self._flush()  # what the settled prefills wrote through to the shared domain
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -53,8 +54,12 @@ class HealthChecker:
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
         models_refresh_s: float = 30.0,
+        on_counters: Callable[[Replica, dict[str, float]], None] | None = None,
     ) -> None:
         self.registry = registry
+        # Each scrape's figures (gauges and counters) for whom learns from them: the cost
+        # model's calibration (router/routing/prefill_evidence.py).
+        self.on_counters = on_counters
         self.client = client
         self.interval_s = interval_s
         self.timeout = httpx.Timeout(timeout_s)
@@ -119,6 +124,8 @@ class HealthChecker:
             m.set_gauges(
                 gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
             )
+            if self.on_counters is not None:
+                self.on_counters(m, gauges)
 
     async def check_all(self) -> None:
         groups: dict[str, list[Replica]] = {}

@@ -43,7 +43,20 @@ _GAUGES = {
 }
 
 
+# Counters the cost model's calibration reads as evidence (router/routing/prefill_evidence.py):
+# vLLM's prefill-time histogram (scheduled -> first token: no queue in it) and its prompt
+# tokens by where they came from, all summed over label sets like the gauges.
+_COUNTERS = {
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:request_prefill_time_seconds_count": "prefills",
+}
+_BY_SOURCE = {
+    "vllm:prompt_tokens_by_source_total": {"local_compute": "computed_tokens"},
+    "vllm:prompt_tokens_cached_by_source_total": {"host": "host_tokens", "disk": "disk_tokens"},
+}
+
 _ENGINE_LABEL = re.compile(r'[{,]engine="([^"]*)"')
+_SOURCE_LABEL = re.compile(r'[{,]source="([^"]*)"')
 
 
 def _fold(out: dict[str, float], key: str, value: float) -> None:
@@ -55,17 +68,25 @@ def _fold(out: dict[str, float], key: str, value: float) -> None:
 
 
 def parse_vllm_metrics_by_engine(text: str) -> dict[str, dict[str, float]]:
-    """The load gauges from a Prometheus text page per ``engine`` label value ("" for series
-    without one), summed over the other labels."""
+    """The load gauges (and the calibration's counters, ``_COUNTERS``/``_BY_SOURCE``) from a
+    Prometheus text page per ``engine`` label value ("" for series without one), summed over
+    the other labels."""
     out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
         brace = line.find("{")
         name_end = brace if brace >= 0 else line.find(" ")
-        key = _GAUGES.get(line[:name_end])
+        name = line[:name_end]
+        key = _GAUGES.get(name) or _COUNTERS.get(name)
         if key is None:
-            continue
+            sources = _BY_SOURCE.get(name)
+            if sources is None or brace < 0:
+                continue
+            match = _SOURCE_LABEL.search(line, brace)
+            key = sources.get(match.group(1)) if match is not None else None
+            if key is None:
+                continue
         engine = ""
         if brace >= 0:
             close = line.rfind("}")

@@ -116,6 +116,10 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         "cost_rates_outliers": None
         if service.router.rates is None
         else service.router.rates.outliers,
+        # samples from the replicas' own prefill counters (router/routing/prefill_evidence.py)
+        "cost_rates_from_counters": None
+        if service.router.rates is None
+        else service.router.prefill_evidence.samples,
         "disaggregation": _disaggregation(service),
         "queue_samples": None
         if service.router.queue_delay is None

@@ -26,6 +26,7 @@ from kvroute.router.routing.hints import BurstHints
 from kvroute.router.routing.lmcache import LMCacheController
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
+from kvroute.router.routing.prefill_evidence import PrefillEvidence
 from kvroute.router.routing.queue_model import LearnedQueueDelay
 from kvroute.router.tokens.requests import ParsedRequest
 from kvroute.router.tokens.tokenization import TokenizerBase
@@ -186,6 +187,8 @@ class Router:
             if c.learn_rates
             else None
         )
+        # The replicas' own prefill counters, as further samples (prefill_evidence.py)
+        self.prefill_evidence = PrefillEvidence()
 
     async def tokens(
         self, req: ParsedRequest, candidates: list[Replica] | None = None
@@ -489,7 +492,18 @@ class Router:
             self.rates.observe(replica.name, CalibrationSample(*values), _rate_pool(replica))
             self.rates.shared_applied += 1
 
+    def observe_counters(self, replica: Replica, scraped: dict[str, float]) -> None:
+        """A scrape of ``replica``'s /metrics (its gauges and counters): the difference in
+        its prefill counters since the last sample is one more sample of its rates. Not
+        shared with peers: each router scrapes every replica itself."""
+        if self.rates is None:
+            return
+        sample = self.prefill_evidence.sample(replica.name, scraped)
+        if sample is not None:
+            self.rates.observe(replica.name, sample, _rate_pool(replica))
+
     def forget(self, replica: str) -> None:
+        self.prefill_evidence.forget(replica)
         if self.rates is not None:
             self.rates.forget(replica)
         self.hints.forget(replica)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvroute.deploy.local_fleet import LocalFleet
+from kvroute.router.fleet.replicas import parse_vllm_metrics
 from tests.e2e.conftest import BLOCK_SIZE, GPU_BLOCKS
 from tests.e2e.helpers import chat, counters, debug_route, delta, wait_for, words
 
@@ -90,9 +91,20 @@ def test_prefix_evicted_from_the_device_is_found_in_the_cpu_tier(fleet: LocalFle
     assert predicted >= GPU_BLOCKS // 8 * BLOCK_SIZE, view
 
     before = counters(fleet)
+    page_before = parse_vllm_metrics(rep.get("/metrics").decode())
     _, usage2, served = chat(fleet, messages)
     after = counters(fleet)
+    page_after = parse_vllm_metrics(rep.get("/metrics").decode())
     assert served == holder
+    # What the router's calibration reads from the same page (router/fleet/replicas.py,
+    # router/routing/prefill_evidence.py): the tokens the connector loaded from RAM, by
+    # source; the prefill's time, counted once; and the tokens it computed.
+    moved = {k: page_after.get(k, 0.0) - page_before.get(k, 0.0) for k in page_after}
+    loaded_by_source = moved["host_tokens"] + moved["disk_tokens"]
+    assert moved["host_tokens"] > 0 and loaded_by_source == delta(before, after, holder, EXTERNAL)
+    assert moved["prefills"] == 1 and moved["prefill_s"] > 0, moved
+    prompt = usage2["prompt_tokens"]
+    assert moved["computed_tokens"] == prompt - usage2["prompt_tokens_details"]["cached_tokens"]
     loaded = delta(before, after, holder, EXTERNAL)  # loaded by our connector, not the device
     assert loaded > 0
     assert abs(loaded + delta(before, after, holder, HITS) - predicted) <= BLOCK_SIZE, (

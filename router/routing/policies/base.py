@@ -43,6 +43,9 @@ class CostEstimate:
     est_ttft_s: float
     delay_to_others_s: float  # what its uncached prefill costs the queue it joins
     cost_s: float
+    # compute + load priced at the configured rates, not the learned ones: how much work the
+    # request is there, which a few noisy samples of a replica's rates cannot change
+    work_s: float | None = None
 
 
 @dataclass(slots=True)

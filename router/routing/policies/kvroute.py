@@ -132,6 +132,9 @@ class KvroutePolicy(Policy):
             est_ttft_s,
             delay_to_others_s,
             est_ttft_s + delay_to_others_s,
+            c.prefill_s_per_token * uncached
+            + c.load_s_per_token_cpu * cpu
+            + c.load_s_per_token_storage * storage,
         )
 
     def near_equals(
@@ -139,25 +142,20 @@ class KvroutePolicy(Policy):
     ) -> list[ReplicaView]:
         """The replicas the home order may pick from: as much work for this request as the
         cheapest (its prefill plus loads: a cache hit is never given up for a home) and a
-        cost within ``home_slack`` of it (the load bound)."""
+        cost within ``home_slack`` of it (the load bound).
+
+        Work is compared at the configured rates (``CostEstimate.work_s``): what differs is
+        what each replica holds, and the learned rates of replicas of one kind differ by
+        their noise alone, which must not undo the home order. A replica that is truly
+        faster still ranks first by its cost, and a slower one stays out by the cost bound."""
         best = estimates[by_cost[0].name]
         eps = self.cost.tie_epsilon_s
         cost_bound = best.cost_s * (1.0 + self.cost.home_slack) + eps
-        # The tie margin is given at the configured rates: where the learned ones are lower
-        # (a fast replica) it shrinks alike, so that a cache hit still counts as more work
-        # saved, whatever a token costs.
-        learned = by_cost[0].prefill_s_per_token
-        prior = self.cost.prefill_s_per_token
-        if learned is not None and prior > 0 and learned < prior:
-            work_eps = eps * learned / prior
-        else:
-            work_eps = eps
-        work_bound = best.compute_s + best.load_s + work_eps
+        work_bound = _work(best) + eps
         return [
             v
             for v in by_cost
-            if (e := estimates[v.name]).cost_s <= cost_bound
-            and e.compute_s + e.load_s <= work_bound
+            if (e := estimates[v.name]).cost_s <= cost_bound and _work(e) <= work_bound
         ]
 
     def rank(self, ctx: RouteContext) -> Ranking:
@@ -183,3 +181,7 @@ class KvroutePolicy(Policy):
         else:
             reason = "prefix"
         return Ranking(ranked, reason, estimates)
+
+
+def _work(e: CostEstimate) -> float:
+    return e.compute_s + e.load_s if e.work_s is None else e.work_s

@@ -165,6 +165,39 @@ def test_a_new_prefix_is_placed_by_bounded_load_rendezvous() -> None:
     assert ranking.first.name == "a" and ranking.reason == "prefix"
 
 
+def test_learned_rates_noise_does_not_undo_the_home_order_but_a_cache_hit_counts() -> None:
+    """Two replicas of one kind whose learned prefill rates differ by a few percent (the
+    noise of a few samples): a prefix's home is still honoured, and a new prefix is placed
+    by the same rule as with equal rates, not onto the one that happens to look cheaper. A
+    cached prefix on a fast replica (learned at a fifth of the prior) is still never given
+    up for a home that holds nothing."""
+    policy = KvroutePolicy(CostSettings())
+    noisy = {"a": 0.96e-4, "b": 1.0e-4}
+
+    def view(name: str, tokens: int = 0, rate: float | None = None) -> ReplicaView:
+        return _gpu(name, tokens, prefill_s_per_token=noisy[name] if rate is None else rate)
+
+    for home in ("a", "b"):
+        ctx = RouteContext([view("a"), view("b")], 4000, b"affinity", home=home)
+        assert policy.rank(ctx).first.name == home
+    equal = KvroutePolicy(CostSettings())
+    picks = Counter()
+    for i in range(64):
+        affinity = f"new-{i}".encode()
+        same = [_gpu("a", 0), _gpu("b", 0)]
+        want = equal.rank(RouteContext(same, 4000, affinity)).first.name
+        got = policy.rank(RouteContext([view("a"), view("b")], 4000, affinity)).first.name
+        assert got == want
+        picks[got] += 1
+    assert min(picks.values()) > 0  # spread over both, as with equal rates
+    fast = {"a": 0.2e-4, "b": 0.2e-4}
+    ctx = RouteContext(
+        [view("a", 800, fast["a"]), view("b", 0, fast["b"])], 4000, b"affinity", home="b"
+    )
+    ranking = policy.rank(ctx)
+    assert ranking.first.name == "a" and ranking.reason == "prefix"
+
+
 def test_two_policies_with_the_same_view_place_alike_and_spread_by_hash() -> None:
     """Two independent policy objects (two routers) given the same views put every new
     prefix on the same replica, whatever order the candidates come in; with equal rates the

@@ -320,11 +320,16 @@ def test_prefill_rate_is_learned_from_answered_streams(local_tokenizer) -> None:
 
         # Each of the 24 answers is one sample once its stream has been closed on the
         # router's side; wait for them all (a busy machine may take seconds), say how many came.
+        # The replicas' prefill counters give further samples (prefill_evidence.py).
+        evidence = fleet.service.router.prefill_evidence
+
+        def answers() -> int:
+            return sum(r["samples"] for r in learned().values()) - evidence.samples
+
         deadline = time.monotonic() + 30
-        while (taken := sum(r["samples"] for r in learned().values())) < 24:
+        while (taken := answers()) < 24:
             assert time.monotonic() < deadline, f"{taken} of 24 samples taken: {learned()}"
             time.sleep(0.05)
-        assert taken == 24, learned()
         rates = learned()
         for name, r in rates.items():
             assert r["learned"] and r["samples"] > 0, (name, r)
