@@ -14,16 +14,21 @@ streaming, and reports:
 Why the workload looks as it does (issue 35: the first demo's fleet held everything, and the
 tiny model prefilled so fast that a hit saved less than the router cost):
 
-* more conversations than one replica can hold: 13 users, each pasting a long excerpt every
-  turn, so a conversation's history grows by ~320 tokens a turn; one replica's device cache
-  plus RAM tier holds about half of them. Kept on one replica each (kvroute), every history
-  fits; dealt out in turn (round-robin), each replica sees all of them and evicts;
-* returning users: every user speaks once per wave, then waits for the 12 others, so a
-  history is only still cached where the router kept it (often in the RAM tier, not the
-  device: kvroute knows that from the connector's events);
-* one shared system prompt, which both policies reuse: the difference is the private history;
-* a model with enough layers that prefilling a 1,500-token history costs hundreds of ms on
-  one core, against tens of ms for a turn whose history is cached.
+* returning users with a private document: each of 13 users pastes a document (~800
+  tokens) in their first turn, then asks short questions about it, one per wave (every user
+  asks once, then waits for the 12 others): every later turn is a returning user whose
+  history is cached only where the router kept it;
+* more conversations than one replica can hold: one replica's RAM tier (which holds a copy
+  of what its device cache holds) has room for about half of the histories. Kept on one
+  replica each (kvroute), every history fits; dealt out in turn (round-robin), each replica
+  sees all of them, evicts the oldest, and a user's turn lands on the replica that served
+  the user two turns ago at best, which has evicted the document since;
+* one shared system prompt, hot on every replica (as in a production fleet): both policies
+  reuse it; the difference is the private history;
+* a model with enough layers that prefilling a ~1,000-token history costs hundreds of ms on
+  one core, against tens of ms for a question whose history is cached; and enough turns that
+  the first turns (a cold document for any router) are under a tenth of the requests, so
+  the 90th percentile measures the returning users.
 
 Fairness: before each policy's run every replica's cache is reset (``POST /reset_prefix_cache``)
 and the run uses fresh conversations (a run tag at the very start of the shared system prompt),
@@ -74,9 +79,10 @@ class Workload:
     replica c mod 2)."""
 
     conversations: int = 13
-    turns: int = 5
+    turns: int = 12
     system_words: int = 120
-    user_words: int = 140
+    document_words: int = 560  # pasted in each conversation's first turn
+    user_words: int = 6  # each question
     max_tokens: int = 8
     concurrency: int = 2
     seed: int = 0
@@ -87,13 +93,14 @@ class Workload:
             f"The workload: {self.conversations} users chat with the model, {self.turns} turns "
             f"each, in waves: each user asks once, then waits while the {self.conversations - 1} "
             "others ask.",
-            f"Every turn pastes ~{self.user_words} words, so a user's history grows fast; all "
-            f"share one system prompt. {replicas} replicas, each with a device cache and a RAM "
-            "tier that together hold about half of the histories.",
-            "round_robin deals turns out in order: a returning user lands where their history "
+            f"Each user pastes a private document (~{self.document_words} words) in their "
+            f"first turn, then asks short questions about it; all share one system prompt. "
+            f"{replicas} replicas, each with a device cache and a RAM tier that hold about "
+            "half of the users' histories.",
+            "round_robin deals turns out in order: a returning user lands where their document "
             "is not, or was evicted, and the replica prefills it again.",
             "kvroute knows from the replicas' KV events which replica (and which tier) holds "
-            "each history, and sends the user back there: only the new turn is prefilled.",
+            "each history, and sends the user back there: only the new question is prefilled.",
         ]
 
     def system_prompt(self, tag: str) -> str:
@@ -105,6 +112,9 @@ class Workload:
     def user_message(self, tag: str, conversation: int, turn: int) -> str:
         rng = random.Random(f"{self.seed}-{tag}-{conversation}-{turn}")
         words = " ".join(rng.choice(_WORDS) for _ in range(self.user_words))
+        if turn == 0 and self.document_words > 0:
+            document = " ".join(rng.choice(_WORDS) for _ in range(self.document_words))
+            words = f"here is my document. {document}. My question: {words}"
         return f"Conversation {conversation}, question {turn}: {words}?"
 
 
@@ -361,9 +371,10 @@ def demo_model_dir() -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser, replicas=2)
     # Per replica a device cache of 128 blocks (4,096 tokens) and a RAM tier of 0.036 GiB
-    # (~12,600 tokens at 3 KiB a token), no disk tier: room for the ~6-7 histories (up to
-    # ~1,900 tokens each) a replica keeps when each user stays on one replica, not for the 13
-    # that round-robin brings to each.
+    # (~12,600 tokens at 3 KiB a token; it keeps a copy of what the device holds), no disk
+    # tier: room for the shared system prompt (~250 tokens) and the 6-8 private histories (up
+    # to ~1,460 tokens each) a replica keeps when each user stays on one replica, not for
+    # the 13 that round-robin brings to each (~14,000 tokens by the third turn).
     parser.set_defaults(
         num_gpu_blocks=129,
         max_model_len=2560,
@@ -376,6 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=w.conversations)
     parser.add_argument("--turns", type=int, default=w.turns)
     parser.add_argument("--system-words", type=int, default=w.system_words)
+    parser.add_argument("--document-words", type=int, default=w.document_words)
     parser.add_argument("--user-words", type=int, default=w.user_words)
     parser.add_argument("--max-tokens", type=int, default=w.max_tokens)
     parser.add_argument("--concurrency", type=int, default=w.concurrency)
@@ -409,6 +421,7 @@ def main(args: argparse.Namespace) -> int:
         conversations=args.conversations,
         turns=args.turns,
         system_words=args.system_words,
+        document_words=args.document_words,
         user_words=args.user_words,
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
@@ -547,7 +560,8 @@ def _print_report(
     print()
     print(
         f"Workload per run: {workload.conversations} conversations x {workload.turns} turns, "
-        f"{workload.concurrency} at a time, shared system prompt, {workload.max_tokens} "
+        f"{workload.concurrency} at a time, shared system prompt, a private document per "
+        f"conversation, {workload.max_tokens} "
         f"output tokens per turn; {rounds} run(s) per policy, caches reset before each."
     )
     print(format_table(results))

@@ -27,6 +27,22 @@ def test_runs_share_no_prefix_but_have_the_same_shape() -> None:
     assert w.user_message("t", 1, 2) != w.user_message("t", 2, 1)
 
 
+def test_each_user_pastes_a_document_once_then_asks_short_questions() -> None:
+    """The first turn carries the user's private document (a returning user's history is
+    mostly that document); later turns are short questions; no two users share a document."""
+    w = Workload()
+    first = [w.user_message("t", c, 0) for c in range(w.conversations)]
+    later = [w.user_message("t", c, t) for c in range(w.conversations) for t in (1, w.turns - 1)]
+    assert all("here is my document." in m for m in first)
+    assert all(len(m.split()) > w.document_words for m in first)
+    assert not any("document" in m for m in later)
+    assert all(len(m.split()) <= w.user_words + 4 for m in later)
+    documents = {m.split("here is my document.", 1)[1].split(". My question:")[0] for m in first}
+    assert len(documents) == w.conversations
+    # Enough turns that the first (a cold document for any router) are under a tenth.
+    assert 1 / w.turns < 0.1
+
+
 def test_hit_rate_is_token_weighted_and_ttft_percentiles() -> None:
     r = RunResult("kvroute", requests=2, prompt_tokens=1000, cached_tokens=750)
     r.ttft_s = [0.1, 0.2, 0.3, 0.4, 1.0]
