@@ -46,6 +46,18 @@ class Fleet:
         return httpx.get(f"{self.url}/index/stats", timeout=5).json()
 
 
+def prefill_only(prefill_s_per_token: float) -> LatencyModel:
+    """Replicas whose only cost is prefill, at this rate per uncached token (wall clock):
+    what the calibration tests learn back."""
+    return LatencyModel(
+        prefill_s_per_token=prefill_s_per_token,
+        load_cpu_s_per_token=0.0,
+        load_storage_s_per_token=0.0,
+        decode_s_per_step=0.0,
+        decode_s_per_seq=0.0,
+    )
+
+
 @contextlib.contextmanager
 def make_fleet(
     tokenizer: LocalTokenizer,

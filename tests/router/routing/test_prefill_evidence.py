@@ -10,11 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.bench.sim.latency import LatencyModel
 from kvroute.router.config import CostSettings
 from kvroute.router.fleet.replicas import parse_vllm_metrics, parse_vllm_metrics_by_engine
 from kvroute.router.routing.prefill_evidence import PrefillEvidence
-from tests.router.sim_fleet import make_fleet
+from tests.router.sim_fleet import make_fleet, prefill_only
 from tests.waiting import wait_until
 
 
@@ -117,13 +116,7 @@ def test_a_router_learns_the_prefill_rate_from_non_streamed_answers(local_tokeni
     per-source counters) prefill at 2e-4 s per uncached token; the router's prior is 10x too
     low. Non-streamed requests only: no first byte, so no sample from the answers. The rate
     every replica is priced with still ends within 35% of the truth, from the counters."""
-    latency = LatencyModel(
-        prefill_s_per_token=2e-4,
-        load_cpu_s_per_token=0.0,
-        load_storage_s_per_token=0.0,
-        decode_s_per_step=0.0,
-        decode_s_per_seq=0.0,
-    )
+    latency = prefill_only(2e-4)
     with make_fleet(
         local_tokenizer, latency=latency, cost=CostSettings(prefill_s_per_token=2e-5)
     ) as fleet:

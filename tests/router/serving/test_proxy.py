@@ -11,10 +11,9 @@ import httpx
 import openai
 import pytest
 
-from kvroute.bench.sim.latency import LatencyModel
 from kvroute.router.config import CostSettings
 from tests.router.servers import wait_until
-from tests.router.sim_fleet import Fleet, make_fleet
+from tests.router.sim_fleet import Fleet, make_fleet, prefill_only
 from tests.router.sim_replica import ReplicaFaults
 
 LONG = "You are a careful assistant that answers questions about caches. " * 12
@@ -291,13 +290,7 @@ def test_prefill_rate_is_learned_from_answered_streams(local_tokenizer) -> None:
     10x too low. Streamed requests, new prompts and returning ones, one at a time: each answer
     (its first byte, the cached tokens it reports) is a sample, and the rate every replica is
     priced with ends within 35% of the truth, in /index/stats and /debug/route alike."""
-    latency = LatencyModel(
-        prefill_s_per_token=2e-4,
-        load_cpu_s_per_token=0.0,
-        load_storage_s_per_token=0.0,
-        decode_s_per_step=0.0,
-        decode_s_per_seq=0.0,
-    )
+    latency = prefill_only(2e-4)
     cost = CostSettings(prefill_s_per_token=2e-5)
     with make_fleet(local_tokenizer, latency=latency, cost=cost) as fleet:
         client = _client(fleet)
