@@ -128,6 +128,37 @@ def _app(model_dir: Path, state: Path, router: str, kwargs: dict[str, Any]) -> A
     return build_dev_openai_app({"llm_configs": [config]})
 
 
+def _stream(
+    client: Any, messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """One streamed chat answer: its text, TTFT and usage."""
+    started = time.perf_counter()
+    ttft, text, usage = None, "", None
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft or time.perf_counter() - started
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    return {
+        "text": text,
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": details.cached_tokens if details else 0,
+    }
+
+
 @dataclass
 class Conversations:
     """USERS conversations, each with a system prompt of its own (~400 tokens), so only a
@@ -148,33 +179,10 @@ class Conversations:
             messages.append(
                 {"role": "user", "content": f"turn {turn}: " + words(12, f"q{user}{turn}")}
             )
-            started = time.perf_counter()
-            ttft, text, usage = None, "", None
-            stream = client.chat.completions.create(
-                model="tiny",
-                messages=messages,
-                max_tokens=4,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    ttft = ttft or time.perf_counter() - started
-                    text += chunk.choices[0].delta.content
-                if chunk.usage is not None:
-                    usage = chunk.usage
-            assert usage is not None
-            details = usage.prompt_tokens_details
-            out.append(
-                {
-                    "user": user,
-                    "turn": turn,
-                    "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
-                    "prompt_tokens": usage.prompt_tokens,
-                    "cached_tokens": details.cached_tokens if details else 0,
-                }
-            )
+            answer = _stream(client, messages, 4, {})
+            answer.update(user=user, turn=turn)
+            text = answer.pop("text")
+            out.append(answer)
             messages.append({"role": "assistant", "content": text})
         self.turns += 1
         time.sleep(1.0)  # the turn's KV events reach the router before the next turn
@@ -326,28 +334,92 @@ def test_after_a_device_reset_turns_are_routed_on_the_cpu_tier(
     )
 
 
+# The second workload, where what a replica holds is not the text it was sent: short
+# questions with long answers, then a follow-up. vLLM caches the answer's blocks as it
+# decodes them (kvroute sees their BlockStored events); Ray's router records only the prompt
+# text it sent, so the follow-up's text matches less than its match_rate_threshold (10%) of
+# what it knew, and it sends the follow-up to the replica with the least text in its tree,
+# which holds none of the conversation when it is not the one that answered.
+LONG_USERS, ANSWER_TOKENS = 4, 600
+# The answers are digits the tiny tokenizer never merges, so the follow-up's history (the
+# answer as text, tokenized again) has the very token ids the engine decoded and cached.
+ANSWER_DIGITS = "23678"
+
+
+def _digit_ids(model_dir: Path) -> list[int]:
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    return [vocab[d] for d in ANSWER_DIGITS]
+
+
+def _long_answers(client: Any, model_dir: Path) -> list[dict[str, Any]]:
+    """LONG_USERS conversations: a short question answered at length (turn 0), then a short
+    follow-up (turn 1), every user's turn 0 before the follow-ups."""
+    digits = _digit_ids(model_dir)
+    history = [
+        [{"role": "user", "content": f"long {u}: " + words(6, f"ray-long-{u}")}]
+        for u in range(LONG_USERS)
+    ]
+    out = []
+    for turn, (max_tokens, extra) in enumerate(
+        [(ANSWER_TOKENS, {"allowed_token_ids": digits, "ignore_eos": True}), (4, {})]
+    ):
+        for user, messages in enumerate(history):
+            if turn:
+                messages.append({"role": "user", "content": "and then? " + words(4, f"l{user}")})
+            answer = _stream(client, messages, max_tokens, extra)
+            answer.update(user=user, turn=turn)
+            out.append(answer)
+            messages.append({"role": "assistant", "content": answer.pop("text")})
+        time.sleep(1.0)
+    return out
+
+
 @pytest.mark.skipif(
     os.environ.get("KVROUTE_RAY_COMPARE") != "1",
     reason="the comparison with Ray's router starts two more vLLM replicas (~100 s): "
     "KVROUTE_RAY_COMPARE=1 runs it",
 )
-def test_prefix_cache_affinity_router_on_the_same_conversations(
-    serve_url: str, model_dir: Path, tmp_path: Path
+def test_prefix_cache_affinity_router_on_the_same_workloads(
+    kvroute_run: KVRouteRun, serve_url: str, model_dir: Path, tmp_path: Path
 ) -> None:
-    """The same app and conversations with Ray's router on fresh replicas, after kvroute's
+    """Both workloads with kvroute, then with Ray's router on fresh replicas of the same app,
     in the same run (docs/benchmarks.md, "Ray Serve"); ``KVROUTE_RAY_E2E_REPORT`` names a
-    file for both routers' figures."""
+    file for both routers' figures. kvroute's conversations are the first test's."""
     if "kvroute" not in _RESULTS:
         pytest.skip("kvroute's run did not complete")
+    ours = _long_answers(kvroute_run.client, model_dir)
+    decisions = kvroute_run.decisions()
+    assert len(decisions) == len(ours)
+    for a, d in zip(ours, decisions, strict=True):
+        assert a["cached_tokens"] == d["predicted_cached_tokens"], (a, d)
+        if a["turn"]:  # home, with the answer's blocks
+            assert a["cached_tokens"] >= ANSWER_TOKENS // 32 * 32 - 32, (a, d)
     _undeploy("kvroute")
     client = _deploy("prefix", _app(model_dir, tmp_path, PREFIX, {}), serve_url)
     try:
         theirs = _summary("PrefixCacheAffinityRouter", Conversations().run(client, TURNS))
+        theirs_long = _long_answers(client, model_dir)
     finally:
         _undeploy("prefix")
-    report = {"kvroute": _RESULTS["kvroute"], "prefix_cache_affinity": theirs}
+    report = {
+        "conversations": {"kvroute": _RESULTS["kvroute"], "prefix_cache_affinity": theirs},
+        "long_answers": {
+            "kvroute": _summary("kvroute", ours),
+            "prefix_cache_affinity": _summary("PrefixCacheAffinityRouter", theirs_long),
+            "follow_ups_cached": {
+                "kvroute": [a["cached_tokens"] for a in ours if a["turn"]],
+                "prefix_cache_affinity": [a["cached_tokens"] for a in theirs_long if a["turn"]],
+                "prompt_tokens": [a["prompt_tokens"] for a in ours if a["turn"]],
+            },
+        },
+    }
     print(json.dumps(report, indent=1))
     out = os.environ.get("KVROUTE_RAY_E2E_REPORT")
     if out:
         Path(out).write_text(json.dumps(report, indent=1))
     assert _RESULTS["kvroute"]["hit_rate_follow_ups"] >= theirs["hit_rate_follow_ups"]
+    long = report["long_answers"]
+    assert (
+        long["kvroute"]["hit_rate_follow_ups"]
+        >= long["prefix_cache_affinity"]["hit_rate_follow_ups"]
+    )
