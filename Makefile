@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install $(PIP_QUIET) -e '.[test,bench,demo,ray,$(VLLM_EXTRA)]' 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	@# torchvision/torchaudio/torchcodec wheels are CUDA-linked and break transformers on CPU.
 	@if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true; fi
+	@# xds-protos (the endpoint picker's Envoy protos) ships an old copy of opentelemetry/proto
+	@# (no scope_metrics) over opentelemetry-proto's: Ray's metrics agent then drops every
+	@# worker's metrics (AttributeError: scope_metrics). Put opentelemetry-proto's files back.
+	$(PY) -m pip install $(PIP_QUIET) --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -c "from opentelemetry.proto.metrics.v1.metrics_pb2 import ResourceMetrics as R; assert 'scope_metrics' in R.DESCRIPTOR.fields_by_name, 'opentelemetry-proto overwritten'"
 	$(PY) -c "import kvroute.indexer, vllm, torch, ray.serve.llm; print('kvroute environment ready: vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $@
 

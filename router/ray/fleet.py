@@ -133,6 +133,9 @@ class RayFleet:
         self.decisions = 0
         self.unparsed = 0  # requests routed by load: no body, or one the router cannot parse
         self.by_reason: dict[str, int] = {}
+        # Totals over the routed decisions (what the router's Ray metrics count too).
+        self.prompt_tokens = 0
+        self.predicted_cached_tokens = 0
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep_decisions)
         self._log_path = decision_log
         self._log_lock = threading.Lock()
@@ -270,6 +273,8 @@ class RayFleet:
             return
         self.router.commit(decision, replica)
         view = decision.view(name)
+        self.prompt_tokens += decision.prompt_tokens or 0
+        self.predicted_cached_tokens += 0 if view is None else view.predicted_cached_tokens
         entry = {
             "at": round(time.time(), 3),
             "request_id": request_id,
@@ -338,6 +343,8 @@ class RayFleet:
             "tokenizer": getattr(self.router.tokenizer, "name", None),
             "decisions": self.decisions,
             "routed_by_load": self.unparsed,
+            "prompt_tokens": self.prompt_tokens,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
             "reasons": dict(self.by_reason),
             "replicas": replicas,
             "fleet": index["fleet"],
