@@ -4,22 +4,26 @@ One prefill and one decode tiny-model replica (one core each), each in the seeds
 ``MultiConnector`` of NixlConnector (the transfer, ``kv_both``, its own side-channel port)
 and kvroute's KVRouteConnector (a CPU RAM tier, in LMCache's place), with KV events; behind
 two ``kvroute serve`` routers: one splitting every request (``--pd-mode always``), one
-deciding (``auto``). Through the official ``openai`` client: the decode replica pulls the
-prompt from the prefill replica (its external hits) and its greedy tokens equal an
-aggregated run's; the next turn of that conversation skips the prefill leg (the decode
-replica announced the pulled blocks); the CPU tier events of both pools reach the index,
-and a prefix the decode replica holds only in its CPU tier skips the prefill leg and is
-loaded from there; the prefill replica killed, requests still succeed (decode-only). Needs
-``nixl`` installed (``nixl-cu12==1.5.1``, then ``nixl==1.5.1 --no-deps``): missing, the
-test FAILS saying so.
+deciding (``auto``). Each worker computes on the core it was bound to (NIXL re-pins it to
+the last core; kvroute's vLLM plugin puts it back). Through the official ``openai``
+client: the decode replica pulls the prompt from the prefill replica (its external hits)
+and its greedy tokens equal an aggregated run's; the next turn of that conversation skips
+the prefill leg (the decode replica announced the pulled blocks); the CPU tier events of
+both pools reach the index, and a prefix the decode replica holds only in its CPU tier
+skips the prefill leg and is loaded from there; the prefill replica killed, requests still
+succeed (decode-only). Needs ``nixl`` installed (``nixl-cu12==1.5.1``, then ``nixl==1.5.1
+--no-deps``): missing, the test FAILS saying so.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,11 +66,29 @@ def _pd_config() -> dict[str, Any]:
     }
 
 
+def _listen_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a replica binds its ports tens of
+    seconds after start (NIXL's side channel once the model is loaded), and a port from the
+    ephemeral range (``free_port``) may by then be the source port of another process's
+    connection (seen: NIXL's listener failing with "Address already in use", the replica
+    never ready)."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
 @pytest.fixture(scope="module")
 def pd_fleet() -> Iterator[PdFleet]:
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not installed: pip install nixl-cu12==1.5.1; nixl==1.5.1 --no-deps")
-    from kvroute.deploy.processes import free_port
     from kvroute.deploy.router_process import RouterProcess
     from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
@@ -84,10 +106,10 @@ def pd_fleet() -> Iterator[PdFleet]:
             num_gpu_blocks_override=128,
             cpu_bind=core,
             cpus=(int(core),),
-            kv_events_endpoint=f"tcp://*:{free_port()}",
-            kv_events_replay_endpoint=f"tcp://*:{free_port()}",
+            kv_events_endpoint=f"tcp://*:{_listen_port()}",
+            kv_events_replay_endpoint=f"tcp://*:{_listen_port()}",
             kv_transfer_config=_pd_config(),
-            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_listen_port())},
         )
 
     prefill: Any = VllmReplica(spec("pd-prefill", "0"))
@@ -139,6 +161,29 @@ def pd_fleet() -> Iterator[PdFleet]:
 
 def _client(router: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _compute_cores(rep: Any) -> set[int]:
+    """The cores of the replica's worker's main thread, the one that runs the forward pass
+    (its OpenMP initial thread): the worker process is the descendant vLLM names
+    ``VLLM::Worker``."""
+    import psutil
+
+    workers = [
+        p
+        for p in psutil.Process(rep.proc.pid).children(recursive=True)
+        if p.name().startswith("VLLM::Worker")
+    ]
+    assert len(workers) == 1, workers
+    return set(os.sched_getaffinity(workers[0].pid))  # a pid names its main thread
+
+
+def test_nixl_leaves_each_workers_compute_thread_on_its_bound_core(pd_fleet: PdFleet) -> None:
+    """NIXL's CPU worker moves the thread that builds it, the compute thread, to the last
+    core; kvroute's vLLM plugin puts it back where VLLM_CPU_OMP_THREADS_BIND bound it
+    (connector/nixl_affinity.py), so the two replicas do not share one core."""
+    assert _compute_cores(pd_fleet.prefill) == {0}
+    assert _compute_cores(pd_fleet.decode) == {1}
 
 
 def test_the_decode_replica_pulls_the_prompt_and_generates_an_aggregated_runs_tokens(
