@@ -11,21 +11,22 @@ for RAM, "STORAGE" for disk), ``locality`` ("LOCAL") and ``group_idx`` are the t
 own. ``session_id`` stays unset: a tier event reports where a chunk landed, not which
 request's step triggered it. ``BlockRemoved`` carries hashes and medium, as vLLM's.
 
-Worker reports ride in ``KVConnectorOutput.kv_cache_events`` (the
-``get_kv_connector_kv_cache_events`` -> ``update_connector_output`` path that exists in
-vLLM 0.32 and 0.33): ``KVRouteReports`` is a ``KVConnectorKVEvents`` container whose
-items are our ``Report`` records; vLLM's output aggregator merges the containers of
-several workers with ``add_events``/``increment_workers``.
+Worker reports ride in ``KVConnectorOutput.kv_connector_worker_meta`` (the
+``build_connector_worker_meta`` -> ``update_connector_output`` path of vLLM 0.32 and later):
+``KVRouteReports`` is a ``KVConnectorWorkerMetadata`` whose ``aggregate`` merges several
+workers' reports. Not ``kv_cache_events`` (``get_kv_connector_kv_cache_events``), which the
+connector used before: vLLM's ``MultiConnector`` does not pass a child's
+``kv_cache_events`` on (vLLM 0.32 leaves it as a TODO) but does pass each child its own
+worker metadata, so under a ``MultiConnector`` (NIXL + kvroute, docs/deploy.md P/D) the
+reports would never reach the scheduler and no CPU or disk tier event would be published.
 """
 
 from __future__ import annotations
 
-from vllm.distributed.kv_events import (
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-    KVConnectorKVEvents,
-)
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvroute.connector.plan import Report
@@ -66,30 +67,17 @@ def to_vllm_event(ev: TierEvent, *, group_idx: int = 0) -> KVCacheEvent:
     )
 
 
-class KVRouteReports(KVConnectorKVEvents):
+@dataclass
+class KVRouteReports(KVConnectorWorkerMetadata):
     """Carrier of worker ``Report`` records back to the scheduler-side connector."""
 
-    def __init__(self, reports: list[Report] | None = None, num_workers: int = 1) -> None:
-        self._reports: list[Report] = list(reports or [])
-        self._num_workers = num_workers
+    reports: list[Report] = field(default_factory=list)
 
-    def add_events(self, events: list) -> None:  # type: ignore[override]
-        self._reports.extend(events)
-
-    def aggregate(self) -> KVRouteReports:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self._num_workers += count
-
-    def get_all_events(self) -> list:  # type: ignore[override]
-        return list(self._reports)
-
-    def get_number_of_workers(self) -> int:
-        return self._num_workers
-
-    def clear_events(self) -> None:
-        self._reports = []
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVRouteReports:
+        """Several workers' reports of one step (tensor or pipeline parallel ranks): each
+        rank reports its own copies, so they are kept side by side."""
+        assert isinstance(other, KVRouteReports), type(other)
+        return KVRouteReports([*self.reports, *other.reports])
 
     def __repr__(self) -> str:
-        return f"KVRouteReports(n={len(self._reports)}, workers={self._num_workers})"
+        return f"KVRouteReports(n={len(self.reports)})"

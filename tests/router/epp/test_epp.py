@@ -325,8 +325,9 @@ def test_a_body_streamed_in_chunks_and_a_buffered_body(setup: Setup) -> None:
         assert answer.request_headers.response.clear_route_cache
         assert endpoint == setup.endpoints[expected]
         assert headers["content-length"] == str(len(raw))
-        # The router's key is not the replicas': not forwarded, as on HTTP (router/serving/auth.py).
-        assert removed == ["authorization"]
+        # The router's key is not the replicas': not forwarded, as on HTTP (router/serving/auth.py);
+        # nor a client's P/D prefill header (router/epp/disagg.py).
+        assert removed == ["x-prefiller-host-port", "authorization"]
         echoed = b""
         while True:  # the body handed back, in order, the last chunk ending the stream
             chunk = (await stream.read()).request_body.response.body_mutation.streamed_response
@@ -505,7 +506,7 @@ def test_tls_by_default_and_a_router_without_keys(setup: Setup) -> None:
         assert asyncio.run(plaintext()) == grpc.StatusCode.UNAVAILABLE
     assert b"BEGIN CERTIFICATE" in certificate
     assert endpoint in setup.endpoints.values()
-    assert removed == []
+    assert removed == ["x-prefiller-host-port"]  # a client's never reaches a P/D sidecar
 
 
 # --- gateways other than Envoy, fallbacks, every body mode ---------------------------------
