@@ -116,6 +116,7 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         if service.router.rates is None
         else service.router.rates.outliers,
         "disaggregation": _disaggregation(service),
+        "admission": service.admission.stats(),
         "queue_samples": None
         if service.router.queue_delay is None
         else {
