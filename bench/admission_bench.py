@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pending-per-replica", type=int, default=2)
     parser.add_argument("--overload", type=float, default=2.0, help="offered / capacity")
     parser.add_argument("--unloaded-factor", type=float, default=0.2)
+    parser.add_argument(
+        "--unloaded-duration-s",
+        type=float,
+        default=40.0,
+        help="the unloaded arm's window: long enough for a p90 of the high class",
+    )
     parser.add_argument("--duration-s", type=float, default=12.0, help="arrival window")
     parser.add_argument("--drain-s", type=float, default=40.0, help="cap after the window")
     parser.add_argument("--groups", type=int, default=8)
@@ -123,15 +129,19 @@ def capacity_per_s(args: argparse.Namespace, lat: LatencyModel) -> float:
     return args.replicas / mean
 
 
-def plan(args: argparse.Namespace, rate: float, text: TextSource) -> list[Planned]:
-    """The seeded open-loop arrivals (Poisson) over ``duration_s``."""
+def plan(
+    args: argparse.Namespace, rate: float, text: TextSource, duration_s: float | None = None
+) -> list[Planned]:
+    """The seeded open-loop arrivals (Poisson) over ``duration_s`` (default: the
+    ``--duration-s`` window)."""
+    window = args.duration_s if duration_s is None else duration_s
     rng = random.Random(f"{args.seed}/arrivals/{rate:.6f}")
     prefixes = [text.text(args.prefix_tokens) for _ in range(args.groups)]
     out: list[Planned] = []
     t = 0.0
     while True:
         t += rng.expovariate(rate)
-        if t >= args.duration_s:
+        if t >= window:
             return out
         priority = 0 if rng.random() < args.high_share else 1
         if rng.random() < args.cached_share:
@@ -176,7 +186,7 @@ async def _drive(
             return await _one(client, model, p, args.max_tokens, scale)
 
         tasks = [asyncio.create_task(at(p)) for p in planned]
-        cap = (args.duration_s + args.drain_s) * scale
+        cap = (max((p.at_s for p in planned), default=0.0) + args.drain_s) * scale
         done, pending = await asyncio.wait(tasks, timeout=cap)
         for task in pending:
             task.cancel()
@@ -236,7 +246,8 @@ def _arm(
     capacity = capacity_per_s(args, lat)
     multiple = args.unloaded_factor if factor == -1.0 else args.overload
     text.rng.seed(f"{args.seed}/text")  # the same prompts in every arm of one load
-    planned = plan(args, capacity * multiple, text)
+    unloaded = factor == -1.0
+    planned = plan(args, capacity * multiple, text, args.unloaded_duration_s if unloaded else None)
     max_wait = args.max_wait_s or args.ttft_target_s / 2
     settings = fleet.router_settings(
         policy="kvroute",
