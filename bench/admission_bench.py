@@ -10,12 +10,13 @@ replayed in every arm:
 - ``fcfs``: the router's queue in arrival order (``--admission-order fifo``), same bound
   and deadline;
 - ``kvroute``: the router's queue by priority class, tenant, then cost with aging
-  (the default);
+  (the default order), one slot per replica kept for the high class (``reserve`` 1);
 - ``unbounded``: no pending bound at all (everything goes to vLLM's own FIFO queue).
 
 The mix: half the requests share one of ``groups`` long prefixes (cached once the group's
 first request ran: cheap), half are cold prompts of about the same length (expensive); a
-quarter are the high class (``x-kvroute-priority: 0``), the rest low (``1``). Prefill is the
+quarter are the high class (``x-kvroute-priority: -1``: ahead of vLLM's default), the rest
+normal (``0``). Prefill is the
 simulator's only shared work (processor sharing; decoding delays nobody), so the fleet's
 capacity is ``replicas / mean prefill seconds per request``, computed from the simulator's
 rates and the mix and reported. Times are simulated seconds (``--time-scale`` wall seconds
@@ -51,7 +52,7 @@ ARMS: dict[str, tuple[float | None, dict[str, Any], bool]] = {
     "unloaded": (-1.0, {}, True),
     "refuse": (None, {"enabled": False}, True),
     "fcfs": (None, {"order": "fifo"}, True),
-    "kvroute": (None, {"order": "cost"}, True),
+    "kvroute": (None, {"order": "cost", "reserve": 1}, True),
     "unbounded": (None, {}, False),
 }
 
@@ -143,7 +144,7 @@ def plan(
         t += rng.expovariate(rate)
         if t >= window:
             return out
-        priority = 0 if rng.random() < args.high_share else 1
+        priority = -1 if rng.random() < args.high_share else 0
         if rng.random() < args.cached_share:
             prompt = prefixes[rng.randrange(args.groups)] + " " + text.text(args.suffix_tokens)
             out.append(Planned(t, priority, "cached", prompt))
@@ -274,7 +275,7 @@ def _arm(
         **_summary(outcomes, args.ttft_target_s),
         "by_class": {
             cls: _summary([o for o in outcomes if o.priority == p], args.ttft_target_s)
-            for cls, p in (("high", 0), ("low", 1))
+            for cls, p in (("high", -1), ("low", 0))
         },
         "router_admission": stats,
     }

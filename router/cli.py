@@ -372,6 +372,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=a.aging,
         help="estimated-cost seconds forgiven per second waited (cost order): nothing starves",
     )
+    admit.add_argument(
+        "--admission-reserve",
+        type=int,
+        default=a.reserve,
+        help="slots of each replica's --max-pending-per-replica that only requests with "
+        "priority < 0 may take (at most all but one)",
+    )
     admit.add_argument("--priority-header", default=a.priority_header)
     admit.add_argument("--tenant-header", default=a.tenant_header)
     proxy.add_argument("--max-connections", type=int, default=d.max_connections)
@@ -497,6 +504,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
             max_wait_s=args.admission_max_wait_s,
             order=args.admission_order,
             aging=args.admission_aging,
+            reserve=args.admission_reserve,
             priority_header=args.priority_header.lower(),
             tenant_header=args.tenant_header.lower(),
         ),

@@ -24,6 +24,8 @@ class AdmissionSettings:
     max_wait_s: float = 30.0
     order: str = "cost"
     aging: float = 1.0  # cost seconds forgiven per second waited
+    # Slots of each replica's pending bound only urgent requests (priority < 0) may take.
+    reserve: int = 0
     priority_header: str = "x-kvroute-priority"
     tenant_header: str = "x-kvroute-tenant"
     max_wait_header: str = "x-kvroute-max-wait-s"
@@ -37,6 +39,8 @@ class AdmissionSettings:
             raise ValueError(f"admission order must be one of {', '.join(ORDERS)}")
         if self.aging < 0:
             raise ValueError("admission aging must be >= 0")
+        if self.reserve < 0:
+            raise ValueError("admission reserve must be >= 0")
 
 
 class Shed(Exception):

@@ -120,7 +120,7 @@ class Admission:
         self.metrics = metrics
         self.clock = clock
         self.queues: dict[str, AdmissionQueue] = {}
-        self._room: dict[str, Callable[[], int]] = {}
+        self._room: dict[str, Callable[[int], int]] = {}  # free slots for a priority
         self.reserved: dict[str, int] = {}  # admitted, not yet sent to a replica
         self._admitted_at: deque[float] = deque(maxlen=256)
         self._ticker: asyncio.Task[None] | None = None
@@ -130,8 +130,20 @@ class Admission:
 
     # --- the request side -----------------------------------------------------------------
 
-    def with_room(self, candidates: Sequence[Any]) -> list[Any]:
-        return [r for r in candidates if not self.limit or r.pending_fresh < self.limit]
+    def bound(self, priority: int) -> int:
+        """The pending bound a request of ``priority`` may fill: the last ``reserve`` slots
+        of each replica (at most all but one) are kept for urgent requests (priority < 0,
+        ahead of vLLM's default 0), so one finds room at once instead of waiting for a slot
+        to free behind the normal traffic."""
+        if priority < 0:
+            return self.limit
+        return self.limit - min(self.settings.reserve, max(0, self.limit - 1))
+
+    def with_room(self, candidates: Sequence[Any], priority: int = 0) -> list[Any]:
+        if not self.limit:
+            return list(candidates)
+        bound = self.bound(priority)
+        return [r for r in candidates if r.pending_fresh < bound]
 
     async def decide(
         self,
@@ -142,7 +154,7 @@ class Admission:
     ) -> Any:
         """``rank`` the candidates with room; when none has (or others already wait), wait
         here in order until one has. Raises RouterError (429; 503 with admission off)."""
-        room = self.with_room(candidates)
+        room = self.with_room(candidates, ticket.priority)
         queue = self.queues.get(model)
         if room and not (queue and len(queue)):
             return await rank(room)
@@ -155,13 +167,13 @@ class Admission:
             )
         # What it costs the fleet orders the queue: the ranking over every candidate.
         cost = work_s(await rank(list(candidates)), self.prefill_s_per_token)
-        self._room[model] = lambda: sum(
-            max(0, math.ceil(self.limit - r.pending_fresh)) for r in candidates
+        self._room[model] = lambda priority: sum(
+            max(0, math.ceil(self.bound(priority) - r.pending_fresh)) for r in candidates
         )
         await self.wait(model, ticket, cost)
         try:
             # Room was counted when it was admitted; a scrape since may disagree: go anyway.
-            return await rank(self.with_room(candidates) or list(candidates))
+            return await rank(self.with_room(candidates, ticket.priority) or list(candidates))
         finally:
             self.started(model)
 
@@ -227,10 +239,11 @@ class Admission:
             for w in queue.expired(now):
                 self._shed(w, "deadline", queue, now)
             room = self._room.get(name)
-            free = (room() if room else 0) - self.reserved.get(name, 0)
-            while free > 0 and len(queue):
+            while room is not None and (head := queue.peek(now)) is not None:
+                if room(head.priority) - self.reserved.get(name, 0) <= 0:
+                    break  # the head waits; nobody overtakes it
                 w = queue.pop(now)
-                assert w is not None and w.future is not None
+                assert w is head and w.future is not None
                 if w.future.done():
                     continue
                 w.future.set_result(None)
@@ -238,7 +251,6 @@ class Admission:
                 self._admitted_at.append(now)
                 self.counts["admitted"] += 1
                 self._observe(w, "admitted", now)
-                free -= 1
             self._depth(name)
 
     def rate(self, now: float) -> float | None:
@@ -348,6 +360,7 @@ class Admission:
             "max_wait_s": s.max_wait_s,
             "order": s.order,
             "aging": s.aging,
+            "reserve": s.reserve,
             "admissions_per_s": None if rate is None else round(rate, 3),
             **self.counts,
             "shed_by_reason": dict(self.shed_by_reason),

@@ -33,8 +33,8 @@ def test_the_plan_is_seeded_and_mixes_classes_and_kinds() -> None:
     ]
     assert 120 < len(first) < 280  # Poisson at 10/s over 20 s
     assert all(0 <= p.at_s < 20 for p in first)
-    assert {p.priority for p in first} == {0, 1} and {p.kind for p in first} == {"cached", "cold"}
-    high = sum(1 for p in first if p.priority == 0) / len(first)
+    assert {p.priority for p in first} == {-1, 0} and {p.kind for p in first} == {"cached", "cold"}
+    high = sum(1 for p in first if p.priority == -1) / len(first)
     assert 0.1 < high < 0.4
 
 

@@ -399,3 +399,25 @@ def test_settings_refuse_nonsense() -> None:
     for bad in ({"max_queued": -1}, {"max_wait_s": 0}, {"order": "lifo"}, {"aging": -1}):
         with pytest.raises(ValueError):
             AdmissionSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_reserved_slots_let_an_urgent_request_pass_a_saturated_normal_class() -> None:
+    async def scenario() -> None:
+        adm = Admission(AdmissionSettings(reserve=1), limit=2, retry_after_s=2, clock=Clock())
+        replica = FakeReplica(pending_fresh=1)  # one slot left: the reserved one
+        normal = asyncio.create_task(adm.decide("m", [replica], Ticket(priority=0), _rank))
+        await asyncio.sleep(0)
+        assert len(adm.queues["m"]) == 1  # the normal class may not take the reserved slot
+        urgent = await adm.decide("m", [replica], Ticket(priority=-1), _rank)
+        assert urgent.among == [replica]  # type: ignore[attr-defined]
+        assert adm.counts["admitted"] == 1 and len(adm.queues["m"]) == 1
+        replica.pending_fresh = 0  # a normal slot frees
+        adm.pump("m")
+        await normal
+        assert adm.counts["admitted"] == 2
+        # All but one slot at most: with a bound of 1 the reserve cannot shut the class out.
+        one = Admission(AdmissionSettings(reserve=5), limit=1, retry_after_s=2)
+        assert one.bound(0) == 1 and one.bound(-1) == 1
+        await adm.close()
+
+    asyncio.run(scenario())
