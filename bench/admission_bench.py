@@ -52,7 +52,7 @@ ARMS: dict[str, tuple[float | None, dict[str, Any], bool]] = {
     "unloaded": (-1.0, {}, True),
     "refuse": (None, {"enabled": False}, True),
     "fcfs": (None, {"order": "fifo"}, True),
-    "kvroute": (None, {"order": "cost", "reserve": 1}, True),
+    "kvroute": (None, {"order": "cost"}, True),  # + reserve: --reserve
     "unbounded": (None, {}, False),
 }
 
@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--max-pending-per-replica", type=int, default=2)
     parser.add_argument("--overload", type=float, default=2.0, help="offered / capacity")
+    parser.add_argument(
+        "--reserve",
+        type=int,
+        default=1,
+        help="the kvroute arm's --admission-reserve: slots per replica kept for the high class",
+    )
     parser.add_argument("--unloaded-factor", type=float, default=0.2)
     parser.add_argument(
         "--unloaded-duration-s",
@@ -243,6 +249,8 @@ def _arm(
     from kvroute.bench.storage_scenario import _wait_healthy
 
     factor, admission, bounded = ARMS[name]
+    if name == "kvroute":
+        admission = {**admission, "reserve": args.reserve}
     lat = config.latency
     capacity = capacity_per_s(args, lat)
     multiple = args.unloaded_factor if factor == -1.0 else args.overload
