@@ -53,6 +53,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "proxy": ("kvroute.bench.proxy_bench", "latency the router adds over a direct upstream"),
     "connector": ("kvroute.bench.connector_bench", "tier store/load throughput and CPU-hit TTFT"),
     "routing": ("kvroute.bench.routing_bench", "routing quality per policy on the simulated fleet"),
+    "admission": (
+        "kvroute.bench.admission_bench",
+        "a saturated fleet: queue by priority and cost vs FCFS vs refusing (2x capacity)",
+    ),
     "compare": (
         "kvroute.bench.compare",
         "two arms' TTFT percentiles from paired routing runs, with bootstrap intervals",

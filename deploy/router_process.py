@@ -85,8 +85,16 @@ def settings_from_dict(data: dict[str, Any]) -> Any:
     cost = CostSettings(**data.pop("cost", {}))
     domains = [StorageDomainConfig(**d) for d in data.pop("storage_domains", [])]
     disagg = DisaggSettings(**data.pop("disagg", {}))
+    from kvroute.router.common.admission_queue import AdmissionSettings
+
+    admission = AdmissionSettings(**data.pop("admission", {}))
     return RouterSettings(
-        replicas=replicas, cost=cost, storage_domains=domains, disagg=disagg, **data
+        replicas=replicas,
+        cost=cost,
+        storage_domains=domains,
+        disagg=disagg,
+        admission=admission,
+        **data,
     )
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvroute.router.common.admission_queue import AdmissionSettings
 from kvroute.router.config import ConfigError, CostSettings, DisaggSettings, RouterSettings
 from kvroute.router.fleet.discovery.flags import add_discovery_arguments, discovery_from_args
 from kvroute.router.routing.policies import POLICIES
@@ -341,10 +342,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-pending-per-replica",
         type=int,
         default=d.max_pending_per_replica,
-        help="a replica with this many requests pending takes no more; 503 when all have "
-        "(0: no bound; a few times vLLM's --max-num-seqs is a good value)",
+        help="a replica with this many requests pending takes no more; when all have, "
+        "requests queue (--admission) (0: no bound; a few times vLLM's --max-num-seqs)",
     )
     proxy.add_argument("--retry-after-s", type=int, default=d.retry_after_s)
+    a = d.admission
+    admit = parser.add_argument_group(
+        "admission (when every replica is at --max-pending-per-replica; docs/router.md)"
+    )
+    admit.add_argument(
+        "--admission",
+        action=argparse.BooleanOptionalAction,
+        default=a.enabled,
+        help="queue requests in priority, tenant and cost order while every replica is "
+        "saturated (--no-admission: refuse at once with 503)",
+    )
+    admit.add_argument("--admission-max-queued", type=int, default=a.max_queued)
+    admit.add_argument(
+        "--admission-max-wait-s",
+        type=float,
+        default=a.max_wait_s,
+        help="the longest a request waits for a replica; past it, 429 with Retry-After "
+        "(a client's x-kvroute-max-wait-s header may ask for less)",
+    )
+    admit.add_argument("--admission-order", choices=("cost", "priority", "fifo"), default=a.order)
+    admit.add_argument(
+        "--admission-aging",
+        type=float,
+        default=a.aging,
+        help="estimated-cost seconds forgiven per second waited (cost order): nothing starves",
+    )
+    admit.add_argument(
+        "--admission-reserve",
+        type=int,
+        default=a.reserve,
+        help="slots of each replica's --max-pending-per-replica that only requests with "
+        "priority < 0 may take (at most all but one)",
+    )
+    admit.add_argument("--priority-header", default=a.priority_header)
+    admit.add_argument("--tenant-header", default=a.tenant_header)
     proxy.add_argument("--max-connections", type=int, default=d.max_connections)
     health = parser.add_argument_group("health")
     health.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
@@ -462,6 +498,16 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_in_flight=args.max_in_flight,
         max_pending_per_replica=args.max_pending_per_replica,
         retry_after_s=args.retry_after_s,
+        admission=AdmissionSettings(
+            enabled=args.admission,
+            max_queued=args.admission_max_queued,
+            max_wait_s=args.admission_max_wait_s,
+            order=args.admission_order,
+            aging=args.admission_aging,
+            reserve=args.admission_reserve,
+            priority_header=args.priority_header.lower(),
+            tenant_header=args.tenant_header.lower(),
+        ),
         max_connections=args.max_connections,
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from kvroute.router.common.admission_queue import AdmissionSettings
+
 __all__ = [
     "REPLICA_ROLES",
     "ConfigError",
@@ -427,6 +429,7 @@ class RouterSettings:
     # Routing
     cost: CostSettings = field(default_factory=CostSettings)
     disagg: DisaggSettings = field(default_factory=DisaggSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     hint_ttl_s: float = 5.0
     hint_max_keys: int = 500_000
     default_block_size: int = 16

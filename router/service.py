@@ -43,6 +43,7 @@ from kvroute.router.routing.disagg import Disaggregation, pools
 from kvroute.router.routing.feeds import index_and_feeds
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.router import Decision, Router
+from kvroute.router.serving.admission import Admission, AdmissionMetrics, Ticket
 from kvroute.router.serving.auth import ReplicaAuth
 from kvroute.router.serving.proxy import Forwarder
 from kvroute.router.serving.upstream import UpstreamClient
@@ -110,6 +111,13 @@ class RouterService:
             on_counters=lambda replica, scraped: self.router.observe_counters(replica, scraped),
         )
         self.metrics = RouterMetrics(self._metrics_state)
+        self.admission = Admission(
+            settings.admission,
+            settings.max_pending_per_replica,
+            settings.retry_after_s,
+            settings.cost.prefill_s_per_token,
+            AdmissionMetrics(self.metrics.registry),
+        )
         self.accuracy = AccuracyTracker()
         self.disagg = Disaggregation(settings.disagg, settings.cost)  # P/D decider, counters
         self.upstream: UpstreamClient | None = None
@@ -269,6 +277,7 @@ class RouterService:
                 log.info("the event loop keeps the kernel's time slice (needs Linux 6.12+)")
 
     async def stop(self) -> None:
+        await self.admission.close()
         if self._check_task is not None:
             self._check_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -541,39 +550,29 @@ class RouterService:
         bases = [m for m, card in known.items() if not card.get("parent")]
         return bases[0] if len(bases) == 1 else None
 
-    def unsaturated(self, candidates: list[Replica], model: str) -> list[Replica]:
-        """The candidates with room under ``max_pending_per_replica`` (all when it is 0);
-        503 with Retry-After when none has: vLLM queues without bound, so the router must
-        be the one to say no."""
-        limit = self.settings.max_pending_per_replica
-        if not limit:
-            return candidates
-        room = [r for r in candidates if r.pending < limit]
-        if room:
-            return room
-        raise RouterError(
-            503,
-            f"every replica serving `{model}` has {limit} or more requests pending; retry later",
-            headers={"retry-after": str(self.settings.retry_after_s)},
-        )
-
     async def decide(
         self,
         parsed: ParsedRequest,
         session: str | None,
         narrow: Callable[[list[Replica]], list[Replica]] | None = None,
+        ticket: Ticket | None = None,
     ) -> Decision:
         """Rank the replicas for a parsed request: the one decision path of the proxied
         endpoints and the endpoint picker (router/epp/), so both pick alike. ``narrow``
         keeps the replicas a caller may use (the gateway's subset hint; raises when none is
-        left); 404/503 when none remains; never a P/D fleet's prefill pool (``pools``)."""
+        left); 404/503 when none remains; never a P/D fleet's prefill pool (``pools``).
+        When every replica is saturated the request waits its turn (serving/admission.py)."""
         candidates = pools(self.candidates(parsed.model))[0]
         if narrow is not None:
             candidates = narrow(candidates)
-        candidates = self.unsaturated(candidates, parsed.model)
-        started = time.perf_counter()
-        decision = await self.router.decide(parsed, candidates, session)
-        self.metrics.decision_time.observe(time.perf_counter() - started)
+
+        async def rank(among: list[Replica]) -> Decision:
+            started = time.perf_counter()
+            decision = await self.router.decide(parsed, among, session)
+            self.metrics.decision_time.observe(time.perf_counter() - started)
+            return decision
+
+        decision = await self.admission.decide(parsed.model, candidates, ticket or Ticket(), rank)
         self.metrics.decisions.labels(decision.policy, decision.reason).inc()
         return decision
 

@@ -180,6 +180,8 @@ class Replica:
     # finishing request whether it was one of them.
     sent_since_scrape: int = 0
     scrape_epoch: int = 0
+    # Requests sent before the last scrape that ended since (``pending_fresh``).
+    ended_since_scrape: int = 0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     models_at: float | None = None
     removed: bool = False
@@ -212,6 +214,16 @@ class Replica:
             self.running + self.waiting + self.sent_since_scrape,
         )
 
+    @property
+    def pending_fresh(self) -> float:
+        """``pending`` less the requests this router saw end since the last scrape (the
+        gauges counted them, they are gone now): what admission (serving/admission.py)
+        counts room by, so a slot that frees is used at once, not a scrape interval later.
+        Routing keeps ``pending``, where a replica's own gauges are the judge."""
+        gauges = self.running + self.waiting
+        fresh = gauges - min(float(self.ended_since_scrape), gauges) + self.sent_since_scrape
+        return max(float(self.in_flight + self.peer_in_flight), fresh)
+
     def begin_request(self) -> int:
         """A request goes out: count it; returns the epoch to give ``end_request``."""
         self.in_flight += 1
@@ -224,6 +236,8 @@ class Replica:
         self.in_flight -= 1
         if epoch == self.scrape_epoch and self.sent_since_scrape > 0:
             self.sent_since_scrape -= 1
+        elif epoch != self.scrape_epoch:
+            self.ended_since_scrape += 1
         if self.load_signal is not None:
             self.load_signal.changed()
 
@@ -233,6 +247,7 @@ class Replica:
         self.scraped_at = time.monotonic()
         self.scrape_epoch += 1
         self.sent_since_scrape = 0
+        self.ended_since_scrape = 0
 
     def serves(self, model: str) -> bool:
         return model in self.models

@@ -121,6 +121,7 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         if service.router.rates is None
         else service.router.prefill_evidence.samples,
         "disaggregation": _disaggregation(service),
+        "admission": service.admission.stats(),
         "queue_samples": None
         if service.router.queue_delay is None
         else {

@@ -319,7 +319,7 @@ class RayFleet:
         replica = self.replicas.get(name)
         if replica is not None and queue_len is not None:
             replica.running = float(queue_len)
-            replica.sent_since_scrape = 0
+            replica.sent_since_scrape = replica.ended_since_scrape = 0
 
     # --- views ----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from kvroute.router.errors import RouterError
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from kvroute.router.routing.router import Decision
+from kvroute.router.serving.admission import disconnect_watch, ticket_of
 from kvroute.router.serving.cache_resets import resets_connector
 from kvroute.router.serving.disagg import has_prefill_pool, serve_disaggregated
 from kvroute.router.serving.proxy import (
@@ -169,6 +170,7 @@ class ProxyEndpoint:
                 )
         finally:
             service.in_flight -= 1
+            service.admission.pump()  # a replica may have room now: the next waiter goes
 
     # --- how each kind is ranked ----------------------------------------------------------
 
@@ -188,7 +190,10 @@ class ProxyEndpoint:
                 self, scope, receive, send, raw, request_id, parsed, session, _target(scope)
             )
             return
-        decision = await service.decide(parsed, session)
+        headers = scope["headers"]
+        watch = disconnect_watch(receive)
+        ticket = ticket_of(service.settings.admission, headers, parsed.body, watch)
+        decision = await service.decide(parsed, session, ticket=ticket)
         await self._forward(
             scope, receive, send, raw, request_id, decision.ranked, parsed.stream, decision
         )

@@ -371,8 +371,9 @@ _ERRORS = {
     "404": "no replica serves the model (or the replica's own 404, passed through)",
     "408": "the body did not arrive within --body-timeout-s",
     "413": "the body is larger than --max-body-bytes",
-    "429": "the router's --max-in-flight is reached (Retry-After)",
-    "503": "no healthy replica (Retry-After)",
+    "429": "the router's --max-in-flight is reached, or every replica is saturated and the "
+    "request cannot start in time (admission; Retry-After)",
+    "503": "no healthy replica, or every replica saturated with --no-admission (Retry-After)",
 }
 _RETRIEVE_QUERY = [
     {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},

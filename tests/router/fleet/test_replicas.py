@@ -47,3 +47,21 @@ def test_sent_since_scrape_never_goes_negative() -> None:
     r.end_request(e)
     r.end_request(r.scrape_epoch)  # a stray end (an error path) cannot drive it below zero
     assert r.sent_since_scrape == 0
+
+
+def test_pending_fresh_counts_a_request_that_ended_since_the_scrape_as_gone() -> None:
+    """Admission's view (router/serving/admission.py): the gauges are a scrape old; one of
+    ours they counted that has ended frees its slot now, not at the next scrape."""
+    r = _replica()
+    e1, e2 = r.begin_request(), r.begin_request()
+    r.set_gauges(running=3, waiting=0, kv_usage=0.1)  # ours two and another router's one
+    assert r.pending == r.pending_fresh == 3
+    r.end_request(e1)
+    assert r.pending == 3 and r.pending_fresh == 2  # routing waits for the replica's word
+    e3 = r.begin_request()  # sent after the scrape: counted once, by both
+    assert r.pending == 4 and r.pending_fresh == 3
+    r.end_request(e3)
+    r.end_request(e2)
+    assert r.pending_fresh == 1
+    r.set_gauges(running=1, waiting=0, kv_usage=0.1)
+    assert r.ended_since_scrape == 0 and r.pending_fresh == r.pending == 1

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvroute.router.common.admission_queue import AdmissionSettings
 from tests.router.sim_fleet import make_fleet
 from tests.router.sim_replica import ReplicaFaults
 
@@ -148,14 +149,20 @@ def test_a_connection_that_never_completes_its_headers_is_closed(local_tokenizer
         assert httpx.get(f"{fleet.url}/health").status_code == 200
 
 
-def test_saturated_replicas_take_no_more_and_then_the_router_answers_503(
+def test_with_admission_off_saturated_replicas_take_no_more_and_the_router_answers_503(
     local_tokenizer,
 ) -> None:
-    """With ``max_pending_per_replica`` 1, two slow replicas take one request each; the third
-    request finds both saturated and gets 503 with Retry-After at once, not a queue."""
+    """With ``max_pending_per_replica`` 1 and ``--no-admission``, two slow replicas take one
+    request each; the third finds both saturated and gets 503 with Retry-After at once, not
+    a queue (tests/router/serving/test_admission_http.py: the queue, admission's default)."""
     faults = [ReplicaFaults(prefill_delay_s=1.5), ReplicaFaults(prefill_delay_s=1.5)]
     with make_fleet(
-        local_tokenizer, n=2, faults=faults, max_pending_per_replica=1, hint_ttl_s=0
+        local_tokenizer,
+        n=2,
+        faults=faults,
+        max_pending_per_replica=1,
+        hint_ttl_s=0,
+        admission=AdmissionSettings(enabled=False),
     ) as fleet:
 
         async def burst() -> list[tuple[int, float, str | None]]:
