@@ -7,12 +7,15 @@ connector alone on one temp-dir storage domain with ``pd_via_storage``, behind
 them, loads the prompt's whole chunks from the domain (its
 ``prompt_tokens_cached_by_source_total{source="disk"}`` moves, no device hit) and its
 greedy tokens equal an aggregated run's. A decode leg whose parameters name chunks that
-never come (sent to the decode replica directly, as the router would) waits until the
-deadline, recomputes, and answers the aggregated run's tokens all the same.
+never come waits until the deadline, recomputes, and answers the aggregated run's tokens
+all the same; one whose chunks land late (held back, then put in place while it waits) is
+not looked up before they are all there and loads them all. Those two send each leg to its
+replica directly, with the bodies the router sends, to control when the files appear.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,16 +140,12 @@ def test_the_decode_replica_loads_the_prompt_from_the_domain_with_the_aggregated
     assert list(store_fleet.shared.glob("*/tp0-pp0/*.kvc"))
 
 
-def test_a_decode_whose_chunks_never_come_recomputes_at_the_deadline(
-    store_fleet: StoreFleet,
-) -> None:
+def _prefill_leg(fleet: StoreFleet, prompt: str) -> tuple[dict[str, Any], int, list[Path]]:
+    """A real prefill leg, as the router sends it, sent to the prefill replica: its answer's
+    transfer parameters, the tokens they cover, and the named chunk files once they landed."""
     from kvroute.connector.disk_format import file_name
 
-    prompt = text(612, 300)
-    reference = _reference(store_fleet, prompt)
-    # A real prefill leg (as the router sends it) names this prompt's chunks; once they
-    # landed they are removed from the domain (an evictor, a lost write): they never come.
-    answer = store_fleet.prefill.post(
+    answer = fleet.prefill.post(
         "/v1/completions",
         {
             "model": "tiny",
@@ -159,17 +158,19 @@ def test_a_decode_whose_chunks_never_come_recomputes_at_the_deadline(
     named = params["kvroute_storage"]
     assert named["domain"] == DOMAIN and named["chunk_tokens"] == CHUNK
     assert len(named["keys"]) == (answer["usage"]["prompt_tokens"] - 1) // CHUNK >= 3
-    rank_dir = store_fleet.shared / named["layout"] / "tp0-pp0"
+    rank_dir = fleet.shared / named["layout"] / "tp0-pp0"
     files = [rank_dir / file_name(bytes.fromhex(k)) for k in named["keys"]]
     end = time.monotonic() + 30.0
     while not all(f.exists() for f in files):
         assert time.monotonic() < end, "the prefill's chunk files never landed"
         time.sleep(0.1)
-    for f in files:
-        f.unlink()
-    before = source_hits(store_fleet.decode)
+    return params, named["tokens"], files
+
+
+def _decode_leg(fleet: StoreFleet, prompt: str, params: dict[str, Any]) -> tuple[str, float]:
+    """The decode leg, as the router sends it, to the decode replica: (text, seconds)."""
     client = openai.OpenAI(
-        base_url=store_fleet.decode.url + "/v1", api_key="x", max_retries=0, timeout=300
+        base_url=fleet.decode.url + "/v1", api_key="x", max_retries=0, timeout=300
     )
     t0 = time.monotonic()
     completion = client.completions.create(
@@ -179,8 +180,46 @@ def test_a_decode_whose_chunks_never_come_recomputes_at_the_deadline(
         temperature=0.0,
         extra_body={"kv_transfer_params": params},
     )
-    took = time.monotonic() - t0
-    assert completion.choices[0].text == reference
+    return str(completion.choices[0].text), time.monotonic() - t0
+
+
+def test_a_decode_asked_before_its_chunks_landed_waits_for_them_and_loads_them(
+    store_fleet: StoreFleet,
+) -> None:
+    prompt = text(614, 300)
+    reference = _reference(store_fleet, prompt)
+    params, tokens, files = _prefill_leg(store_fleet, prompt)
+    # Held back (as a slow write would be) until well after the decode leg arrived.
+    held = [f.with_name(f.name + ".held") for f in files]
+    for f, h in zip(files, held, strict=True):
+        f.rename(h)
+    before = source_hits(store_fleet.decode)
+    late = threading.Timer(1.5, lambda: [h.rename(f) for f, h in zip(files, held, strict=True)])
+    t0 = time.monotonic()
+    late.start()
+    try:
+        got, _ = _decode_leg(store_fleet, prompt, params)
+        took = time.monotonic() - t0  # the files came back 1.5 s after t0
+    finally:
+        late.join()
+    assert got == reference
+    loaded = delta(source_hits(store_fleet.decode), before)
+    assert loaded.get("disk", 0.0) == tokens and loaded["device"] == 0, loaded
+    assert 1.5 <= took < WAIT_S, took
+
+
+def test_a_decode_whose_chunks_never_come_recomputes_at_the_deadline(
+    store_fleet: StoreFleet,
+) -> None:
+    prompt = text(612, 300)
+    reference = _reference(store_fleet, prompt)
+    # The named chunks, once landed, are removed (an evictor, a lost write): never to come.
+    params, _, files = _prefill_leg(store_fleet, prompt)
+    for f in files:
+        f.unlink()
+    before = source_hits(store_fleet.decode)
+    got, took = _decode_leg(store_fleet, prompt, params)
+    assert got == reference
     loaded = delta(source_hits(store_fleet.decode), before)
     assert loaded.get("disk", 0.0) == 0 and loaded["external"] == 0, loaded
     # It waited for the deadline (not less: the chunks were named), then recomputed.
