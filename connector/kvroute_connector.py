@@ -46,7 +46,12 @@ from kvroute.connector.layout import (
     pool_slots,
     stage_layers,
 )
-from kvroute.connector.pd_store import PdWaits, prefill_answer, wants_remote_decode
+from kvroute.connector.pd_store import (
+    PdWaits,
+    on_its_way,
+    prefill_answer,
+    wants_remote_decode,
+)
 from kvroute.connector.plan import StepPlan
 from kvroute.connector.planner import Planner
 from kvroute.connector.shared_store import SharedStore
@@ -423,7 +428,9 @@ class KVRouteConnector(KVConnectorBase_V1):
             blocks_per_chunk=self.bpc,
             block_hashes=request.block_hashes,
             num_prompt_tokens=request.num_prompt_tokens,
-            on_disk=lambda key: key in planner.disk or shared.probe(key) is not None,
+            on_disk=lambda key: on_its_way(
+                planner.disk.get(key), lambda: shared.probe(key) is not None
+            ),
         )
         self._pd.stats.prefill_answers += 1
         self._pd.stats.named_chunks += len(out["kvroute_storage"]["keys"])

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.connector.bookkeeping import EntryState, TierEntry
 from kvroute.connector.keys import chunk_key
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,15 @@ def parse_params(params: dict[str, Any] | None) -> StoreTransfer | None:
         logger.warning("kvroute: ignoring malformed %s transfer parameters: %s", PARAMS_KEY, exc)
         return None
     return out
+
+
+def on_its_way(own: TierEntry | None, present: Callable[[], bool]) -> bool:
+    """Whether a prefill may name a chunk: this replica's own write of it is in flight
+    (its entry is not READY yet), or its files are in the domain now (``present``: a
+    READY entry of ours says nothing, the domain's evictor may have removed the files)."""
+    if own is not None and own.state is not EntryState.READY:
+        return True
+    return present()
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -18,6 +18,7 @@ from kvroute.connector.identity import RankInfo, layout_digest
 from kvroute.connector.pd_store import (
     PARAMS_KEY,
     PdWaits,
+    on_its_way,
     parse_params,
     prefill_answer,
     wants_remote_decode,
@@ -91,7 +92,7 @@ class Replica:
             blocks_per_chunk=BPC,
             block_hashes=hashes,
             num_prompt_tokens=num_prompt_tokens,
-            on_disk=lambda key: key in p.disk or shared.probe(key) is not None,
+            on_disk=lambda key: on_its_way(p.disk.get(key), lambda: shared.probe(key) is not None),
         )
         return json.loads(json.dumps(out))
 
@@ -199,6 +200,19 @@ def test_the_prefill_names_only_the_chunks_on_their_way_to_the_domain(pair) -> N
     tokens2, hashes2 = _prompt(5, 2, extra=0)
     prefill.p.on_scheduled("q", list(range(10, 10 + 2 * BPC)), hashes2, tokens2, len(tokens2))
     assert len(prefill.answer(hashes2, len(tokens2))[PARAMS_KEY]["keys"]) == 1
+
+
+def test_a_chunk_written_once_but_gone_from_the_domain_is_not_named(pair) -> None:
+    prefill, _, _ = pair
+    tokens, hashes = _prompt(9, 2)
+    prefill.p.on_scheduled("p", list(range(2 * BPC + 1)), hashes, tokens, len(tokens))
+    step(prefill.p, prefill.ex)
+    step(prefill.p, prefill.ex)
+    assert len(prefill.answer(hashes, len(tokens))[PARAMS_KEY]["keys"]) == 2
+    # The evictor removes the first chunk's files; the prefill's index still says READY.
+    unlink_chunk_all_ranks(prefill.shared.layout_dir, [RankInfo()], hashes[BPC - 1])
+    assert prefill.p.disk.ready(hashes[BPC - 1]) is not None
+    assert prefill.answer(hashes, len(tokens))[PARAMS_KEY]["keys"] == []
 
 
 def test_parameters_of_another_layout_or_prompt_are_not_waited_for(pair) -> None:
