@@ -62,6 +62,11 @@ class ConnectorConfig:
     # buffer: "auto" (one Triton launch for all layers where the layout allows, else one
     # kernel per layer), "triton" (fail at start if it cannot), "per_layer".
     cuda_block_kernel: str = "auto"
+    # P/D through the storage domain (connector/pd_store.py): a prefill leg's answer
+    # names the chunks it wrote; a decode leg waits for them at most ``pd_wait_s``
+    # seconds (from its first look), then loads what is there and recomputes the rest.
+    pd_via_storage: bool = False
+    pd_wait_s: float = 10.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -87,6 +92,7 @@ class ConnectorConfig:
             raise ValueError("disk_read_threads and disk_write_threads must be >= 1")
         if self.cuda_block_kernel not in CUDA_BLOCK_KERNELS:
             raise ValueError(f"cuda_block_kernel must be one of {CUDA_BLOCK_KERNELS}")
+        self._validate_pd()
         if self.weights_id is not None and not str(self.weights_id).strip():
             raise ValueError("weights_id must be a non-empty string (or unset)")
         if self.storage_domain is not None:
@@ -102,6 +108,15 @@ class ConnectorConfig:
                     "storage_domain cannot be combined with allow_nondeterministic_hash_seed "
                     "(chunk keys would differ in every replica)"
                 )
+
+    def _validate_pd(self) -> None:
+        if self.pd_wait_s < 0:
+            raise ValueError("pd_wait_s must be >= 0")
+        if self.pd_via_storage and self.storage_domain is None:
+            raise ValueError(
+                "pd_via_storage needs a storage domain (disk_dir and storage_domain) that "
+                "both pools share"
+            )
 
     def blocks_per_chunk(self, block_size: int) -> int:
         if self.chunk_tokens % block_size:

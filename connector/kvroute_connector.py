@@ -46,6 +46,12 @@ from kvroute.connector.layout import (
     pool_slots,
     stage_layers,
 )
+from kvroute.connector.pd_store import (
+    PdWaits,
+    on_its_way,
+    prefill_answer,
+    wants_remote_decode,
+)
 from kvroute.connector.plan import StepPlan
 from kvroute.connector.planner import Planner
 from kvroute.connector.shared_store import SharedStore
@@ -172,6 +178,7 @@ class KVRouteConnector(KVConnectorBase_V1):
         self._pool: CpuPool | None = None
         self._copier: Copier | None = None
         self._requests: dict[str, Request] = {}
+        self._pd: PdWaits | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config)
 
@@ -257,6 +264,16 @@ class KVRouteConnector(KVConnectorBase_V1):
             unlink=(lambda key: unlink_chunk_all_ranks(disk_dir, ranks, key)) if disk_dir else None,
             shared=self._shared,
         )
+        if self._shared is not None and self.cfg.pd_via_storage:
+            shared = self._shared
+            self._pd = PdWaits(
+                domain=shared.domain,
+                layout=digest,
+                chunk_tokens=self.cfg.chunk_tokens,
+                blocks_per_chunk=self.bpc,
+                wait_s=self.cfg.pd_wait_s,
+                probe=lambda key: shared.probe(key) is not None,
+            )
         if self._shared is not None:
             # No start-up scan: lookups check the files live, and announcing files
             # this replica did not write is their writer's job (it did).
@@ -293,6 +310,14 @@ class KVRouteConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         assert self._planner is not None
         self._requests[request.request_id] = request
+        params = getattr(request, "kv_transfer_params", None)
+        if self._pd is not None and self._pd.should_wait(
+            request.request_id, params, request.block_hashes
+        ):
+            # vLLM's "not determined yet": the request stays waiting (others run) and
+            # is asked again next step, until its prefill's chunks are all in the
+            # domain or the deadline passed (connector/pd_store.py).
+            return None, False
         res = self._planner.lookup(
             request.request_id,
             request.block_hashes,
@@ -380,9 +405,36 @@ class KVRouteConnector(KVConnectorBase_V1):
         # for the compute stream), and vLLM itself defers freeing blocks of a request
         # still loading, so blocks can always be freed now.
         self._requests.pop(request.request_id, None)
+        if self._pd is not None:
+            self._pd.finished(request.request_id)
         if self._planner is not None:
             self._planner.request_finished(request.request_id)
+        params = getattr(request, "kv_transfer_params", None)
+        if self._pd is not None and wants_remote_decode(params):
+            return False, self._prefill_answer(request)
         return False, None
+
+    def _prefill_answer(self, request: Request) -> dict[str, Any]:
+        """A prefill leg's transfer parameters: the chunks its decode must find in the
+        domain (connector/pd_store.py). Blocks are freed at once: the chunks were
+        copied out of them in the step that computed them, and the disk writes read
+        the RAM slots, which the planner holds until the writes reported."""
+        assert self._planner is not None and self._shared is not None and self._pd is not None
+        planner, shared = self._planner, self._shared
+        out = prefill_answer(
+            domain=shared.domain,
+            layout=self._pd.layout,
+            chunk_tokens=self.cfg.chunk_tokens,
+            blocks_per_chunk=self.bpc,
+            block_hashes=request.block_hashes,
+            num_prompt_tokens=request.num_prompt_tokens,
+            on_disk=lambda key: on_its_way(
+                planner.disk.get(key), lambda: shared.probe(key) is not None
+            ),
+        )
+        self._pd.stats.prefill_answers += 1
+        self._pd.stats.named_chunks += len(out["kvroute_storage"]["keys"])
+        return out
 
     def take_events(self) -> list[KVCacheEvent]:
         if self._planner is None:

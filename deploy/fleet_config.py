@@ -75,10 +75,11 @@ class FleetConfig:
         if self.prefill or self.decode:
             if self.prefill < 1 or self.decode < 1:
                 raise ValueError("--prefill and --decode go together, each >= 1")
-            if self.engine != "sim":
+            if self.engine != "sim" and not self.connector:
                 raise ValueError(
-                    "--prefill/--decode start simulated P/D pools (--engine sim); real vLLM "
-                    "pools need NixlConnector flags per pool: docs/router.md, P/D"
+                    "--prefill/--decode with real vLLM run kvroute's connector on a shared "
+                    "storage domain (the P/D transport): drop --no-connector, or start "
+                    "NixlConnector pools yourself (docs/router.md, P/D)"
                 )
             self.replicas = self.prefill + self.decode
         if self.replicas < 1:

@@ -48,6 +48,9 @@ __all__ = ["FleetError", "LocalFleet", "cpu_cores", "has_gpu"]
 
 # On a GPU machine without --model: a small instruct model from the hub.
 DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+# ``--prefill/--decode`` with real vLLM: the storage domain (and its directory under the
+# state dir's ``disk/``) that carries the prompt's KV from the prefill to the decode pool.
+PD_DOMAIN = "kvroute-up-pd"
 # A Unix socket path must fit in sockaddr_un.sun_path (108 bytes with the NUL).
 _MAX_IPC_PATH = 100
 
@@ -122,8 +125,9 @@ class LocalFleet:
                 events=r.events_endpoint,
                 replay=r.replay_endpoint,
                 topic=r.spec.kv_events_topic or "",
+                role=role,
             )
-            for r in self.replicas
+            for r, role in zip(self.replicas, self.config.roles(), strict=False)
         ]
 
     def replica(self, name: str) -> VllmReplica:
@@ -223,18 +227,22 @@ class LocalFleet:
             extra_env["CUDA_VISIBLE_DEVICES"] = str(index)
         transfer = None
         if cfg.connector:
-            disk = self.disk_dir(name)
-            if cfg.fresh_disk:
+            pd = bool(cfg.prefill or cfg.decode)
+            # P/D pools: one storage domain for all replicas, the transport between the
+            # legs (docs/connector.md, "P/D through a storage domain").
+            disk = self.state_dir / "disk" / PD_DOMAIN if pd else self.disk_dir(name)
+            if cfg.fresh_disk and (index == 0 or not pd):
                 shutil.rmtree(disk, ignore_errors=True)
             disk.mkdir(parents=True, exist_ok=True)
-            transfer = kvroute_connector_config(
-                {
-                    "cpu_gib": cfg.cpu_gib,
-                    "disk_dir": str(disk),
-                    "disk_gib": cfg.disk_gib,
-                    "chunk_tokens": cfg.chunk_tokens,
-                }
-            )
+            extra: dict[str, Any] = {
+                "cpu_gib": cfg.cpu_gib,
+                "disk_dir": str(disk),
+                "disk_gib": cfg.disk_gib,
+                "chunk_tokens": cfg.chunk_tokens,
+            }
+            if pd:
+                extra.update(storage_domain=PD_DOMAIN, pd_via_storage=True)
+            transfer = kvroute_connector_config(extra)
         return VllmReplicaSpec(
             model=Path(self.model) if Path(self.model).is_dir() else self.model,  # type: ignore[arg-type]
             name=name,

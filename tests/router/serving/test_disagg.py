@@ -296,3 +296,26 @@ def test_embeddings_stay_on_the_decode_pool_uncounted(pd_fleet: Fleet) -> None:
     assert raw.parse().data and raw.headers["x-kvroute-replica"] == "r1"
     assert not any(s.path == "/v1/embeddings" for s in pd_fleet.fakes[0].seen)
     assert sum(_stats(pd_fleet)["decisions"].values()) == 0
+
+
+def test_the_storage_transports_parameters_reach_the_decode_leg_whole() -> None:
+    """connector/pd_store.py's parameters (no ``remote_host``: nothing to rewrite) go to
+    the decode leg as the prefill answered them, with the prompt's token ids added."""
+    from kvroute.router.config import ReplicaConfig
+    from kvroute.router.fleet.replicas import Replica
+    from kvroute.router.serving.disagg import decode_body
+
+    named = {"v": 1, "domain": "d", "layout": "ab" * 8, "chunk_tokens": 64, "keys": ["00" * 32]}
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "kvroute_storage": named,
+        "remote_prefill_cached_tokens": 0,
+    }
+    prefill = Replica(ReplicaConfig(url="http://10.0.0.7:8000", name="p", role="prefill"))
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
+    out, replaced = decode_body(body, params, prefill, [1, 2, 3])
+    assert not replaced
+    assert out["kv_transfer_params"] == {**params, "prompt_token_ids": [1, 2, 3]}
+    assert out["kv_transfer_params"]["kvroute_storage"] == named
+    assert {k: v for k, v in out.items() if k != "kv_transfer_params"} == body
