@@ -23,6 +23,7 @@ from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.resets import Resets
 from kvroute.indexer.index.state import _ReplicaState
 from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
+from kvroute.indexer.native_core import NATIVE, UNAVAILABLE
 from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -59,7 +60,15 @@ class InMemoryPrefixIndex(
         unconfirmed_ttl_s: float = 600.0,
         unconfirmed_max_blocks: int = 262_144,
         clock: Callable[[], float] = time.monotonic,
+        core: str | None = None,
     ) -> None:
+        # core: "native" (the C++ walk; an error where the extension is missing), "python"
+        # (the specification), None: native where it was built (indexer/native_core.py)
+        if core not in (None, "native", "python"):
+            raise ValueError("core must be 'native', 'python' or None")
+        if core == "native" and NATIVE is None:
+            raise RuntimeError(f"the native index core is not available: {UNAVAILABLE}")
+        self._native = None if core == "python" else NATIVE
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         if unconfirmed_ttl_s <= 0 or unconfirmed_max_blocks < 0:
