@@ -64,11 +64,11 @@ py::list block_keys(py::bytes packed, Py_ssize_t block_size, uint64_t parent,
 // A mask (a Python int, six bits per replica slot) read as the bytes of its low bits.
 class MaskBytes {
  public:
-  explicit MaskBytes(size_t need_bits) : need_(need_bits / 8 + 2) {}
+  explicit MaskBytes(size_t need_bits) : need_(need_bits / 8 + 2), small_path_(need_bits <= 64) {}
 
   // Loads ``mask`` (nullptr: 0). Afterwards bits(pos) reads 6 bits from bit ``pos``.
   void load(PyObject* mask) {
-    if (need_ <= 8 + 2) {
+    if (small_path_) {
       uint64_t v = mask == nullptr ? 0 : PyLong_AsUnsignedLongLongMask(mask);
       if (v == static_cast<uint64_t>(-1) && PyErr_Occurred()) throw py::error_already_set();
       small_ = v;
@@ -111,6 +111,7 @@ class MaskBytes {
 
  private:
   size_t need_;
+  bool small_path_;
   bool wide_ = false;
   uint64_t small_ = 0;
   std::vector<unsigned char> buf_;
@@ -120,7 +121,7 @@ class MaskBytes {
 // each replica j (its slot ``slots[j]``): blocks counted per class (device prefix as GPU, past
 // it the fastest lower class holding the block) and the block index its run ended at
 // (len(keys) when it did not). ``lifts``: (source bit, j) pairs, a storage domain's bit seen as
-// the same class of replica j (lookup.py's _lifted).
+// the same class of replica j's slot (lookup.py's _lifted).
 py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list lifts) {
   const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
   const Py_ssize_t n_keys = PyList_GET_SIZE(keys.ptr());
@@ -140,7 +141,9 @@ py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list li
     size_t src = pair[0].cast<size_t>();
     size_t j = pair[1].cast<size_t>();
     if (j >= n) throw py::value_error("lift target out of range");
-    lifted[j].emplace_back(src, 1u << (src % kW));
+    // A lift is into the replica's slot: every j on that slot sees it (a replica named twice).
+    for (size_t k = 0; k < n; ++k)
+      if (pos[k] == pos[j]) lifted[k].emplace_back(src, 1u << (src % kW));
     need_bits = std::max(need_bits, src + kW);
     any_lift = true;
   }
