@@ -27,12 +27,14 @@ import random
 import statistics
 import time
 import tracemalloc
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import msgspec
 
+from kvroute.indexer import native_core
 from kvroute.indexer.index import InMemoryPrefixIndex
-from kvroute.indexer.keys import RequestKeys, block_keys
+from kvroute.indexer.keys import RequestKeys, block_keys, python_keying
 from kvroute.indexer.wire import (
     BlockRemoved,
     BlockStored,
@@ -59,6 +61,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lookups", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cores",
+        default="native,python",
+        help="index cores to measure in the same run (those available: native needs the "
+        "extension); the top-level figures are the first one's",
+    )
+    parser.add_argument(
+        "--scale-replicas",
+        type=int,
+        default=1000,
+        help="the fleet of the second ingest and lookup, per core (0: none)",
+    )
+    parser.add_argument(
+        "--scale-lookups", type=int, default=20, help="lookups timed at --scale-replicas"
+    )
 
 
 def _fake_hash(rng: random.Random) -> int:
@@ -156,7 +173,7 @@ def _streams(
     return tagged, block_events
 
 
-def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+def _ingest(args: argparse.Namespace, rng: random.Random, core: str) -> dict[str, Any]:
     frames, block_events = _streams(args, rng)
     gc.collect()
     raw_decode = msgspec.msgpack.Decoder().decode
@@ -164,16 +181,17 @@ def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     for _, message in frames:
         raw_decode(decode_frames(message).payload)
     ceiling = time.perf_counter() - started
-    index = InMemoryPrefixIndex()
+    index = InMemoryPrefixIndex(core=core)
     gc.collect()
-    started = time.perf_counter()
-    for replica, message in frames:
-        frame = decode_frames(message)
-        batch = decode_batch(frame.payload)
-        result = index.apply(replica, batch.events)
-        if result.rejected:
-            raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
-    elapsed = time.perf_counter() - started
+    with _keying_of(core):
+        started = time.perf_counter()
+        for replica, message in frames:
+            frame = decode_frames(message)
+            batch = decode_batch(frame.payload)
+            result = index.apply(replica, batch.events)
+            if result.rejected:
+                raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
+        elapsed = time.perf_counter() - started
     return {
         "ingest_replicas": len(index.replicas()),
         "ingest_index_entries": index.entries,
@@ -187,6 +205,11 @@ def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
         "ingest_block_events": block_events,
         "ingest_seconds": round(elapsed, 3),
     }
+
+
+def _keying_of(core: str) -> AbstractContextManager[None]:
+    """Keys hashed by the core measured: the Python core keys in Python too."""
+    return python_keying() if core == "python" else nullcontext()
 
 
 def _fill_index(
@@ -222,7 +245,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _lookup(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+def _lookup(
+    args: argparse.Namespace, rng: random.Random, cores: list[str], lookups: int
+) -> dict[str, dict[str, Any]]:
+    """Fill one index (its state is the same whichever core walks it), then time each core's
+    lookups of the probe, in turn, on it."""
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -233,54 +260,129 @@ def _lookup(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     tracemalloc.stop()
     entries = index.entries
     replicas = index.replicas()
-    request = RequestKeys(probe)
-    keys = request.keys(args.block_size)  # keyed once, as the router does per request
-    walk_us: list[float] = []
-    full_us: list[float] = []
-    matched = None
-    for _ in range(args.lookups):
-        t0 = time.perf_counter()
-        matched = index.lookup(request, replicas=replicas)
-        t1 = time.perf_counter()
-        index.lookup(probe)
-        t2 = time.perf_counter()
-        walk_us.append((t1 - t0) * 1e6)
-        full_us.append((t2 - t1) * 1e6)
-    assert matched is not None
-    if matched["replica-0"].blocks != 2048:
-        raise RuntimeError("lookup did not find the probe prefix on replica-0")
-    return {
-        "index_entries": entries,
-        "index_replicas": len(replicas),
-        "lookup_blocks": len(keys),
-        "lookup_p50_us_2048": round(statistics.median(walk_us), 1),
-        "lookup_p99_us_2048": round(_percentile(walk_us, 0.99), 1),
-        "lookup_with_keying_p50_us_2048": round(statistics.median(full_us), 1),
-        "lookup_with_keying_p99_us_2048": round(_percentile(full_us, 0.99), 1),
-        "bytes_per_entry": round(allocated / entries, 1),
-        "estimated_bytes_per_entry": round(index.estimated_bytes() / entries, 1),
-    }
+    out: dict[str, dict[str, Any]] = {}
+    for core in cores:
+        index._native = InMemoryPrefixIndex(core=core)._native  # the walk this core runs
+        with _keying_of(core):
+            request = RequestKeys(probe)
+            keys = request.keys(args.block_size)  # keyed once, as the router does per request
+            walk_us: list[float] = []
+            full_us: list[float] = []
+            matched = None
+            for _ in range(lookups):
+                t0 = time.perf_counter()
+                matched = index.lookup(request, replicas=replicas)
+                t1 = time.perf_counter()
+                index.lookup(probe)
+                t2 = time.perf_counter()
+                walk_us.append((t1 - t0) * 1e6)
+                full_us.append((t2 - t1) * 1e6)
+        assert matched is not None
+        if matched["replica-0"].blocks != 2048:
+            raise RuntimeError("lookup did not find the probe prefix on replica-0")
+        out[core] = {
+            "index_entries": entries,
+            "index_replicas": len(replicas),
+            "lookup_blocks": len(keys),
+            "lookup_p50_us_2048": round(statistics.median(walk_us), 1),
+            "lookup_p99_us_2048": round(_percentile(walk_us, 0.99), 1),
+            "lookup_with_keying_p50_us_2048": round(statistics.median(full_us), 1),
+            "lookup_with_keying_p99_us_2048": round(_percentile(full_us, 0.99), 1),
+            # the store is Python's whichever core walks it: the same bytes for both
+            "bytes_per_entry": round(allocated / entries, 1),
+            "estimated_bytes_per_entry": round(index.estimated_bytes() / entries, 1),
+        }
+    return out
 
 
-def _keying(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+def _keying(args: argparse.Namespace, rng: random.Random, core: str) -> dict[str, Any]:
     tokens = [rng.randrange(128_000) for _ in range(1 << 20)]
-    started = time.perf_counter()
-    block_keys(tokens, args.block_size)
-    return {"keying_tokens_per_s": round(len(tokens) / (time.perf_counter() - started))}
+    with _keying_of(core):
+        started = time.perf_counter()
+        block_keys(tokens, args.block_size)
+        elapsed = time.perf_counter() - started
+    return {"keying_tokens_per_s": round(len(tokens) / elapsed)}
+
+
+def _cores(args: argparse.Namespace) -> list[str]:
+    cores = [c.strip() for c in args.cores.split(",") if c.strip()]
+    if not cores or any(c not in ("native", "python") for c in cores):
+        raise ValueError("--cores: a list of 'native' and 'python'")
+    if native_core.NATIVE is None:
+        cores = [c for c in cores if c == "python"] or ["python"]
+    return cores
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ingest_replicas < 1 or args.replicas < 1:
         raise ValueError("--replicas and --ingest-replicas must be >= 1")
-    rng = random.Random(args.seed)
-    result: dict[str, Any] = {"block_size": args.block_size}
-    result.update(_keying(args, rng))
-    result.update(_ingest(args, rng))
-    result.update(_lookup(args, rng))
+    cores = _cores(args)
+    per_core: dict[str, dict[str, Any]] = {core: {"block_size": args.block_size} for core in cores}
+    for core in cores:
+        per_core[core].update(_keying(args, random.Random(args.seed), core))
+        per_core[core].update(_ingest(args, random.Random(args.seed + 1), core))
+    for core, figures in _lookup(args, random.Random(args.seed + 2), cores, args.lookups).items():
+        per_core[core].update(figures)
+    if args.scale_replicas > 0:
+        scale = argparse.Namespace(**vars(args))
+        scale.replicas = scale.ingest_replicas = args.scale_replicas
+        n = args.scale_replicas
+        for core in cores:
+            ingest = _ingest(scale, random.Random(args.seed + 3), core)
+            per_core[core][f"ingest_{n}_replicas_blocks_per_s"] = ingest["ingest_blocks_per_s"]
+            per_core[core][f"ingest_{n}_replicas_vs_decode_ceiling"] = ingest[
+                "ingest_vs_decode_ceiling"
+            ]
+        found = _lookup(scale, random.Random(args.seed + 4), cores, args.scale_lookups)
+        for core, figures in found.items():
+            for name in ("lookup_p50_us_2048", "lookup_p99_us_2048", "bytes_per_entry"):
+                per_core[core][f"{name}_{n}_replicas"] = figures[name]
+            per_core[core][f"index_entries_{n}_replicas"] = figures["index_entries"]
+    result: dict[str, Any] = dict(per_core[cores[0]])
+    result["index_core"] = cores[0]
+    result["cores"] = per_core
+    if "native" in per_core and "python" in per_core:
+        result["native_vs_python"] = _ratios(per_core["native"], per_core["python"])
     result["targets"] = {
         "ingest_blocks_per_s >= 600000": result["ingest_blocks_per_s"] >= 600_000,
         "lookup_p99_us_2048 <= 500": result["lookup_p99_us_2048"] <= 500,
         "bytes_per_entry <= 200": result["bytes_per_entry"] <= 200,
         "keying_tokens_per_s >= 5000000": result["keying_tokens_per_s"] >= 5_000_000,
     }
+    native = per_core.get("native")
+    if native is not None:
+        result["native_targets"] = _native_targets(native, args.scale_replicas)
     return result
+
+
+def _ratios(native: dict[str, Any], python: dict[str, Any]) -> dict[str, float]:
+    """native / python for each figure where more is better, python / native where less is."""
+    out: dict[str, float] = {}
+    for name, value in native.items():
+        other = python.get(name)
+        if not isinstance(value, int | float) or not isinstance(other, int | float):
+            continue
+        if name.startswith(("decode_ceiling", "ingest_batches", "lookup_blocks")):
+            continue  # the same work for both cores, or a count
+        if name.endswith("_per_s") or name.endswith("vs_decode_ceiling"):
+            out[f"{name} (native/python)"] = round(value / other, 2) if other else 0.0
+        elif "lookup_" in name:
+            out[f"{name} (python/native)"] = round(other / value, 2) if value else 0.0
+    return out
+
+
+def _native_targets(native: dict[str, Any], n: int) -> dict[str, bool]:
+    """Issue 36's targets for the native core (docs/benchmarks.md says which are met)."""
+    targets = {
+        "ingest_blocks_per_s >= 3000000": native["ingest_blocks_per_s"] >= 3_000_000,
+        "lookup_p99_us_2048 <= 100": native["lookup_p99_us_2048"] <= 100,
+        "bytes_per_entry <= 64": native["bytes_per_entry"] <= 64,
+    }
+    if n == 1000:
+        targets["ingest_1000_replicas_blocks_per_s >= 2000000"] = (
+            native["ingest_1000_replicas_blocks_per_s"] >= 2_000_000
+        )
+        targets["lookup_p99_us_2048_1000_replicas <= 2000"] = (
+            native["lookup_p99_us_2048_1000_replicas"] <= 2000
+        )
+    return targets

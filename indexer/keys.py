@@ -20,7 +20,8 @@ full block's key and a chain of partial pieces extends from the last full block.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -38,6 +39,7 @@ __all__ = [
     "mm_block_keys",
     "pack_tokens",
     "partial_key",
+    "python_keying",
     "request_extra_keys",
     "root_key",
 ]
@@ -97,6 +99,18 @@ def block_keys(
     return block_keys_py(
         tokens, block_size, parent=parent, extra_keys=extra_keys, max_blocks=max_blocks
     )
+
+
+@contextmanager
+def python_keying() -> Iterator[None]:
+    """Key in Python meanwhile, as where the native core is missing: for benchmarks and
+    tests that run both cores in one process (not thread-safe: nothing else keys then)."""
+    global NATIVE
+    saved, NATIVE = NATIVE, None
+    try:
+        yield
+    finally:
+        NATIVE = saved
 
 
 def block_keys_py(

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -32,7 +31,7 @@ from kvroute.indexer import native_core
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.state import _W, _ReplicaState
-from kvroute.indexer.keys import RequestKeys, block_keys, block_keys_py
+from kvroute.indexer.keys import RequestKeys, block_keys, block_keys_py, python_keying
 from kvroute.indexer.wire import BlockStored, Event, Medium
 from tests.indexer.builders import BS, DOCS, hashes_of, lmcache_chunk, operation
 
@@ -164,17 +163,6 @@ def test_walk_counts_native_equals_python(
 # ---- the whole index -------------------------------------------------------------------
 
 
-@contextmanager
-def _python_keying() -> Iterator[None]:
-    """Keys hashed by keys.py's Python specification, as where the extension is missing."""
-    saved = keys_module.NATIVE
-    keys_module.NATIVE = None
-    try:
-        yield
-    finally:
-        keys_module.NATIVE = saved
-
-
 def _unconfirmed(draw: st.DrawFn) -> tuple[str, Event]:
     doc = DOCS[draw(st.integers(0, len(DOCS) - 1))]
     chunks = len(doc) // (2 * BS)
@@ -221,12 +209,12 @@ def test_index_on_native_core_answers_as_the_python_index(
             index.attach("r2", "d")
     for replica, event in events:
         a = native.apply(replica, [event])
-        with _python_keying():
+        with python_keying():
             b = python.apply(replica, [event])
         assert a == b
         for tokens in _probes():
             want = native.lookup(tokens)
-            with _python_keying():
+            with python_keying():
                 assert python.lookup(RequestKeys(tokens)) == want
                 assert python.lookup(tokens, replicas=["r2", "r0", "r2"]) == native.lookup(
                     tokens, replicas=["r2", "r0", "r2"]
