@@ -200,9 +200,19 @@ class InMemoryPrefixIndex(
             events = list(events)
             state.landing = self._landing(events)
             self._last_full = None
+            skip_to = 0
             for i, event in enumerate(events):
+                if i < skip_to:
+                    continue  # applied by the native core's run of device removals
                 # a keyed device store is remembered for the event right after it only
                 self._prev_full, self._last_full = self._last_full, None
+                if not layouts and type(event) is BlockRemoved:
+                    run = self._remove_device_run(state, events, i, source, result)
+                    if run:
+                        if run > 1:
+                            self._prev_full = None
+                        skip_to = i + run
+                        continue
                 try:
                     if isinstance(event, BlockStored):
                         if event.medium is Medium.GPU and event.confirmed:

@@ -225,6 +225,117 @@ py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list li
   return py::make_tuple(out_counts, out_ended);
 }
 
+// Owned reference helper: throws on a NULL result (a Python error is set).
+PyObject* checked(PyObject* obj) {
+  if (obj == nullptr) throw py::error_already_set();
+  return obj;
+}
+
+// remove_device(hash_lists, slot, engine_to_key, masks, interned, refs, chain, ghost, ghost_max)
+// -> (removed, unresolved, forgotten): confirmed.py's _remove + _release + _forget_if_unheld
+// for a run of device (GPU, confirmed, keyed group) BlockRemoved events of a replica with no
+// tier-only chunk records, applied in order on the Python index's own tables. The caller
+// (ConfirmedHoldings._remove_device_run) checks that the run qualifies and books the counts:
+// tier_counts[GPU] -= removed, entries -= forgotten.
+py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to_key,
+                        py::dict masks, py::dict interned, py::dict refs, py::dict chain,
+                        py::object ghost, Py_ssize_t ghost_max) {
+  PyObject* e2k = engine_to_key.ptr();
+  PyObject* mdict = masks.ptr();
+  PyObject* idict = interned.ptr();
+  PyObject* rdict = refs.ptr();
+  PyObject* cdict = chain.ptr();
+  PyObject* gdict = ghost.is_none() ? nullptr : ghost.ptr();
+  py::object shift = py::int_(kW * slot);
+  py::object one = py::int_(1);
+  py::object seven = py::int_(7);
+  py::object zero = py::int_(0);
+  py::object bit = py::reinterpret_steal<py::object>(checked(PyNumber_Lshift(one.ptr(), shift.ptr())));
+  py::object keep = py::reinterpret_steal<py::object>(checked(PyNumber_Invert(bit.ptr())));
+  py::object confirmed =
+      py::reinterpret_steal<py::object>(checked(PyNumber_Lshift(seven.ptr(), shift.ptr())));
+  long long removed = 0, unresolved = 0, forgotten = 0;
+  for (py::handle hashes : hash_lists) {
+    for (py::handle h : hashes) {
+      PyObject* key = PyDict_GetItemWithError(e2k, h.ptr());  // borrowed
+      if (key == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        ++unresolved;
+        continue;
+      }
+      py::object key_ref = py::reinterpret_borrow<py::object>(key);  // e2k may drop it below
+      if (PyDict_GET_SIZE(rdict)) {
+        py::object ref_key = py::make_tuple(key_ref, zero);
+        PyObject* extra = PyDict_GetItemWithError(rdict, ref_key.ptr());
+        if (extra == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (extra != nullptr) {
+          int truthy = PyObject_IsTrue(extra);
+          if (truthy < 0) throw py::error_already_set();
+          if (truthy) {
+            long long n = PyLong_AsLongLong(extra);
+            if (n == -1 && PyErr_Occurred()) throw py::error_already_set();
+            if (n == 1) {
+              if (PyDict_DelItem(rdict, ref_key.ptr()) < 0) throw py::error_already_set();
+            } else {
+              py::object less = py::reinterpret_steal<py::object>(
+                  checked(PyNumber_Subtract(extra, one.ptr())));
+              if (PyDict_SetItem(rdict, ref_key.ptr(), less.ptr()) < 0)
+                throw py::error_already_set();
+            }
+            continue;
+          }
+        }
+      }
+      PyObject* mask = PyDict_GetItemWithError(mdict, key);
+      if (mask == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (mask == nullptr) continue;  // masks.get(key, 0) & bit == 0
+      py::object held = py::reinterpret_steal<py::object>(checked(PyNumber_And(mask, bit.ptr())));
+      int has = PyObject_IsTrue(held.ptr());
+      if (has < 0) throw py::error_already_set();
+      if (!has) continue;
+      py::object rest = py::reinterpret_steal<py::object>(checked(PyNumber_And(mask, keep.ptr())));
+      int nonzero = PyObject_IsTrue(rest.ptr());
+      if (nonzero < 0) throw py::error_already_set();
+      if (nonzero) {
+        PyObject* shared = PyDict_SetDefault(idict, rest.ptr(), rest.ptr());  // borrowed
+        if (shared == nullptr || PyDict_SetItem(mdict, key_ref.ptr(), shared) < 0)
+          throw py::error_already_set();
+      } else if (PyDict_DelItem(mdict, key_ref.ptr()) < 0) {
+        throw py::error_already_set();
+      }
+      ++removed;
+      // _forget_if_unheld: forget the hash when no confirmed class of the replica holds it
+      py::object conf =
+          py::reinterpret_steal<py::object>(checked(PyNumber_And(rest.ptr(), confirmed.ptr())));
+      int still = PyObject_IsTrue(conf.ptr());
+      if (still < 0) throw py::error_already_set();
+      if (still) continue;
+      py::object h_ref = py::reinterpret_borrow<py::object>(h);
+      if (PyDict_Contains(e2k, h_ref.ptr())) {
+        if (PyDict_DelItem(e2k, h_ref.ptr()) < 0) throw py::error_already_set();
+        ++forgotten;
+      } else if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      int in_chain = PyDict_Contains(cdict, h_ref.ptr());
+      if (in_chain < 0) throw py::error_already_set();
+      if (in_chain && PyDict_DelItem(cdict, h_ref.ptr()) < 0) throw py::error_already_set();
+      if (gdict != nullptr) {
+        if (PyDict_SetItem(gdict, h_ref.ptr(), key_ref.ptr()) < 0) throw py::error_already_set();
+        if (PyDict_GET_SIZE(gdict) > ghost_max) {
+          Py_ssize_t pos = 0;
+          PyObject *first = nullptr, *value = nullptr;
+          if (PyDict_Next(gdict, &pos, &first, &value)) {
+            py::object first_ref = py::reinterpret_borrow<py::object>(first);
+            if (PyDict_DelItem(gdict, first_ref.ptr()) < 0) throw py::error_already_set();
+          }
+        }
+      }
+    }
+  }
+  return py::make_tuple(removed, unresolved, forgotten);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -233,5 +344,8 @@ PYBIND11_MODULE(_native, m) {
         py::arg("max_blocks") = -1);
   m.def("walk_counts", &walk_counts, py::arg("keys"), py::arg("masks"), py::arg("slots"),
         py::arg("lifts"));
+  m.def("remove_device", &remove_device, py::arg("hash_lists"), py::arg("slot"),
+        py::arg("engine_to_key"), py::arg("masks"), py::arg("interned"), py::arg("refs"),
+        py::arg("chain"), py::arg("ghost"), py::arg("ghost_max"));
   m.attr("XXH_VERSION") = XXH_versionNumber();
 }

@@ -33,7 +33,7 @@ from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.state import _W, _ReplicaState
 from kvroute.indexer.keys import RequestKeys, block_keys, block_keys_py, python_keying
 from kvroute.indexer.wire import BlockStored, Event, Medium
-from tests.indexer.builders import BS, DOCS, hashes_of, lmcache_chunk, operation
+from tests.indexer.builders import BS, DOCS, hashes_of, lmcache_chunk, operation, removed
 
 NATIVE = native_core.NATIVE
 
@@ -173,19 +173,32 @@ def _unconfirmed(draw: st.DrawFn) -> tuple[str, Event]:
     )
 
 
+def _event(draw: st.DrawFn) -> tuple[str, Event]:
+    kind = draw(st.integers(0, 11))
+    if kind == 0:
+        return _unconfirmed(draw)
+    if kind == 1:
+        doc = DOCS[draw(st.integers(0, len(DOCS) - 1))]
+        return "domain:d", _domain_store(doc, draw(st.integers(1, len(doc) // BS)))
+    if kind <= 3:  # vLLM's eviction: one BlockRemoved per device block, often in a row
+        doc = DOCS[draw(st.integers(0, len(DOCS) - 1))]
+        block = draw(st.integers(0, len(doc) // BS - 1))
+        return draw(st.sampled_from(["r0", "r1", "r2"])), removed(doc, [block])
+    return draw(operation())
+
+
 @st.composite
-def streams(draw: st.DrawFn) -> list[tuple[str, Event]]:
-    out: list[tuple[str, Event]] = []
-    for _ in range(draw(st.integers(1, 40))):
-        kind = draw(st.integers(0, 9))
-        if kind == 0:
-            out.append(_unconfirmed(draw))
-        elif kind == 1:
-            doc = DOCS[draw(st.integers(0, len(DOCS) - 1))]
-            n = draw(st.integers(1, len(doc) // BS))
-            out.append(("domain:d", _domain_store(doc, n)))
-        else:
-            out.append(draw(operation()))
+def streams(draw: st.DrawFn) -> list[tuple[str, list[Event]]]:
+    """Batches of one replica's events (runs of device removals among them)."""
+    out: list[tuple[str, list[Event]]] = []
+    for _ in range(draw(st.integers(1, 30))):
+        replica, first = _event(draw)
+        batch = [first]
+        for _ in range(draw(st.integers(0, 5))):
+            other, event = _event(draw)
+            if other == replica:
+                batch.append(event)
+        out.append((replica, batch))
     return out
 
 
@@ -200,18 +213,26 @@ def _probes() -> list[list[int]]:
 @settings(max_examples=200, deadline=None)
 @given(events=streams(), attach=st.booleans(), max_entries=st.sampled_from([6, 40, 10_000]))
 def test_index_on_native_core_answers_as_the_python_index(
-    events: list[tuple[str, Event]], attach: bool, max_entries: int
+    events: list[tuple[str, list[Event]]], attach: bool, max_entries: int
 ) -> None:
     native = InMemoryPrefixIndex(max_entries, core="native", clock=lambda: 0.0)
     python = InMemoryPrefixIndex(max_entries, core="python", clock=lambda: 0.0)
     if attach:
         for index in (native, python):
             index.attach("r2", "d")
-    for replica, event in events:
-        a = native.apply(replica, [event])
+    for replica, batch in events:
+        a = native.apply(replica, batch)
         with python_keying():
-            b = python.apply(replica, [event])
+            b = python.apply(replica, batch)
         assert a == b
+        assert native._entries == python._entries
+        for name in native.replicas():
+            ours, theirs = native._replicas[name], python._replicas[name]
+            assert ours.engine_to_key == theirs.engine_to_key
+            assert list(ours.engine_to_key) == list(theirs.engine_to_key)  # age order
+            assert (ours.refs, ours.chain, ours.ghost) == (theirs.refs, theirs.chain, theirs.ghost)
+            assert ours.tier_counts == theirs.tier_counts
+        assert native._masks == python._masks
         for tokens in _probes():
             want = native.lookup(tokens)
             with python_keying():
@@ -242,3 +263,54 @@ def test_wide_fleet_lookups_agree() -> None:
             index.apply(f"r{r}", [event, lower] if r % 3 else [event])
     for cut in (BS, 10 * BS, 33 * BS, 64 * BS):
         assert native.lookup(doc[:cut]) == python.lookup(doc[:cut])
+
+
+class _Counting:
+    """The native module, counting the device-removal runs it applies."""
+
+    def __init__(self, module: object) -> None:
+        self._module = module
+        self.runs: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._module, name)
+
+    def remove_device(self, hash_lists: list[list[int]], *args: object) -> object:
+        self.runs.append(len(hash_lists))
+        return self._module.remove_device(hash_lists, *args)  # type: ignore[attr-defined]
+
+
+def test_device_removals_run_natively_and_agree() -> None:
+    """A batch of vLLM's evictions (one BlockRemoved per block, a hash stored twice, one
+    unknown) is one native call; a CPU removal in between ends the run; the state after is
+    the Python core's."""
+    doc = DOCS[0]
+    n = len(doc) // BS
+    batches: list[list[Event]] = [
+        [
+            BlockStored(hashes_of(doc, 0, n), None, doc, BS),
+            BlockStored(hashes_of(doc, 2, 2), hashes_of(doc, 1, 1)[0], doc[2 * BS : 4 * BS], BS),
+            BlockStored(hashes_of(doc, 0, 3), None, doc[: 3 * BS], BS, medium=Medium.CPU),
+        ],
+        [removed(doc, [b]) for b in range(n - 1, 3, -1)]
+        + [removed(doc, [1], Medium.CPU)]
+        + [removed(doc, [b]) for b in (3, 2, 2, 3, 1)]
+        + [removed(DOCS[1], [4])],
+    ]
+    native = InMemoryPrefixIndex(core="native")
+    python = InMemoryPrefixIndex(core="python")
+    counting = _Counting(native._native)
+    native._native = counting
+    for batch in batches:
+        assert native.apply("r0", batch) == python.apply("r0", batch)
+        assert native._masks == python._masks
+        ours, theirs = native._replicas["r0"], python._replicas["r0"]
+        assert list(ours.engine_to_key.items()) == list(theirs.engine_to_key.items())
+        assert (ours.refs, ours.chain, ours.tier_counts) == (
+            theirs.refs,
+            theirs.chain,
+            theirs.tier_counts,
+        )
+    assert counting.runs == [n - 4, 6]
+    assert native.lookup(doc) == python.lookup(doc)
+    assert native.entries == python.entries > 0
