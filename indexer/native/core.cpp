@@ -61,60 +61,61 @@ py::list block_keys(py::bytes packed, Py_ssize_t block_size, uint64_t parent,
   return py::reinterpret_steal<py::list>(out);
 }
 
-// A mask (a Python int, six bits per replica slot) read as the bytes of its low bits.
-class MaskBytes {
+// A mask (a Python int, six bits per replica slot): its low bits as 64-bit words, as many as
+// the walk reads.
+class MaskWords {
  public:
-  explicit MaskBytes(size_t need_bits) : need_(need_bits / 8 + 2), small_path_(need_bits <= 64) {}
+  explicit MaskWords(size_t need_bits) : n_(need_bits / 64 + 1), words_(n_ + 1, 0) {}
 
-  // Loads ``mask`` (nullptr: 0). Afterwards bits(pos) reads 6 bits from bit ``pos``.
+  size_t size() const { return n_; }
+  uint64_t word(size_t k) const { return words_[k]; }
+
+  // Loads ``mask`` (nullptr: 0).
   void load(PyObject* mask) {
-    if (small_path_) {
-      uint64_t v = mask == nullptr ? 0 : PyLong_AsUnsignedLongLongMask(mask);
-      if (v == static_cast<uint64_t>(-1) && PyErr_Occurred()) throw py::error_already_set();
-      small_ = v;
-      wide_ = false;
+    if (mask == nullptr) {
+      std::fill(words_.begin(), words_.end(), 0);
       return;
     }
-    wide_ = true;
-    if (mask == nullptr) {
-      buf_.assign(need_, 0);
+    if (n_ == 1) {
+      uint64_t v = PyLong_AsUnsignedLongLongMask(mask);  // the low 64 bits of any int
+      if (v == static_cast<uint64_t>(-1) && PyErr_Occurred()) throw py::error_already_set();
+      words_[0] = v;
       return;
     }
 #if PY_VERSION_HEX >= 0x030D0000
-    Py_ssize_t size = PyLong_AsNativeBytes(mask, nullptr, 0,
-                                           Py_ASNATIVEBYTES_LITTLE_ENDIAN |
-                                               Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
-    if (size < 0) throw py::error_already_set();
-    size_t total = std::max(need_, static_cast<size_t>(size));
-    buf_.assign(total, 0);
-    if (PyLong_AsNativeBytes(mask, buf_.data(), static_cast<Py_ssize_t>(total),
+    bytes_.assign(n_ * 8, 0);
+    // copies the low bytes when the int is wider (the bits of other slots)
+    if (PyLong_AsNativeBytes(mask, bytes_.data(), static_cast<Py_ssize_t>(n_ * 8),
                              Py_ASNATIVEBYTES_LITTLE_ENDIAN |
                                  Py_ASNATIVEBYTES_UNSIGNED_BUFFER) < 0)
       throw py::error_already_set();
 #else
     size_t bits = _PyLong_NumBits(mask);
     if (bits == static_cast<size_t>(-1) && PyErr_Occurred()) throw py::error_already_set();
-    size_t total = std::max(need_, bits / 8 + 1);
-    buf_.assign(total, 0);
-    if (_PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(mask), buf_.data(), total, 1, 0) <
-        0)
+    bytes_.assign(std::max(n_ * 8, bits / 8 + 1), 0);
+    if (_PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(mask), bytes_.data(), bytes_.size(),
+                            1, 0) < 0)
       throw py::error_already_set();
 #endif
+    for (size_t k = 0; k < n_; ++k) {
+      uint64_t w = 0;
+      for (int b = 7; b >= 0; --b) w = (w << 8) | bytes_[k * 8 + b];
+      words_[k] = w;
+    }
   }
 
+  // The 6 bits from bit ``pos``.
   unsigned bits(size_t pos) const {
-    if (!wide_) return static_cast<unsigned>(pos >= 64 ? 0 : (small_ >> pos) & 0x3F);
-    size_t byte = pos >> 3;
-    unsigned two = buf_[byte] | (static_cast<unsigned>(buf_[byte + 1]) << 8);
-    return (two >> (pos & 7)) & 0x3F;
+    size_t w = pos >> 6, b = pos & 63;
+    uint64_t v = words_[w] >> b;
+    if (b > 58) v |= words_[w + 1] << (64 - b);
+    return static_cast<unsigned>(v & 0x3F);
   }
 
  private:
-  size_t need_;
-  bool small_path_;
-  bool wide_ = false;
-  uint64_t small_ = 0;
-  std::vector<unsigned char> buf_;
+  size_t n_;
+  std::vector<uint64_t> words_;
+  std::vector<unsigned char> bytes_;
 };
 
 // walk_counts(keys, masks, slots, lifts) -> (counts, ended): lookup.py's _walk_counts. For
@@ -122,6 +123,12 @@ class MaskBytes {
 // it the fastest lower class holding the block) and the block index its run ended at
 // (len(keys) when it did not). ``lifts``: (source bit, j) pairs, a storage domain's bit seen as
 // the same class of replica j's slot (lookup.py's _lifted).
+//
+// The Python walk accounts every replica once per run of equal masks. Here a replica's blocks
+// are counted when its class changes (device, a lower class, ended), and a block whose mask
+// differs from the block before touches only the replicas whose slots' bits differ (the XOR
+// of the two masks' words): a replica whose bits do not change keeps its phase, so the counts
+// are the same, and the cost follows the changes, not blocks x replicas.
 py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list lifts) {
   const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
   const Py_ssize_t n_keys = PyList_GET_SIZE(keys.ptr());
@@ -129,90 +136,95 @@ py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list li
   size_t need_bits = 0;
   for (size_t j = 0; j < n; ++j) {
     long long slot = PyLong_AsLongLong(PyList_GET_ITEM(slots.ptr(), j));
+    if (slot == -1 && PyErr_Occurred()) throw py::error_already_set();
     if (slot < 0) throw py::value_error("slots must be >= 0");
     pos[j] = static_cast<size_t>(slot) * kW;
     need_bits = std::max(need_bits, pos[j] + kW);
   }
-  // per replica j: (source bit, class bit) pairs lifted into it
-  std::vector<std::vector<std::pair<size_t, unsigned>>> lifted(n);
-  bool any_lift = false;
+  std::vector<std::pair<size_t, size_t>> lift_list;
   for (py::handle item : lifts) {
     auto pair = item.cast<py::tuple>();
     size_t src = pair[0].cast<size_t>();
     size_t j = pair[1].cast<size_t>();
     if (j >= n) throw py::value_error("lift target out of range");
-    // A lift is into the replica's slot: every j on that slot sees it (a replica named twice).
-    for (size_t k = 0; k < n; ++k)
-      if (pos[k] == pos[j]) lifted[k].emplace_back(src, 1u << (src % kW));
-    need_bits = std::max(need_bits, src + kW);
-    any_lift = true;
+    lift_list.emplace_back(src, j);
+    need_bits = std::max(need_bits, src - src % kW + kW);
   }
-  MaskBytes mask(need_bits);
+  // slot -> the replicas to look at again when that slot's bits change (its own, and the
+  // replicas a storage domain's slot is lifted into)
+  std::vector<std::vector<uint32_t>> watchers(need_bits / kW + 1);
+  for (size_t j = 0; j < n; ++j) watchers[pos[j] / kW].push_back(static_cast<uint32_t>(j));
+  // per replica j: (source bit, class bit) pairs lifted into it
+  std::vector<std::vector<std::pair<size_t, unsigned>>> lifted(n);
+  for (auto [src, j] : lift_list) {
+    // A lift is into the replica's slot: every j on that slot sees it (a replica named twice).
+    for (size_t k = 0; k < n; ++k) {
+      if (pos[k] != pos[j]) continue;
+      lifted[k].emplace_back(src, 1u << (src % kW));
+      watchers[src / kW].push_back(static_cast<uint32_t>(k));
+    }
+  }
+
+  MaskWords words_a(need_bits), words_b(need_bits);
+  MaskWords* cur = &words_a;
+  MaskWords* prev = &words_b;
   std::vector<std::array<long long, kW>> counts(n);
   for (auto& c : counts) c.fill(0);
-  std::vector<Py_ssize_t> ended(n, n_keys);
-  std::vector<unsigned char> device(n, 1), lower(n, 0), prev(n, 0), cur(n, 0);
-  std::vector<size_t> alive(n), survivors;
-  for (size_t j = 0; j < n; ++j) alive[j] = j;
-  survivors.reserve(n);
+  std::vector<Py_ssize_t> ended(n, n_keys), since(n, 0);
+  std::vector<signed char> cls(n, 0);  // 0: device prefix, 1-5: a lower class, -1: ended
+  std::vector<unsigned char> device(n, 1), lower(n, 0);
+  size_t alive = n;
 
-  auto account = [&](long long run) {
-    for (size_t j : alive) {
-      if (device[j]) {
-        counts[j][0] += run;
-        continue;
-      }
-      unsigned bits = prev[j] & kLowerBits;
-      if (bits) counts[j][__builtin_ctz(bits)] += run;
+  // The replica's phase after block i, from its bits there (the Python walk's update): the
+  // same bits give the same phase, so calling it again changes nothing.
+  auto update = [&](size_t j, Py_ssize_t i) {
+    if (cls[j] < 0) return;
+    unsigned bits = cur->bits(pos[j]);
+    for (auto& [src, cls_bit] : lifted[j])
+      if ((cur->bits(src - src % kW) >> (src % kW)) & 1) bits |= cls_bit;
+    bool in_lower = (bits & kLowerBits) != 0;
+    bool still_device = device[j] && (bits & 1);
+    bool low = (lower[j] || (device[j] && !still_device)) && in_lower;
+    device[j] = still_device;
+    lower[j] = low;
+    int now = still_device ? 0 : (low ? __builtin_ctz(bits & kLowerBits) : -1);
+    if (now == cls[j]) return;
+    counts[j][cls[j]] += i - since[j];
+    since[j] = i;
+    cls[j] = static_cast<signed char>(now);
+    if (now < 0) {
+      ended[j] = i;
+      --alive;
     }
   };
 
   PyObject* prev_obj = nullptr;
-  bool started = false;
-  long long run = 0;
   PyObject* dict = masks.ptr();
-  for (Py_ssize_t i = 0; i < n_keys && !alive.empty(); ++i) {
+  for (Py_ssize_t i = 0; i < n_keys && alive; ++i) {
     PyObject* obj = PyDict_GetItemWithError(dict, PyList_GET_ITEM(keys.ptr(), i));
     if (obj == nullptr && PyErr_Occurred()) throw py::error_already_set();
-    if (started && obj == prev_obj) {  // masks are interned: the same object, the same mask
-      ++run;
-      continue;
-    }
+    if (i > 0 && obj == prev_obj) continue;  // masks are interned: the same object, the same mask
     prev_obj = obj;
-    mask.load(obj);
-    bool same = started;
-    for (size_t j : alive) {
-      unsigned b = mask.bits(pos[j]);
-      if (any_lift)
-        for (auto& [src, cls_bit] : lifted[j])
-          if (mask.bits(src) & 1) b |= cls_bit;
-      cur[j] = static_cast<unsigned char>(b);
-      if (b != prev[j]) same = false;
-    }
-    if (same) {
-      ++run;
-      continue;
-    }
-    if (run) account(run);
-    started = true;
-    survivors.clear();
-    for (size_t j : alive) {
-      unsigned b = cur[j];
-      bool in_lower = (b & kLowerBits) != 0;
-      bool still_device = device[j] && (b & 1);
-      lower[j] = (lower[j] || (device[j] && !still_device)) && in_lower;
-      device[j] = still_device;
-      if (device[j] || lower[j]) {
-        prev[j] = static_cast<unsigned char>(b);
-        survivors.push_back(j);
-      } else {
-        ended[j] = i;
+    cur->load(obj);
+    if (i == 0) {
+      for (size_t j = 0; j < n; ++j) update(j, 0);
+    } else {
+      for (size_t k = 0; k < cur->size(); ++k) {
+        uint64_t diff = cur->word(k) ^ prev->word(k);
+        while (diff) {
+          size_t bit = 64 * k + static_cast<size_t>(__builtin_ctzll(diff));
+          size_t slot = bit / kW;
+          if (slot < watchers.size())
+            for (uint32_t j : watchers[slot]) update(j, i);
+          size_t next = (slot + 1) * kW;  // the slot's other bits: done
+          diff = next >= 64 * (k + 1) ? 0 : diff & ~((uint64_t{1} << (next - 64 * k)) - 1);
+        }
       }
     }
-    alive.swap(survivors);
-    run = alive.empty() ? 0 : 1;
+    std::swap(cur, prev);
   }
-  if (run && !alive.empty()) account(run);
+  for (size_t j = 0; j < n; ++j)
+    if (cls[j] >= 0) counts[j][cls[j]] += n_keys - since[j];
 
   py::list out_counts(n);
   py::list out_ended(n);
