@@ -155,22 +155,29 @@ class Lookups(IndexStore):
         the native core's twin when it runs and the keys are a list), each lower-tier run
         ended on a whole chunk (``_trim``)."""
         get = get or self._masks.get
+        rows: Iterable[tuple[_ReplicaState, list[int], int]]
         if self._native is not None and isinstance(keys, list):
             native_counts, native_ended = self._native.walk_counts(
                 keys, self._masks, [s.slot for s in states], self._lift_pairs(states)
             )
-            counts = {s.slot: c for s, c in zip(states, native_counts, strict=True)}
-            ended = {s.slot: e for s, e in zip(states, native_ended, strict=True)}
+            rows = zip(states, native_counts, native_ended, strict=True)
         else:
             counts, ended = self._walk_counts(keys, states, get)
+            n = len(keys)
+            rows = ((s, counts[s.slot], ended.get(s.slot, n)) for s in states)
         out: dict[str, PrefixMatch] = {}
-        for s in states:
-            c = counts[s.slot]
-            blocks = ended.get(s.slot, len(keys))
+        shared: dict[int, list[int]] = {}  # a replica named twice shares its counts
+        gpu = Medium.GPU
+        for s, first, blocks in rows:
+            c = shared.setdefault(s.slot, first)
             if blocks > c[0]:
                 blocks = self._trim(s, keys, blocks, c, get)
-            by_tier = {tier: c[tier] for tier in _TIERS if c[tier]}
-            unconfirmed = {tier: c[tier + 3] for tier in _TIERS if c[tier + 3]}
+            if c[1] or c[2] or c[3] or c[4] or c[5]:
+                by_tier = {tier: c[tier] for tier in _TIERS if c[tier]}
+                unconfirmed = {tier: c[tier + 3] for tier in _TIERS if c[tier + 3]}
+            else:  # the device prefix alone: most replicas
+                by_tier = {gpu: c[0]} if c[0] else {}
+                unconfirmed = {}
             out[s.name] = PrefixMatch(s.name, block_size, blocks, by_tier, unconfirmed)
         return out
 

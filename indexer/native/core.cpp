@@ -97,11 +97,15 @@ class MaskWords {
                             1, 0) < 0)
       throw py::error_already_set();
 #endif
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    std::memcpy(words_.data(), bytes_.data(), n_ * 8);
+#else
     for (size_t k = 0; k < n_; ++k) {
       uint64_t w = 0;
       for (int b = 7; b >= 0; --b) w = (w << 8) | bytes_[k * 8 + b];
       words_[k] = w;
     }
+#endif
   }
 
   // The 6 bits from bit ``pos``.
