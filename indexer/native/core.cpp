@@ -1,10 +1,11 @@
 // kvroute.indexer._native: the prefix index's hot paths in C++ (docs/indexer.md, "Native core").
 //
 // Each function here has a Python twin that is the specification (indexer/keys.py's
-// block_keys, indexer/index/lookup.py's _walk_counts); tests/indexer/test_native_core.py drives
-// random inputs through both and asserts they agree exactly. The index's state stays in
-// Python's tables (InMemoryPrefixIndex): the walk reads the same masks dict the Python walk
-// reads, so there is one state and one set of publisher rules.
+// block_keys, indexer/index/lookup.py's _walk_counts, confirmed.py's _remove/_release/
+// _forget_if_unheld); tests/indexer/test_native_core.py drives random inputs through both and
+// asserts they agree exactly. The index's state stays in Python's tables
+// (InMemoryPrefixIndex): the walk reads, and the device removals write, the same dicts the
+// Python code does, so there is one state and one set of publisher rules.
 //
 // pybind11 only defines the module; the loops use CPython's C API directly (borrowed
 // references, no per-item wrapper objects).
