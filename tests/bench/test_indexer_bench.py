@@ -60,6 +60,8 @@ def test_both_cores_are_measured_in_the_same_run() -> None:
         assert figures["lookup_p99_us_2048"] > 0
         assert figures["ingest_30_replicas_blocks_per_s"] > 0
         assert figures["lookup_p99_us_2048_30_replicas"] > 0
+        assert figures["chat_lookup_p99_us_264_30_replicas"] > 0
+    assert native["chat_index_entries_30_replicas"] == python["chat_index_entries_30_replicas"]
     # the same events and the same index, whichever core applies and walks them
     assert native["ingest_index_entries"] == python["ingest_index_entries"]
     assert native["index_entries_30_replicas"] == python["index_entries_30_replicas"]
