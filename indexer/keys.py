@@ -20,21 +20,26 @@ full block's key and a chain of partial pieces extends from the last full block.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 import xxhash
+
+from kvroute.indexer.native_core import NATIVE
 
 __all__ = [
     "ExtraKeys",
     "RequestKeys",
     "block_extra_keys",
     "block_keys",
+    "block_keys_py",
     "event_extra_keys",
     "mm_block_keys",
     "pack_tokens",
     "partial_key",
+    "python_keying",
     "request_extra_keys",
     "root_key",
 ]
@@ -81,7 +86,42 @@ def block_keys(
     ``parent`` continues a chain (None: the chain starts at the first token).
     ``extra_keys`` holds one entry per block (shorter lists: missing entries are None).
     ``tokens`` may already be packed with pack_tokens (4 bytes per token).
+    A chain without extra keys is hashed by the native core when it runs (same keys:
+    tests/indexer/test_native_core.py); ``block_keys_py`` is the specification.
     """
+    if NATIVE is not None and not (extra_keys and any(extra_keys)):
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        buf = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+        key = root_key(block_size) if parent is None else parent
+        limit = -1 if max_blocks is None else max(0, max_blocks)
+        return NATIVE.block_keys(buf, block_size, key, limit)
+    return block_keys_py(
+        tokens, block_size, parent=parent, extra_keys=extra_keys, max_blocks=max_blocks
+    )
+
+
+@contextmanager
+def python_keying() -> Iterator[None]:
+    """Key in Python meanwhile, as where the native core is missing: for benchmarks and
+    tests that run both cores in one process (not thread-safe: nothing else keys then)."""
+    global NATIVE
+    saved, NATIVE = NATIVE, None
+    try:
+        yield
+    finally:
+        NATIVE = saved
+
+
+def block_keys_py(
+    tokens: Sequence[int] | bytes,
+    block_size: int,
+    *,
+    parent: int | None = None,
+    extra_keys: Sequence[ExtraKeys] | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """``block_keys`` in Python: the specification the native core is tested against."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     buf = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)

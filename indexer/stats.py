@@ -61,11 +61,14 @@ class IndexStats:
     lost_batches: int = 0
     # storage domain -> blocks held, replicas attached, its evictor feed
     storage_domains: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # "native" (C++) or "python": which index core runs (docs/indexer.md, "Native core")
+    index_core: str = "python"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "taken_at": self.taken_at,
             "fleet": {
+                "index_core": self.index_core,
                 "replicas": len(self.replicas),
                 "entries": self.entries,
                 "entries_by_tier": self.entries_by_tier,
@@ -217,4 +220,5 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
         lost_batches=sum(f.lost_batches for f in every_feed),
         storage_domains=domains,
+        index_core=figures.index_core,
     )

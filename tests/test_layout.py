@@ -45,7 +45,7 @@ LAYERS: list[set[str]] = [
 ]
 # The same, inside the indexer: the wire below the index, the index below its feeds.
 INDEXER_LAYERS: list[set[str]] = [
-    {"indexer", "indexer.tiers", "indexer.cpu_priority"},
+    {"indexer", "indexer.tiers", "indexer.cpu_priority", "indexer.native_core"},
     {"indexer.wire", "indexer.keys"},
     {"indexer.index", "indexer.publisher"},
     {"indexer.snapshot"},

@@ -149,6 +149,8 @@ class IndexFigures:
     unconfirmed_ttl_s: float
     unconfirmed_max_blocks: int
     expired_unconfirmed_blocks: int
+    # which core answers lookups: "native" (C++, indexer/native_core.py) or "python"
+    index_core: str = "python"
 
 
 class PrefixIndex(ABC):

@@ -101,6 +101,7 @@ class Capacity(IndexStore):
             unconfirmed_ttl_s=self.unconfirmed_ttl_s,
             unconfirmed_max_blocks=self.unconfirmed_max_blocks,
             expired_unconfirmed_blocks=self.expired_blocks,
+            index_core="python" if self._native is None else "native",
         )
 
     @property

@@ -30,7 +30,7 @@ from vLLM's block hash to our key, with the parent links, reference counts and f
 from __future__ import annotations
 
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult
 from kvroute.indexer.index.state import (
@@ -51,7 +51,7 @@ from kvroute.indexer.keys import (
     partial_key,
     root_key,
 )
-from kvroute.indexer.wire import BlockRemoved, BlockStored
+from kvroute.indexer.wire import BlockRemoved, BlockStored, Medium
 
 __all__ = ["ConfirmedHoldings"]
 
@@ -78,6 +78,9 @@ class ConfirmedHoldings(IndexStore):
 
         @staticmethod
         def _hybrid(state: _ReplicaState) -> bool: ...
+
+        @staticmethod
+        def _keyed(state: _ReplicaState, group: int) -> bool: ...
 
         _computed: set[tuple[_ReplicaState, int]]
 
@@ -401,6 +404,50 @@ class ConfirmedHoldings(IndexStore):
                     continue
                 removed += self._release(state, m, key, cls)
         result.blocks_removed += removed
+
+    def _remove_device_run(
+        self, state: _ReplicaState, events: list[Any], i: int, source: str, result: ApplyResult
+    ) -> int:
+        """The native core's ``_remove`` for the run of device removals from ``events[i]``:
+        vLLM's most common event (one per evicted block), applied in one call on the same
+        tables. Returns how many events it applied: 0 when ``events[i]`` is not one (or the
+        Python core runs), and the caller applies it in Python. A run qualifies while each
+        event is a confirmed GPU ``BlockRemoved`` of the keyed group, and the replica has no
+        tier-only chunk records (whose removals name a chunk's last hash only)."""
+        native = self._native
+        if native is None or state.chunks:
+            return 0
+        end = i
+        while end < len(events):
+            event = events[end]
+            if (
+                type(event) is not BlockRemoved
+                or event.medium is not Medium.GPU
+                or not event.confirmed
+                or not self._keyed(state, event.group_idx)
+            ):
+                break
+            end += 1
+        if end == i:
+            return 0
+        state.confirmed_sources.add(source)
+        removed, unresolved, forgotten = native.remove_device(
+            [e.block_hashes for e in events[i:end]],
+            state.slot,
+            state.engine_to_key,
+            self._masks,
+            self._interned,
+            state.refs,
+            state.chain,
+            state.ghost,
+            _GHOST_MAX,
+        )
+        state.tier_counts[_GPU] -= removed
+        self._entries -= forgotten
+        result.blocks_removed += removed
+        result.unresolved += unresolved
+        result.applied += end - i
+        return end - i
 
     def _release(self, state: _ReplicaState, h: int, key: int, cls: int) -> int:
         """One holding of ``key`` in ``cls`` fewer; returns 1 when the class no longer holds it."""

@@ -151,11 +151,58 @@ class Lookups(IndexStore):
         block_size: int,
         get: Callable[[int, int], int] | None = None,
     ) -> dict[str, PrefixMatch]:
+        """What each replica can serve of ``keys``: the walk's counts (``_walk_counts``, or
+        the native core's twin when it runs and the keys are a list), each lower-tier run
+        ended on a whole chunk (``_trim``)."""
+        get = get or self._masks.get
+        rows: Iterable[tuple[_ReplicaState, list[int], int]]
+        if self._native is not None and isinstance(keys, list):
+            native_counts, native_ended = self._native.walk_counts(
+                keys, self._masks, [s.slot for s in states], self._lift_pairs(states)
+            )
+            rows = zip(states, native_counts, native_ended, strict=True)
+        else:
+            counts, ended = self._walk_counts(keys, states, get)
+            n = len(keys)
+            rows = ((s, counts[s.slot], ended.get(s.slot, n)) for s in states)
+        out: dict[str, PrefixMatch] = {}
+        shared: dict[int, list[int]] = {}  # a replica named twice shares its counts
+        gpu = Medium.GPU
+        for s, first, blocks in rows:
+            c = shared.setdefault(s.slot, first)
+            if blocks > c[0]:
+                blocks = self._trim(s, keys, blocks, c, get)
+            if c[1] or c[2] or c[3] or c[4] or c[5]:
+                by_tier = {tier: c[tier] for tier in _TIERS if c[tier]}
+                unconfirmed = {tier: c[tier + 3] for tier in _TIERS if c[tier + 3]}
+            else:  # the device prefix alone: most replicas
+                by_tier = {gpu: c[0]} if c[0] else {}
+                unconfirmed = {}
+            out[s.name] = PrefixMatch(s.name, block_size, blocks, by_tier, unconfirmed)
+        return out
+
+    def _lift_pairs(self, states: list[_ReplicaState]) -> list[tuple[int, int]]:
+        """``_lifted`` for the native walk: (a domain's class bit, index in ``states`` of a
+        replica that sees it as its own class)."""
+        pairs: list[tuple[int, int]] = []
+        for j, state in enumerate(states):
+            domain = self._replicas.get(self._attached.get(state.name, ""))
+            if domain is not None:
+                pairs.extend((_W * domain.slot + cls, j) for cls in _DOMAIN_CLASSES)
+        return pairs
+
+    def _walk_counts(
+        self,
+        keys: Sequence[int],
+        states: list[_ReplicaState],
+        get: Callable[[int, int], int],
+    ) -> tuple[dict[int, list[int]], dict[int, int]]:
         """One pass over the request's keys, tracking what each replica can serve, the way
         vLLM serves it: its device prefix first, then, from the first block the device
         lacks, blocks a lower tier holds (a device copy after that point is no use: vLLM does
-        not go back to its prefix cache after the connector's hit). The lower run ends on a
-        whole chunk of its tier (``_trim``): offloading tiers load whole chunks.
+        not go back to its prefix cache after the connector's hit). Returns the blocks each
+        slot serves per class, and the block each slot's run ended at (absent: the end).
+        The specification of the native core's ``walk_counts``.
 
         Consecutive blocks usually have the same mask, so the per-replica accounting runs once
         per run of equal masks, not once per block: a replica's phase can only change on the
@@ -168,7 +215,6 @@ class Lookups(IndexStore):
             device |= 1 << (_W * s.slot)
         lower = 0  # slots past their device prefix, served by a lower tier
         alive_bits = device * _SLOT
-        get = get or self._masks.get
         prev = -1
         run = 0
         for i, key in enumerate(keys):
@@ -198,16 +244,7 @@ class Lookups(IndexStore):
             run = 1
         if run and alive_bits:
             self._account(prev, run, device, counts)
-        out: dict[str, PrefixMatch] = {}
-        for s in states:
-            c = counts[s.slot]
-            blocks = ended.get(s.slot, len(keys))
-            if blocks > c[0]:
-                blocks = self._trim(s, keys, blocks, c, get)
-            by_tier = {tier: c[tier] for tier in _TIERS if c[tier]}
-            unconfirmed = {tier: c[tier + 3] for tier in _TIERS if c[tier + 3]}
-            out[s.name] = PrefixMatch(s.name, block_size, blocks, by_tier, unconfirmed)
-        return out
+        return counts, ended
 
     @staticmethod
     def _account(mask: int, run: int, device: int, counts: dict[int, list[int]]) -> None:

@@ -23,6 +23,7 @@ from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.resets import Resets
 from kvroute.indexer.index.state import _ReplicaState
 from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
+from kvroute.indexer.native_core import NATIVE, UNAVAILABLE
 from kvroute.indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -59,7 +60,15 @@ class InMemoryPrefixIndex(
         unconfirmed_ttl_s: float = 600.0,
         unconfirmed_max_blocks: int = 262_144,
         clock: Callable[[], float] = time.monotonic,
+        core: str | None = None,
     ) -> None:
+        # core: "native" (the C++ walk; an error where the extension is missing), "python"
+        # (the specification), None: native where it was built (indexer/native_core.py)
+        if core not in (None, "native", "python"):
+            raise ValueError("core must be 'native', 'python' or None")
+        if core == "native" and NATIVE is None:
+            raise RuntimeError(f"the native index core is not available: {UNAVAILABLE}")
+        self._native = None if core == "python" else NATIVE
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         if unconfirmed_ttl_s <= 0 or unconfirmed_max_blocks < 0:
@@ -191,9 +200,19 @@ class InMemoryPrefixIndex(
             events = list(events)
             state.landing = self._landing(events)
             self._last_full = None
+            skip_to = 0
             for i, event in enumerate(events):
+                if i < skip_to:
+                    continue  # applied by the native core's run of device removals
                 # a keyed device store is remembered for the event right after it only
                 self._prev_full, self._last_full = self._last_full, None
+                if not layouts and type(event) is BlockRemoved:
+                    run = self._remove_device_run(state, events, i, source, result)
+                    if run:
+                        if run > 1:
+                            self._prev_full = None
+                        skip_to = i + run
+                        continue
                 try:
                     if isinstance(event, BlockStored):
                         if event.medium is Medium.GPU and event.confirmed:

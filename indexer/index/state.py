@@ -178,6 +178,8 @@ class IndexStore:
     # replica -> the pseudo-replica of the storage domain it is attached to
     _attached: dict[str, str]
     _lock: threading.RLock
+    # the native core's module (indexer/native_core.py), None where the Python core runs
+    _native: Any
 
     def _intern(self, mask: int) -> int:
         return self._interned.setdefault(mask, mask)

@@ -3,6 +3,7 @@ front door that decides (``kvroute serve``'s service, Ray Serve's request router
 
 from __future__ import annotations
 
+from kvroute.indexer import native_core
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.subscriber import EventSubscriber
 from kvroute.router.config import RouterSettings
@@ -11,7 +12,9 @@ __all__ = ["index_and_feeds"]
 
 
 def index_and_feeds(settings: RouterSettings) -> tuple[InMemoryPrefixIndex, EventSubscriber]:
-    """A new in-memory index with its limits, and a subscriber applying feeds to it."""
+    """A new in-memory index with its limits, and a subscriber applying feeds to it. Warns
+    once, here at the router's start, when the native index core is missing."""
+    native_core.warn_if_python()
     index = InMemoryPrefixIndex(
         max_entries=settings.index_max_entries,
         unconfirmed_ttl_s=settings.unconfirmed_ttl_s,

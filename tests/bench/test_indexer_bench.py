@@ -14,7 +14,17 @@ def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     indexer_bench.add_arguments(parser)
     return parser.parse_args(
-        ["--entries", "20000", "--ingest-blocks", "30000", "--lookups", "5", *argv]
+        [
+            "--entries",
+            "20000",
+            "--ingest-blocks",
+            "30000",
+            "--lookups",
+            "5",
+            "--scale-replicas",
+            "0",
+            *argv,
+        ]
     )
 
 
@@ -37,3 +47,31 @@ def test_ingest_over_many_replicas_fills_an_index_of_that_many() -> None:
 def test_replica_counts_must_be_positive() -> None:
     with pytest.raises(ValueError, match="ingest-replicas"):
         indexer_bench.run(_args("--ingest-replicas", "0"))
+
+
+def test_both_cores_are_measured_in_the_same_run() -> None:
+    """The native and the Python core side by side (the same frames, the same filled index),
+    with their ratios, and the figures at a second, larger fleet."""
+    result = indexer_bench.run(_args("--scale-replicas", "30", "--scale-lookups", "2"))
+    assert result["index_core"] == "native"
+    native, python = result["cores"]["native"], result["cores"]["python"]
+    for figures in (native, python):
+        assert figures["ingest_blocks_per_s"] > 0
+        assert figures["lookup_p99_us_2048"] > 0
+        assert figures["ingest_30_replicas_blocks_per_s"] > 0
+        assert figures["lookup_p99_us_2048_30_replicas"] > 0
+        assert figures["chat_lookup_p99_us_264_30_replicas"] > 0
+    assert native["chat_index_entries_30_replicas"] == python["chat_index_entries_30_replicas"]
+    # the same events and the same index, whichever core applies and walks them
+    assert native["ingest_index_entries"] == python["ingest_index_entries"]
+    assert native["index_entries_30_replicas"] == python["index_entries_30_replicas"]
+    ratios = result["native_vs_python"]
+    assert ratios["lookup_p50_us_2048 (python/native)"] > 0
+    assert ratios["ingest_blocks_per_s (native/python)"] > 0
+    assert set(result["native_targets"]) >= {"lookup_p99_us_2048 <= 100", "bytes_per_entry <= 64"}
+
+
+def test_the_python_core_alone() -> None:
+    result = indexer_bench.run(_args("--cores", "python"))
+    assert result["index_core"] == "python" and list(result["cores"]) == ["python"]
+    assert "native_vs_python" not in result and "native_targets" not in result

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import urllib.request
 import venv
 import zipfile
@@ -35,7 +36,21 @@ PIP = ["-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from the files a clone of this checkout has (tracked ones, and new
     ones git does not ignore), in a copy: the build writes nothing into the checkout."""
-    src = tmp_path_factory.mktemp("src")
+    src = _checkout_copy(tmp_path_factory.mktemp("src"))
+    dist = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, *PIP, "wheel", "--no-deps", "--no-build-isolation", "-w", dist, "."],
+        cwd=src,
+        capture_output=True,
+        check=True,
+        timeout=300,
+    )
+    (built,) = dist.glob("kvroute-*.whl")
+    return built
+
+
+def _checkout_copy(src: Path) -> Path:
+    """Into ``src``: the files a clone of this checkout has."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO_ROOT,
@@ -47,16 +62,33 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if path.is_file():  # a tracked file deleted in the working tree is still listed
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, src / name)
-    dist = tmp_path_factory.mktemp("dist")
+    return src
+
+
+def test_the_sdist_carries_the_native_core_sources(tmp_path: Path) -> None:
+    """``pip install kvroute`` from the sdist builds the native core where a compiler exists:
+    its sources and setup.py must be in it."""
+    src = _checkout_copy(tmp_path / "src")
     subprocess.run(
-        [sys.executable, *PIP, "wheel", "--no-deps", "--no-build-isolation", "-w", dist, "."],
+        [
+            sys.executable,
+            "-m",
+            "build",
+            "--sdist",
+            "--no-isolation",
+            "--skip-dependency-check",
+            "-o",
+            tmp_path / "dist",
+        ],
         cwd=src,
         capture_output=True,
         check=True,
         timeout=300,
     )
-    (built,) = dist.glob("kvroute-*.whl")
-    return built
+    (sdist,) = (tmp_path / "dist").glob("kvroute-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    assert {"setup.py", "indexer/native/core.cpp", "indexer/native/xxhash.h"} <= names
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +163,10 @@ def test_the_wheel_holds_one_namespace_and_its_data_files(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/", 1)[0] for name in names}
     # connector/ is the old module path of the vLLM connector (kvroute.old_connector_path).
-    assert top == {"kvroute", "connector", f"{wheel.name.split('-py')[0]}.dist-info"}
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
+    assert top == {"kvroute", "connector", dist_info}
+    # the native index core, built where a compiler exists (setup.py; docs/indexer.md)
+    assert [n for n in names if n.startswith("kvroute/indexer/_native.") and n.endswith(".so")]
     assert "kvroute/router/ops/static/dashboard.html" in names
     assert "kvroute/deploy/grafana/kvroute-dashboard.json" in names
     assert "kvroute/connector/kvroute_connector.py" in names
@@ -147,6 +182,11 @@ def test_a_base_install_runs_the_router_on_the_simulator(
         [base_install / "python", "-c", no_heavy], capture_output=True, text=True, check=True
     )
     assert found.stdout.split() == ["None", "None"]  # the base dependencies, no extras
+    core = "from kvroute.indexer import native_core; print(native_core.CORE)"
+    ran = subprocess.run(  # not from the checkout, whose kvroute/ folder would shadow it
+        [base_install / "python", "-c", core], capture_output=True, text=True, cwd=base_install
+    )
+    assert ran.stdout.strip() == "native", ran.stderr  # the wheel's extension loads there
     helped = subprocess.run(
         [base_install / "kvroute", "--help"], capture_output=True, text=True, timeout=60
     )
@@ -220,3 +260,27 @@ print(json.dumps({
     assert [category for category, _ in report["warnings"]] == ["FutureWarning"]
     assert "kvroute.connector.kvroute_connector" in report["warnings"][0][1]
     assert report["same_class"] is True
+
+
+def test_without_a_compiler_the_wheel_builds_without_the_native_core(tmp_path: Path) -> None:
+    """setup.py's build_ext warns and goes on when it cannot compile: the package installs,
+    and runs the Python index (tests/indexer/test_native_fallback.py)."""
+    src = _checkout_copy(tmp_path / "src")
+    no_compiler = {**os.environ, "CC": "false", "CXX": "false", "LDSHARED": "false"}
+    built = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"),
+            *("wheel", "-v", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", "."),
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env=no_compiler,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "kvroute's native index core was not built" in built.stdout + built.stderr
+    (wheel,) = (tmp_path / "dist").glob("kvroute-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kvroute/indexer/native_core.py" in names
+    assert not [n for n in names if n.startswith("kvroute/indexer/_native.")]

@@ -1,0 +1,368 @@
+// kvroute.indexer._native: the prefix index's hot paths in C++ (docs/indexer.md, "Native core").
+//
+// Each function here has a Python twin that is the specification (indexer/keys.py's
+// block_keys, indexer/index/lookup.py's _walk_counts, confirmed.py's _remove/_release/
+// _forget_if_unheld); tests/indexer/test_native_core.py drives random inputs through both and
+// asserts they agree exactly. The index's state stays in Python's tables
+// (InMemoryPrefixIndex): the walk reads, and the device removals write, the same dicts the
+// Python code does, so there is one state and one set of publisher rules.
+//
+// pybind11 only defines the module; the loops use CPython's C API directly (borrowed
+// references, no per-item wrapper objects).
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kW = 6;                 // bits per replica slot (indexer/index/state.py _W)
+constexpr unsigned kLowerBits = 0x3E;  // every class but confirmed GPU
+
+// block_keys(packed, block_size, parent, max_blocks) -> list[int]: the chained keys of every
+// full block of little-endian u32 tokens, key_i = xxh3_64(block_i, seed=key_{i-1}). Hashing
+// runs without the GIL (the buffer is an immutable bytes object the caller keeps alive).
+py::list block_keys(py::bytes packed, Py_ssize_t block_size, uint64_t parent,
+                    Py_ssize_t max_blocks) {
+  if (block_size <= 0) throw py::value_error("block_size must be positive");
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (PyBytes_AsStringAndSize(packed.ptr(), &data, &len) != 0) throw py::error_already_set();
+  const size_t step = 4 * static_cast<size_t>(block_size);
+  size_t n = static_cast<size_t>(len) / step;
+  if (max_blocks >= 0 && static_cast<size_t>(max_blocks) < n) n = static_cast<size_t>(max_blocks);
+  std::vector<uint64_t> keys(n);
+  {
+    py::gil_scoped_release released;
+    uint64_t key = parent;
+    for (size_t i = 0; i < n; ++i) {
+      key = XXH3_64bits_withSeed(data + i * step, step, key);
+      keys[i] = key;
+    }
+  }
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
+  if (out == nullptr) throw py::error_already_set();
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* v = PyLong_FromUnsignedLongLong(keys[i]);
+    if (v == nullptr) {
+      Py_DECREF(out);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
+  }
+  return py::reinterpret_steal<py::list>(out);
+}
+
+// A mask (a Python int, six bits per replica slot): its low bits as 64-bit words, as many as
+// the walk reads.
+class MaskWords {
+ public:
+  explicit MaskWords(size_t need_bits) : n_(need_bits / 64 + 1), words_(n_ + 1, 0) {}
+
+  size_t size() const { return n_; }
+  uint64_t word(size_t k) const { return words_[k]; }
+
+  // Loads ``mask`` (nullptr: 0).
+  void load(PyObject* mask) {
+    if (mask == nullptr) {
+      std::fill(words_.begin(), words_.end(), 0);
+      return;
+    }
+    if (n_ == 1) {
+      uint64_t v = PyLong_AsUnsignedLongLongMask(mask);  // the low 64 bits of any int
+      if (v == static_cast<uint64_t>(-1) && PyErr_Occurred()) throw py::error_already_set();
+      words_[0] = v;
+      return;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    bytes_.assign(n_ * 8, 0);
+    // copies the low bytes when the int is wider (the bits of other slots)
+    if (PyLong_AsNativeBytes(mask, bytes_.data(), static_cast<Py_ssize_t>(n_ * 8),
+                             Py_ASNATIVEBYTES_LITTLE_ENDIAN |
+                                 Py_ASNATIVEBYTES_UNSIGNED_BUFFER) < 0)
+      throw py::error_already_set();
+#else
+    size_t bits = _PyLong_NumBits(mask);
+    if (bits == static_cast<size_t>(-1) && PyErr_Occurred()) throw py::error_already_set();
+    bytes_.assign(std::max(n_ * 8, bits / 8 + 1), 0);
+    if (_PyLong_AsByteArray(reinterpret_cast<PyLongObject*>(mask), bytes_.data(), bytes_.size(),
+                            1, 0) < 0)
+      throw py::error_already_set();
+#endif
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    std::memcpy(words_.data(), bytes_.data(), n_ * 8);
+#else
+    for (size_t k = 0; k < n_; ++k) {
+      uint64_t w = 0;
+      for (int b = 7; b >= 0; --b) w = (w << 8) | bytes_[k * 8 + b];
+      words_[k] = w;
+    }
+#endif
+  }
+
+  // The 6 bits from bit ``pos``.
+  unsigned bits(size_t pos) const {
+    size_t w = pos >> 6, b = pos & 63;
+    uint64_t v = words_[w] >> b;
+    if (b > 58) v |= words_[w + 1] << (64 - b);
+    return static_cast<unsigned>(v & 0x3F);
+  }
+
+ private:
+  size_t n_;
+  std::vector<uint64_t> words_;
+  std::vector<unsigned char> bytes_;
+};
+
+// walk_counts(keys, masks, slots, lifts) -> (counts, ended): lookup.py's _walk_counts. For
+// each replica j (its slot ``slots[j]``): blocks counted per class (device prefix as GPU, past
+// it the fastest lower class holding the block) and the block index its run ended at
+// (len(keys) when it did not). ``lifts``: (source bit, j) pairs, a storage domain's bit seen as
+// the same class of replica j's slot (lookup.py's _lifted).
+//
+// The Python walk accounts every replica once per run of equal masks. Here a replica's blocks
+// are counted when its class changes (device, a lower class, ended), and a block whose mask
+// differs from the block before touches only the replicas whose slots' bits differ (the XOR
+// of the two masks' words): a replica whose bits do not change keeps its phase, so the counts
+// are the same, and the cost follows the changes, not blocks x replicas.
+py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list lifts) {
+  const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
+  const Py_ssize_t n_keys = PyList_GET_SIZE(keys.ptr());
+  std::vector<size_t> pos(n);
+  size_t need_bits = 0;
+  for (size_t j = 0; j < n; ++j) {
+    long long slot = PyLong_AsLongLong(PyList_GET_ITEM(slots.ptr(), j));
+    if (slot == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (slot < 0) throw py::value_error("slots must be >= 0");
+    pos[j] = static_cast<size_t>(slot) * kW;
+    need_bits = std::max(need_bits, pos[j] + kW);
+  }
+  std::vector<std::pair<size_t, size_t>> lift_list;
+  for (py::handle item : lifts) {
+    auto pair = item.cast<py::tuple>();
+    size_t src = pair[0].cast<size_t>();
+    size_t j = pair[1].cast<size_t>();
+    if (j >= n) throw py::value_error("lift target out of range");
+    lift_list.emplace_back(src, j);
+    need_bits = std::max(need_bits, src - src % kW + kW);
+  }
+  // slot -> the replicas to look at again when that slot's bits change (its own, and the
+  // replicas a storage domain's slot is lifted into)
+  std::vector<std::vector<uint32_t>> watchers(need_bits / kW + 1);
+  for (size_t j = 0; j < n; ++j) watchers[pos[j] / kW].push_back(static_cast<uint32_t>(j));
+  // per replica j: (source bit, class bit) pairs lifted into it
+  std::vector<std::vector<std::pair<size_t, unsigned>>> lifted(n);
+  for (auto [src, j] : lift_list) {
+    // A lift is into the replica's slot: every j on that slot sees it (a replica named twice).
+    for (size_t k = 0; k < n; ++k) {
+      if (pos[k] != pos[j]) continue;
+      lifted[k].emplace_back(src, 1u << (src % kW));
+      watchers[src / kW].push_back(static_cast<uint32_t>(k));
+    }
+  }
+
+  MaskWords words_a(need_bits), words_b(need_bits);
+  MaskWords* cur = &words_a;
+  MaskWords* prev = &words_b;
+  std::vector<std::array<long long, kW>> counts(n);
+  for (auto& c : counts) c.fill(0);
+  std::vector<Py_ssize_t> ended(n, n_keys), since(n, 0);
+  std::vector<signed char> cls(n, 0);  // 0: device prefix, 1-5: a lower class, -1: ended
+  std::vector<unsigned char> device(n, 1), lower(n, 0);
+  size_t alive = n;
+
+  // The replica's phase after block i, from its bits there (the Python walk's update): the
+  // same bits give the same phase, so calling it again changes nothing.
+  auto update = [&](size_t j, Py_ssize_t i) {
+    if (cls[j] < 0) return;
+    unsigned bits = cur->bits(pos[j]);
+    for (auto& [src, cls_bit] : lifted[j])
+      if ((cur->bits(src - src % kW) >> (src % kW)) & 1) bits |= cls_bit;
+    bool in_lower = (bits & kLowerBits) != 0;
+    bool still_device = device[j] && (bits & 1);
+    bool low = (lower[j] || (device[j] && !still_device)) && in_lower;
+    device[j] = still_device;
+    lower[j] = low;
+    int now = still_device ? 0 : (low ? __builtin_ctz(bits & kLowerBits) : -1);
+    if (now == cls[j]) return;
+    counts[j][cls[j]] += i - since[j];
+    since[j] = i;
+    cls[j] = static_cast<signed char>(now);
+    if (now < 0) {
+      ended[j] = i;
+      --alive;
+    }
+  };
+
+  PyObject* prev_obj = nullptr;
+  PyObject* dict = masks.ptr();
+  for (Py_ssize_t i = 0; i < n_keys && alive; ++i) {
+    PyObject* obj = PyDict_GetItemWithError(dict, PyList_GET_ITEM(keys.ptr(), i));
+    if (obj == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (i > 0 && obj == prev_obj) continue;  // masks are interned: the same object, the same mask
+    prev_obj = obj;
+    cur->load(obj);
+    if (i == 0) {
+      for (size_t j = 0; j < n; ++j) update(j, 0);
+    } else {
+      for (size_t k = 0; k < cur->size(); ++k) {
+        uint64_t diff = cur->word(k) ^ prev->word(k);
+        while (diff) {
+          size_t bit = 64 * k + static_cast<size_t>(__builtin_ctzll(diff));
+          size_t slot = bit / kW;
+          if (slot < watchers.size())
+            for (uint32_t j : watchers[slot]) update(j, i);
+          size_t next = (slot + 1) * kW;  // the slot's other bits: done
+          diff = next >= 64 * (k + 1) ? 0 : diff & ~((uint64_t{1} << (next - 64 * k)) - 1);
+        }
+      }
+    }
+    std::swap(cur, prev);
+  }
+  for (size_t j = 0; j < n; ++j)
+    if (cls[j] >= 0) counts[j][cls[j]] += n_keys - since[j];
+
+  py::list out_counts(n);
+  py::list out_ended(n);
+  for (size_t j = 0; j < n; ++j) {
+    py::list c(kW);
+    for (int k = 0; k < kW; ++k) c[k] = py::int_(counts[j][k]);
+    out_counts[j] = c;
+    out_ended[j] = py::int_(ended[j]);
+  }
+  return py::make_tuple(out_counts, out_ended);
+}
+
+// Owned reference helper: throws on a NULL result (a Python error is set).
+PyObject* checked(PyObject* obj) {
+  if (obj == nullptr) throw py::error_already_set();
+  return obj;
+}
+
+// remove_device(hash_lists, slot, engine_to_key, masks, interned, refs, chain, ghost, ghost_max)
+// -> (removed, unresolved, forgotten): confirmed.py's _remove + _release + _forget_if_unheld
+// for a run of device (GPU, confirmed, keyed group) BlockRemoved events of a replica with no
+// tier-only chunk records, applied in order on the Python index's own tables. The caller
+// (ConfirmedHoldings._remove_device_run) checks that the run qualifies and books the counts:
+// tier_counts[GPU] -= removed, entries -= forgotten.
+py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to_key,
+                        py::dict masks, py::dict interned, py::dict refs, py::dict chain,
+                        py::object ghost, Py_ssize_t ghost_max) {
+  PyObject* e2k = engine_to_key.ptr();
+  PyObject* mdict = masks.ptr();
+  PyObject* idict = interned.ptr();
+  PyObject* rdict = refs.ptr();
+  PyObject* cdict = chain.ptr();
+  PyObject* gdict = ghost.is_none() ? nullptr : ghost.ptr();
+  py::object shift = py::int_(kW * slot);
+  py::object one = py::int_(1);
+  py::object seven = py::int_(7);
+  py::object zero = py::int_(0);
+  py::object bit = py::reinterpret_steal<py::object>(checked(PyNumber_Lshift(one.ptr(), shift.ptr())));
+  py::object keep = py::reinterpret_steal<py::object>(checked(PyNumber_Invert(bit.ptr())));
+  py::object confirmed =
+      py::reinterpret_steal<py::object>(checked(PyNumber_Lshift(seven.ptr(), shift.ptr())));
+  long long removed = 0, unresolved = 0, forgotten = 0;
+  for (py::handle hashes : hash_lists) {
+    for (py::handle h : hashes) {
+      PyObject* key = PyDict_GetItemWithError(e2k, h.ptr());  // borrowed
+      if (key == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        ++unresolved;
+        continue;
+      }
+      py::object key_ref = py::reinterpret_borrow<py::object>(key);  // e2k may drop it below
+      if (PyDict_GET_SIZE(rdict)) {
+        py::object ref_key = py::make_tuple(key_ref, zero);
+        PyObject* extra = PyDict_GetItemWithError(rdict, ref_key.ptr());
+        if (extra == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (extra != nullptr) {
+          int truthy = PyObject_IsTrue(extra);
+          if (truthy < 0) throw py::error_already_set();
+          if (truthy) {
+            long long n = PyLong_AsLongLong(extra);
+            if (n == -1 && PyErr_Occurred()) throw py::error_already_set();
+            if (n == 1) {
+              if (PyDict_DelItem(rdict, ref_key.ptr()) < 0) throw py::error_already_set();
+            } else {
+              py::object less = py::reinterpret_steal<py::object>(
+                  checked(PyNumber_Subtract(extra, one.ptr())));
+              if (PyDict_SetItem(rdict, ref_key.ptr(), less.ptr()) < 0)
+                throw py::error_already_set();
+            }
+            continue;
+          }
+        }
+      }
+      PyObject* mask = PyDict_GetItemWithError(mdict, key);
+      if (mask == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (mask == nullptr) continue;  // masks.get(key, 0) & bit == 0
+      py::object held = py::reinterpret_steal<py::object>(checked(PyNumber_And(mask, bit.ptr())));
+      int has = PyObject_IsTrue(held.ptr());
+      if (has < 0) throw py::error_already_set();
+      if (!has) continue;
+      py::object rest = py::reinterpret_steal<py::object>(checked(PyNumber_And(mask, keep.ptr())));
+      int nonzero = PyObject_IsTrue(rest.ptr());
+      if (nonzero < 0) throw py::error_already_set();
+      if (nonzero) {
+        PyObject* shared = PyDict_SetDefault(idict, rest.ptr(), rest.ptr());  // borrowed
+        if (shared == nullptr || PyDict_SetItem(mdict, key_ref.ptr(), shared) < 0)
+          throw py::error_already_set();
+      } else if (PyDict_DelItem(mdict, key_ref.ptr()) < 0) {
+        throw py::error_already_set();
+      }
+      ++removed;
+      // _forget_if_unheld: forget the hash when no confirmed class of the replica holds it
+      py::object conf =
+          py::reinterpret_steal<py::object>(checked(PyNumber_And(rest.ptr(), confirmed.ptr())));
+      int still = PyObject_IsTrue(conf.ptr());
+      if (still < 0) throw py::error_already_set();
+      if (still) continue;
+      py::object h_ref = py::reinterpret_borrow<py::object>(h);
+      if (PyDict_Contains(e2k, h_ref.ptr())) {
+        if (PyDict_DelItem(e2k, h_ref.ptr()) < 0) throw py::error_already_set();
+        ++forgotten;
+      } else if (PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      int in_chain = PyDict_Contains(cdict, h_ref.ptr());
+      if (in_chain < 0) throw py::error_already_set();
+      if (in_chain && PyDict_DelItem(cdict, h_ref.ptr()) < 0) throw py::error_already_set();
+      if (gdict != nullptr) {
+        if (PyDict_SetItem(gdict, h_ref.ptr(), key_ref.ptr()) < 0) throw py::error_already_set();
+        if (PyDict_GET_SIZE(gdict) > ghost_max) {
+          Py_ssize_t pos = 0;
+          PyObject *first = nullptr, *value = nullptr;
+          if (PyDict_Next(gdict, &pos, &first, &value)) {
+            py::object first_ref = py::reinterpret_borrow<py::object>(first);
+            if (PyDict_DelItem(gdict, first_ref.ptr()) < 0) throw py::error_already_set();
+          }
+        }
+      }
+    }
+  }
+  return py::make_tuple(removed, unresolved, forgotten);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvroute's native index core: keying token chains and the lookup walk";
+  m.def("block_keys", &block_keys, py::arg("packed"), py::arg("block_size"), py::arg("parent"),
+        py::arg("max_blocks") = -1);
+  m.def("walk_counts", &walk_counts, py::arg("keys"), py::arg("masks"), py::arg("slots"),
+        py::arg("lifts"));
+  m.def("remove_device", &remove_device, py::arg("hash_lists"), py::arg("slot"),
+        py::arg("engine_to_key"), py::arg("masks"), py::arg("interned"), py::arg("refs"),
+        py::arg("chain"), py::arg("ghost"), py::arg("ghost_max"));
+  m.attr("XXH_VERSION") = XXH_versionNumber();
+}
