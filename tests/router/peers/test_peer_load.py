@@ -493,9 +493,18 @@ def test_a_streamed_answer_comes_at_each_change_and_at_each_heartbeat(
         at = next(t for t, b in lines[seen:] if b["replicas"] == {"r0": 2})
         assert at - started < 1.0  # at the change, not at the next heartbeat
         assert [f.result(timeout=30) for f in futures] == [200, 200]
-        taken = fleet.service.router.queue_delay.next_sample
-        assert taken >= 1
-        wait_until(lambda: lines[-1][1]["samples"]["next"] == taken, timeout_s=3)
+        # Each answer's rate sample is logged when the router closes its stream, which may
+        # be just after the client has its last byte: wait for both, and for the stream to
+        # have carried every sample the router has numbered by then.
+        log = fleet.service.router.queue_delay
+
+        def streamed_all() -> bool:
+            rates = sum(len(b["samples"].get("rates", [])) for _, b in lines)
+            return rates == 2 and lines[-1][1]["samples"]["next"] == log.next_sample
+
+        wait_until(streamed_all, timeout_s=5)
+        taken = log.next_sample
+        assert taken >= 3  # the queue sample of the second request, and two answers' rates
         # Each sample on exactly one line: those since the line before (queue samples, and
         # the rate samples of each answer, numbered in one log).
         values = [v for _, b in lines for v in b["samples"]["values"]]
