@@ -64,7 +64,7 @@ def test_device_share_never_exceeds_the_hit_rate() -> None:
 
 def test_waves_bring_every_user_back_after_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn t of every conversation is sent before turn t+1 of any."""
-    from kvroute.deploy import demo
+    from kvroute.deploy import demo_workload
 
     sent: list[tuple[int, int]] = []
 
@@ -78,9 +78,9 @@ def test_waves_bring_every_user_back_after_the_others(monkeypatch: pytest.Monkey
         sent.append((c, t))
         return "ok", 0.01, 100, 50
 
-    monkeypatch.setattr(demo, "_chat_turn", fake_turn)
+    monkeypatch.setattr(demo_workload, "_chat_turn", fake_turn)
     w = Workload(conversations=3, turns=2, concurrency=1)
-    result = demo.run_workload("http://127.0.0.1:9", "m", w, policy="kvroute", tag="t")
+    result = demo_workload.run_workload("http://127.0.0.1:9", "m", w, policy="kvroute", tag="t")
     assert sent == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     assert (result.requests, result.prompt_tokens, result.cached_tokens) == (6, 600, 300)
 
