@@ -28,6 +28,7 @@ from typing import Any
 from kvroute.router.config import ReplicaConfig
 
 __all__ = [
+    "PREFILL_COUNTERS",
     "Replica",
     "ReplicaRegistry",
     "engine_gauges",
@@ -54,6 +55,8 @@ _BY_SOURCE = {
     "vllm:prompt_tokens_by_source_total": {"local_compute": "computed_tokens"},
     "vllm:prompt_tokens_cached_by_source_total": {"host": "host_tokens", "disk": "disk_tokens"},
 }
+# The keys those counters are parsed into, in the order the calibration reads them.
+PREFILL_COUNTERS = ("prefill_s", "prefills", "computed_tokens", "host_tokens", "disk_tokens")
 
 _ENGINE_LABEL = re.compile(r'[{,]engine="([^"]*)"')
 _SOURCE_LABEL = re.compile(r'[{,]source="([^"]*)"')

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import math
 
+from kvroute.router.fleet.replicas import PREFILL_COUNTERS
 from kvroute.router.routing.calibration import CalibrationSample
 
-__all__ = ["COUNTERS", "PrefillEvidence"]
-
-# The keys router/fleet/replicas.py parses these counters into.
-COUNTERS = ("prefill_s", "prefills", "computed_tokens", "host_tokens", "disk_tokens")
+__all__ = ["PrefillEvidence"]
 
 
 class PrefillEvidence:
@@ -54,7 +52,7 @@ class PrefillEvidence:
     def sample(self, replica: str, scraped: dict[str, float]) -> CalibrationSample | None:
         if "prefills" not in scraped or "prefill_s" not in scraped:
             return None  # a replica (or a vLLM) without the prefill-time histogram
-        values = tuple(float(scraped.get(k, 0.0)) for k in COUNTERS)
+        values = tuple(float(scraped.get(k, 0.0)) for k in PREFILL_COUNTERS)
         if not all(math.isfinite(v) and v >= 0 for v in values):
             return None
         last = self._last.get(replica)
