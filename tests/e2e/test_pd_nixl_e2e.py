@@ -31,6 +31,7 @@ import openai
 import pytest
 
 from tests.connector.vllm_helpers import delta, source_hits, text
+from tests.e2e.helpers import pd_replica_spec
 
 pytestmark = pytest.mark.vllm
 
@@ -92,20 +93,17 @@ def pd_fleet() -> Iterator[PdFleet]:
     from kvroute.deploy.router_process import RouterProcess
     from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
-    from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec
+    from kvroute.deploy.vllm_server import VllmReplica
 
     model = build_tiny_model(default_state_dir() / "models" / "tiny-2k", max_model_len=MAX_LEN)
 
     def spec(name: str, core: str) -> Any:
-        return VllmReplicaSpec(
-            model=model,
-            name=name,
-            served_model_name="tiny",
-            max_model_len=MAX_LEN,
-            block_size=BLOCK,
-            num_gpu_blocks_override=128,
-            cpu_bind=core,
-            cpus=(int(core),),
+        return pd_replica_spec(
+            model,
+            name,
+            core,
+            max_len=MAX_LEN,
+            block=BLOCK,
             kv_events_endpoint=f"tcp://*:{_listen_port()}",
             kv_events_replay_endpoint=f"tcp://*:{_listen_port()}",
             kv_transfer_config=_pd_config(),

@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from tests.connector.vllm_helpers import delta, source_hits, text
+from tests.e2e.helpers import pd_replica_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
@@ -49,7 +50,7 @@ def store_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreFleet
     from kvroute.deploy.router_process import RouterProcess
     from kvroute.deploy.state_dir import default_state_dir
     from kvroute.deploy.tiny_model import build_tiny_model
-    from kvroute.deploy.vllm_server import VllmReplica, VllmReplicaSpec, kvroute_connector_config
+    from kvroute.deploy.vllm_server import VllmReplica, kvroute_connector_config
 
     model = build_tiny_model(default_state_dir() / "models" / "tiny-2k", max_model_len=MAX_LEN)
     shared = tmp_path_factory.mktemp("kvroute-pd-domain")
@@ -67,16 +68,8 @@ def store_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreFleet
     )
 
     def spec(name: str, core: str) -> Any:
-        return VllmReplicaSpec(
-            model=model,
-            name=name,
-            served_model_name="tiny",
-            max_model_len=MAX_LEN,
-            block_size=BLOCK,
-            num_gpu_blocks_override=128,
-            cpu_bind=core,
-            cpus=(int(core),),
-            kv_transfer_config=conn,
+        return pd_replica_spec(
+            model, name, core, max_len=MAX_LEN, block=BLOCK, kv_transfer_config=conn
         )
 
     prefill: Any = VllmReplica(spec("pds-prefill", "0"))
