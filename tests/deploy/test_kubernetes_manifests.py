@@ -626,3 +626,38 @@ def test_shared_storage_class_is_the_overlays_parameter(tmp_path: Any) -> None:
         d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PersistentVolumeClaim"
     ]
     assert [c["spec"]["storageClassName"] for c in claims] == ["cephfs"]
+
+
+def test_shared_storage_evictor_runs_the_router_image_named_once(tmp_path: Any) -> None:
+    """The evictor runs from the router image, and one ``images:`` entry names it: the base
+    overlay's (../cpu), whose rewrite of the routers' Deployment the shared-storage overlay
+    copies into the evictor (kustomize replacements). A new registry or tag set there, and
+    nowhere else, reaches both; the overlay keeps no entry of its own that could drift."""
+    objects = render("shared-storage")
+    gc = one(objects, "Deployment", "kvroute-storage-gc")
+    assert container(gc, "gc")["image"] == container(router(objects), "router")["image"]
+    overlay = yaml.safe_load(
+        (KUBE / "overlays" / "shared-storage" / "kustomization.yaml").read_text()
+    )
+    assert not [i for i in overlay.get("images", []) if i["name"] == "kvroute-router"]
+
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, copy)
+    base = copy / "overlays" / "cpu" / "kustomization.yaml"
+    data = yaml.safe_load(base.read_text())
+    (entry,) = [i for i in data["images"] if i["name"] == "kvroute-router"]
+    entry.update(newName="registry.internal:5000/team/kvroute-router", newTag="9.9.9")
+    base.write_text(yaml.safe_dump(data))
+    kubectl = shutil.which("kubectl")
+    assert kubectl
+    out = subprocess.run(
+        [kubectl, "kustomize", str(copy / "overlays" / "shared-storage")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    edited = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    want = "registry.internal:5000/team/kvroute-router:9.9.9"
+    assert container(one(edited, "Deployment", "kvroute-storage-gc"), "gc")["image"] == want
+    assert container(router(edited), "router")["image"] == want
