@@ -10,13 +10,19 @@ cluster runs here.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvroute.connector.config import ConnectorConfig
 from kvroute.deploy.vllm_server import CONNECTOR_CLASS, CONNECTOR_MODULE
 from kvroute.router.fleet.discovery.flags import discovery_from_args
 from kvroute.router.fleet.discovery.k8s_pods import pod_replicas
 from tests.deploy.test_kubernetes_manifests import (
+    KUBE,
     container,
     container_port,
     flag,
@@ -107,3 +113,36 @@ def test_the_transfer_ports_are_open_between_the_pools_only() -> None:
     opened = {(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]}
     assert opened == {(side, side), (low, high)}
     assert not {5557, 5558} & {n for a, b in opened for n in range(a, b + 1)}  # routers' only
+
+
+def test_both_pools_run_the_image_one_images_entry_names(tmp_path: Path) -> None:
+    """The prefill pool's image is the decode pool's (kustomize replacements): the base
+    overlay's one ``images:`` entry for kvroute-vllm names both, so a registry set there
+    reaches both pools, and the overlay keeps no entry of its own that could drift from it
+    (over ../gpu it would have put the CPU image on the prefill pool)."""
+    _, pools = _pools()
+    images = {role: container(w, "vllm")["image"] for role, w in pools.items()}
+    assert images["prefill"] == images["decode"]
+    overlay = yaml.safe_load((KUBE / "overlays" / "pd" / "kustomization.yaml").read_text())
+    assert not [i for i in overlay.get("images", []) if i["name"] == "kvroute-vllm"]
+
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, copy)
+    base = copy / "overlays" / "cpu" / "kustomization.yaml"
+    data = yaml.safe_load(base.read_text())
+    (entry,) = [i for i in data["images"] if i["name"] == "kvroute-vllm"]
+    entry.update(newName="registry.internal:5000/team/vllm-cpu", newTag="9.9.9")
+    base.write_text(yaml.safe_dump(data))
+    kubectl = shutil.which("kubectl")
+    assert kubectl
+    out = subprocess.run(
+        [kubectl, "kustomize", str(copy / "overlays" / "pd")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    edited = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    for name in ("vllm", "vllm-prefill"):
+        workload = one(edited, "Deployment", name)
+        assert container(workload, "vllm")["image"] == "registry.internal:5000/team/vllm-cpu:9.9.9"
