@@ -1,27 +1,54 @@
-"""Drain: a replica pod being deleted (``deletionTimestamp`` seen by discovery) gets no new
-request from that moment, and the requests it is serving finish; no client sees an error.
+"""Drain: a replica pod being deleted (``deletionTimestamp`` seen by discovery), or whose
+readiness drops, gets no new request from that moment, and the requests it is serving
+finish; no client sees an error.
 
 A real router on 127.0.0.1 (``--discover k8s`` through the real lightkube client) in front
 of two simulated vLLM replicas, the pods served by the kube-apiserver stand-in
 (tests/router/k8s_apiserver.py). The first replica's prefill is slowed so that its request
-is still being served when its pod is marked for deletion."""
+is still being served when its pod is marked for deletion. The router's endpoint picker runs
+too: a request a gateway asks it to place (ext_proc, as tests/router/epp/test_epp.py drives
+it) is not placed on the leaving pod either."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvroute.bench.sim.faults import ReplicaFaults
+from kvroute.deploy.processes import free_port
 from kvroute.router.app import create_app
 from kvroute.router.config import K8sDiscoverySettings, RouterSettings
 from kvroute.router.serving.http_protocol import header_deadline_protocol
 from kvroute.router.tokens.tokenization import LocalTokenizer
+from tests.router.epp.test_epp import Stream, _body, _destination, header_map
 from tests.router.k8s_apiserver import FakeApiServer, make_pod
 from tests.router.servers import ServerThread, wait_until
 from tests.router.sim_replica import SimServer
+
+
+def _picked(epp: str, body: dict[str, Any]) -> str:
+    """The endpoint the picker names for ``body`` (a duplex pick, as Envoy asks it)."""
+
+    async def main() -> str:
+        async with grpc.aio.insecure_channel(epp) as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            try:
+                stream = Stream(call)
+                await stream.send(header_map("/v1/completions", authorization=None))
+                await stream.send(_body(json.dumps(body).encode()))
+                return _destination(await stream.read())[0]
+            finally:
+                call.cancel()
+
+    return asyncio.run(main())
 
 
 def _pod(name: str, sim: SimServer, *, ready: bool = True) -> dict[str, Any]:
@@ -41,9 +68,13 @@ def _pod(name: str, sim: SimServer, *, ready: bool = True) -> dict[str, Any]:
     )
 
 
-def test_a_pod_marked_for_deletion_takes_no_new_request_and_finishes_its_own(
-    local_tokenizer: LocalTokenizer, tmp_path: Path
+@pytest.mark.parametrize("leaves_by", ["deletion", "readiness"])
+def test_a_pod_leaving_takes_no_new_request_and_finishes_its_own(
+    local_tokenizer: LocalTokenizer, tmp_path: Path, leaves_by: str
 ) -> None:
+    """``deletion``: the pod's ``deletionTimestamp`` is set (a scale-down, a rollout, an
+    eviction). ``readiness``: its Ready condition turns False while it keeps running (a
+    failing readiness probe; the phase stays Running)."""
     with (
         SimServer("r0", local_tokenizer.name) as r0,
         SimServer("r1", local_tokenizer.name) as r1,
@@ -58,6 +89,8 @@ def test_a_pod_marked_for_deletion_takes_no_new_request_and_finishes_its_own(
             ),
             health_interval_s=0.2,
             tokenizer_check_on_start=False,
+            epp_port=free_port("127.0.0.1"),
+            epp_plaintext=True,
         )
         router = ServerThread(
             create_app(settings, tokenizer=local_tokenizer),
@@ -80,11 +113,14 @@ def test_a_pod_marked_for_deletion_takes_no_new_request_and_finishes_its_own(
             thread = threading.Thread(target=first)
             thread.start()
             wait_until(lambda: len(r0.seen) == 1, 10)
-            # pod-1 becomes Ready and pod-0 starts terminating, in that order, while pod-0
-            # is still computing the first request.
+            # pod-1 becomes Ready and pod-0 starts terminating (or turns unready), in that
+            # order, while pod-0 is still computing the first request.
             api.update_pod(_pod("pod-1", r1))
             leaving = _pod("pod-0", r0)
-            leaving["metadata"]["deletionTimestamp"] = "2026-11-27T21:00:00Z"
+            if leaves_by == "deletion":
+                leaving["metadata"]["deletionTimestamp"] = "2026-11-27T21:00:00Z"
+            else:
+                leaving["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
             api.update_pod(leaving)
             wait_until(lambda: [r.name for r in service.registry] == ["pod-1"], 10)
             # pod-1 serves once the router's own health check has seen it (a Ready pod is
@@ -99,10 +135,13 @@ def test_a_pod_marked_for_deletion_takes_no_new_request_and_finishes_its_own(
                     timeout=30,
                 )
                 later.append((answer.status_code, answer.headers.get("x-kvroute-replica")))
+            epp = f"127.0.0.1:{settings.epp_port}"
+            picked = [_picked(epp, {"model": "tiny", "prompt": f"Picked {i}"}) for i in range(3)]
             thread.join(30)
         finally:
             router.stop()
     assert later == [(200, "pod-1")] * 6  # none to the terminating pod, none refused
+    assert picked == [f"127.0.0.1:{r1.port}"] * 3  # nor placed there by the picker
     assert in_flight["status"] == 200 and in_flight["replica"] == "pod-0"
     assert in_flight["text"].rstrip().endswith("data: [DONE]")  # finished, not cut
     assert len(r0.seen) == 1  # pod-0 received nothing after its deletion began
