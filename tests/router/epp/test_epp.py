@@ -536,16 +536,23 @@ def _warm(setup: Setup, body: dict[str, Any]) -> str:
     return setup.endpoints[holder.name]
 
 
-def _ngf_headers(values: dict[str, str], *, end_of_stream: bool = False) -> pb.ProcessingRequest:
+def _ngf_headers(
+    values: dict[str, str], *, end_of_stream: bool = False, lowercase: bool = True
+) -> pb.ProcessingRequest:
     """Request headers as NGINX Gateway Fabric's shim builds them (``buildHeaderRequest``):
     the client's headers as njs forwards them to the shim, names lowercased
     (``strings.ToLower``), each value in ``value`` (never ``raw_value``); no pseudo-headers
     (the njs module fetches the shim's own URL, so the client's path is not sent at all), no
-    ``protocol_config``, no metadata (no subset hint); ``end_of_stream`` when there is no body."""
+    ``protocol_config``, no metadata (no subset hint); ``end_of_stream`` when there is no body.
+    ``lowercase=False``: the names as an earlier shim sent them, the keys of Go's
+    ``http.Header`` unchanged, which Go keeps in canonical case (``Content-Type``)."""
     return pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=core.HeaderMap(
-                headers=[core.HeaderValue(key=k.lower(), value=v) for k, v in values.items()]
+                headers=[
+                    core.HeaderValue(key=k.lower() if lowercase else k, value=v)
+                    for k, v in values.items()
+                ]
             ),
             end_of_stream=end_of_stream,
         )
@@ -590,6 +597,50 @@ def test_nginx_gateway_fabrics_shim_is_routed_by_cache(setup: Setup) -> None:
     assert _run(setup, lambda stream: _ngf_shim(stream, headers, raw)) == holder
     get = _run(setup, lambda stream: _ngf_shim(stream, {"Authorization": AUTH}, b""))
     assert get in setup.endpoints.values()
+
+
+def test_an_earlier_ngf_shim_with_go_canonical_header_names_is_routed_by_cache(
+    setup: Setup,
+) -> None:
+    """The shim as the review behind this picker's path sources read it: NGINX Gateway
+    Fabric's cmd/gateway/endpoint_picker.go at 07e470950b1ec562fb40f763e816dda88f3a0ecc, a
+    commit outside NGF's main history (on main the shim lowercases the names from its first
+    commit, 3dd0bed41, released in v2.2.0: the test above). There ``buildHeaderRequest``
+    copies ``r.Header`` as it is, so the names keep Go's canonical case (``Authorization``,
+    ``Content-Type``) in ``value``, and the headers never say ``end_of_stream``;
+    ``buildBodyRequest`` then sends the whole body. The picker reads names in any case: the
+    key check applies and the body's shape routes the request by cache."""
+    body = _chat("Earlier NGF shim test. " + "Quote the question back. " * 40)
+    holder = _warm(setup, body)
+    raw = json.dumps(body).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "Authorization": AUTH,
+        "X-Request-Id": "ngf-canonical-1",
+        "X-Epp-Host": "kvroute-epp.default.svc",
+        "X-Epp-Port": "9002",
+    }
+
+    async def shim(stream: Stream) -> str | None:
+        await stream.send(_ngf_headers(headers, lowercase=False), _body(raw, True))
+        await stream.call.done_writing()
+        endpoint = None
+        while (answer := await asyncio.wait_for(stream.call.read(), 10.0)) is not grpc.aio.EOF:
+            assert answer.WhichOneof("response") != "immediate_response", answer
+            for h in answer.request_headers.response.header_mutation.set_headers:
+                if h.header.key == "x-gateway-destination-endpoint":
+                    endpoint = h.header.raw_value.decode()
+        assert await stream.call.code() == grpc.StatusCode.OK
+        return endpoint
+
+    assert _run(setup, shim) == holder
+
+    async def wrong_key(stream: Stream) -> int:
+        wrong = {**headers, "Authorization": "Bearer not-the-key"}
+        await stream.send(_ngf_headers(wrong, lowercase=False), _body(raw, True))
+        return _error(await stream.read())[0]
+
+    assert _run(setup, wrong_key) == 401  # the canonical name is the key's header all the same
 
 
 @pytest.mark.parametrize("path_header", ["x-original-path", "x-forwarded-path"])
