@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.wire import Medium
-from kvroute.router.config import ConfigError, CostSettings, K8sDiscoverySettings
+from kvroute.router.app import create_app
+from kvroute.router.config import (
+    ConfigError,
+    CostSettings,
+    K8sDiscoverySettings,
+    RouterSettings,
+)
 from kvroute.router.fleet.discovery.deletion_cost import (
     ANNOTATION,
     DeletionCosts,
@@ -23,8 +31,13 @@ from kvroute.router.fleet.discovery.deletion_cost import (
     pod_of,
 )
 from kvroute.router.fleet.discovery.k8s import KubernetesDiscovery
+from kvroute.router.serving.http_protocol import header_deadline_protocol
+from kvroute.router.tokens.tokenization import LocalTokenizer
 from tests.indexer.builders import BS, DOCS, stored
+from tests.router.fleet.test_drain import sim_pod
 from tests.router.k8s_apiserver import FakeApiServer, make_pod
+from tests.router.servers import ServerThread, wait_until
+from tests.router.sim_replica import SimServer
 
 COST = CostSettings(prefill_s_per_token=1e-3, load_s_per_token_cpu=4e-4)
 
@@ -177,3 +190,75 @@ def test_one_router_of_several_writes_the_costs(tmp_path: Path) -> None:
         assert writers == [False, True, True]
         # router-b took over, and wrote: it had written nothing before.
         assert [name for name, _ in api.patches] == ["vllm-a", "vllm-a"]
+
+
+def test_a_running_routers_discovered_fleet_gets_costs_in_the_order_of_its_sole_holdings(
+    local_tokenizer: LocalTokenizer, tmp_path: Path
+) -> None:
+    """End to end: a router (``--discover k8s``, ``--deletion-cost-interval-s 1``) in front of
+    three simulated vLLM replicas whose pods the API stand-in serves. Each replica computes
+    what its clients send it (requests sent to it directly), and its KV events reach the
+    router's index: all three hold a shared prompt, vllm-b also a prompt of its own, vllm-c
+    one four times as long. The annotations the router writes order the pods a < b < c (a
+    holds nothing alone: 0), so a scale-down deletes vllm-a, whose loss recomputes nothing."""
+    shared = "Shared system prompt, sentence {}. "
+    own = {"vllm-b": "Bee asks, part {}. ", "vllm-c": "Sea asks, part {}. "}
+    with (
+        SimServer("vllm-a", local_tokenizer.name) as a,
+        SimServer("vllm-b", local_tokenizer.name) as b,
+        SimServer("vllm-c", local_tokenizer.name) as c,
+        FakeApiServer() as api,
+    ):
+        sims = {"vllm-a": a, "vllm-b": b, "vllm-c": c}
+        for name, sim in sims.items():
+            api.add_pod(sim_pod(name, sim))
+        settings = RouterSettings(
+            k8s_discovery=K8sDiscoverySettings(
+                selector={"app": "vllm"},
+                kubeconfig=str(api.kubeconfig(tmp_path / "kube")),
+                deletion_cost_interval_s=1,
+            ),
+            health_interval_s=0.2,
+            tokenizer_check_on_start=False,
+        )
+        router = ServerThread(
+            create_app(settings, tokenizer=local_tokenizer),
+            http=header_deadline_protocol(settings.header_timeout_s),
+        ).start()
+        try:
+            service = router.app.state.service
+            wait_until(lambda: len(service.registry.healthy()) == 3, 10)
+
+            def compute(sim: SimServer, prompt: str) -> None:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                httpx.post(f"{sim.url}/v1/completions", json=body, timeout=30).raise_for_status()
+
+            for sim in sims.values():
+                compute(sim, "".join(shared.format(i) for i in range(20)))
+            compute(b, "".join(own["vllm-b"].format(i) for i in range(8)))
+            compute(c, "".join(own["vllm-c"].format(i) for i in range(32)))
+
+            def costs() -> dict[str, int]:
+                pods = api.pods()
+                return {
+                    name: int(pods[name]["metadata"]["annotations"].get(ANNOTATION, -1))
+                    for name in sims
+                }
+
+            def status() -> dict[str, Any]:
+                stats = httpx.get(f"{router.url}/index/stats", timeout=5).json()
+                return stats["discovery"]["deletion_costs"]
+
+            def ordered() -> bool:
+                now = costs()
+                # ... and the router has heard the last patch's answer (its record).
+                written = now == status()["costs_ms"]
+                return written and now["vllm-a"] == 0 < now["vllm-b"] < now["vllm-c"]
+
+            wait_until(ordered, 20)
+            final, record = costs(), status()
+        finally:
+            router.stop()
+    assert final["vllm-c"] > 2 * final["vllm-b"], final  # four times the text, alone
+    assert record["writer"] is True and record["failures"] == 0
+    assert {name for name, _ in api.patches} == set(sims)

@@ -51,7 +51,7 @@ def _picked(epp: str, body: dict[str, Any]) -> str:
     return asyncio.run(main())
 
 
-def _pod(name: str, sim: SimServer, *, ready: bool = True) -> dict[str, Any]:
+def sim_pod(name: str, sim: SimServer, *, ready: bool = True) -> dict[str, Any]:
     def port(endpoint: str) -> str:
         return endpoint.rsplit(":", 1)[1]
 
@@ -81,8 +81,8 @@ def test_a_pod_leaving_takes_no_new_request_and_finishes_its_own(
         FakeApiServer() as api,
     ):
         r0.replica.faults = ReplicaFaults(prefill_delay_s=2.0)
-        api.add_pod(_pod("pod-0", r0))
-        api.add_pod(_pod("pod-1", r1, ready=False))  # not yet: the first request goes to pod-0
+        api.add_pod(sim_pod("pod-0", r0))
+        api.add_pod(sim_pod("pod-1", r1, ready=False))  # not yet: the first request goes to pod-0
         settings = RouterSettings(
             k8s_discovery=K8sDiscoverySettings(
                 selector={"app": "vllm"}, kubeconfig=str(api.kubeconfig(tmp_path / "kube"))
@@ -115,8 +115,8 @@ def test_a_pod_leaving_takes_no_new_request_and_finishes_its_own(
             wait_until(lambda: len(r0.seen) == 1, 10)
             # pod-1 becomes Ready and pod-0 starts terminating (or turns unready), in that
             # order, while pod-0 is still computing the first request.
-            api.update_pod(_pod("pod-1", r1))
-            leaving = _pod("pod-0", r0)
+            api.update_pod(sim_pod("pod-1", r1))
+            leaving = sim_pod("pod-0", r0)
             if leaves_by == "deletion":
                 leaving["metadata"]["deletionTimestamp"] = "2026-11-27T21:00:00Z"
             else:
