@@ -9,6 +9,7 @@ a router with the key warm-starts from its peer, one without it replays."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvroute.router.app import create_app
 from kvroute.router.cli import add_arguments, settings_from_args
 from kvroute.router.config import ConfigError, RouterSettings
 from kvroute.router.peers.snapshot import SnapshotReader, decode_snapshot
+from kvroute.router.peers.warm_start import WarmStartError, fetch_snapshot
 from kvroute.router.tokens.tokenization import LocalTokenizer
 from tests.router.peers.test_warm_start import _entries, _settled, _traffic
 from tests.router.servers import ServerThread, wait_until
@@ -123,3 +125,25 @@ def test_the_snapshot_is_read_as_it_streams(local_tokenizer: LocalTokenizer) -> 
     bounded = SnapshotReader(max_bytes=len(body) - 1)
     with pytest.raises(SnapshotError, match=f"over {len(body) - 1} bytes"):
         bounded.feed(body)
+
+
+def test_a_snapshot_over_the_bound_is_refused_as_it_streams(
+    local_tokenizer: LocalTokenizer,
+) -> None:
+    """Warm start's fetch over real HTTP (``fetch_snapshot``, what ``--peer-snapshot-max-mib``
+    bounds): a bound of the body's size less one is refused while the body streams in, with
+    the reason; the body's own size is accepted whole."""
+    with make_fleet(local_tokenizer, n=2) as fleet:
+        _traffic(fleet, 4, api_key="unused")
+        _settled(fleet, key=None)
+        size = len(_get(fleet.url, "/index/snapshot", None).content)
+
+        async def fetch(max_bytes: int) -> dict[str, Any]:
+            async with httpx.AsyncClient(trust_env=False) as client:
+                return await fetch_snapshot(
+                    client, fleet.url, api_key=None, timeout_s=10, max_bytes=max_bytes
+                )
+
+        assert set(asyncio.run(fetch(size))) == {"r0", "r1"}
+        with pytest.raises(WarmStartError, match=f"over {size - 1} bytes"):
+            asyncio.run(fetch(size - 1))
