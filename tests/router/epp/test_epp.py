@@ -45,6 +45,7 @@ MODEL = "kvroute-sim"
 MAX_BODY = 64 * 1024
 DUPLEX = modes.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = modes.ProcessingMode.BUFFERED
+HEALTH_INTERVAL_S = 0.3
 
 
 class Setup:
@@ -92,7 +93,7 @@ def setup() -> Iterator[Setup]:
                 str(epp_port),
                 "--epp-plaintext",  # TLS by default: test_tls_by_default_... covers it
                 "--health-interval-s",
-                "0.3",
+                str(HEALTH_INTERVAL_S),
                 "--max-body-bytes",
                 str(MAX_BODY),
                 "--no-tokenizer-check",
@@ -529,10 +530,23 @@ def test_tls_by_default_and_a_router_without_keys(setup: Setup) -> None:
 
 def _warm(setup: Setup, body: dict[str, Any]) -> str:
     """Compute ``body`` on the second replica directly, until the router would send it there
-    (``/debug/route``); that replica's endpoint."""
+    (``/debug/route``) and its view of the fleet is idle again; that replica's endpoint.
+
+    Idle, twice a health interval apart: on a busy machine a health scrape can catch the
+    warm-up request still running (the replica counts it until its stream is closed), and
+    until the next scrape the router rightly sees queued work on the holder, which may
+    outweigh the prefix's saving (as tests/router/serving/test_gateway.py's ``warm``)."""
     holder = setup.fleet.replicas[1]
     httpx.post(f"{holder.url}/v1/chat/completions", json=body, timeout=30).raise_for_status()
-    _wait(lambda: setup.debug_route(body)["chosen"] == holder.name)
+
+    def ready() -> bool:
+        loads = [r["load"] for r in setup.stats()["replicas"].values()]
+        idle = all(not (x["in_flight"] or x["running"] or x["waiting"]) for x in loads)
+        return idle and setup.debug_route(body)["chosen"] == holder.name
+
+    _wait(ready)
+    time.sleep(2 * HEALTH_INTERVAL_S)  # a scrape under way at the first check has landed
+    _wait(ready)
     return setup.endpoints[holder.name]
 
 
