@@ -380,7 +380,8 @@ class SimReplica:
             progress = 0.0
             last = sched.now()
             while len(gen.output) < max_tokens:
-                step = lat.decode_step(sched.num_running)
+                # the step model: the step's prefill chunk delays every decode in it
+                step = lat.decode_step(sched.num_running) + sched.prefill_step_s()
                 await asyncio.sleep(max(self.config.stream_interval_s, step * lat.time_scale))
                 if sched is not self.scheduler or not self.alive:
                     raise ReplicaDied("replica died")
