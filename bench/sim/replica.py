@@ -360,10 +360,12 @@ class SimReplica:
             pull, dead = BOARD.take(pull_from, len(prompt), bs)
             if pull is not None:
                 req.pull_tokens, req.remote_cached_tokens = pull.tokens, pull.prefill_cached_tokens
-            elif dead and self.config.dead_side_channel_s:
-                await asyncio.sleep(
-                    self.config.dead_side_channel_s * self.config.latency.time_scale
-                )
+            else:
+                self.scheduler.stats.nixl_failed_transfers += 1
+                if dead and self.config.dead_side_channel_s:
+                    await asyncio.sleep(
+                        self.config.dead_side_channel_s * self.config.latency.time_scale
+                    )
         sched = self.scheduler
         lat = self.config.latency
         finished = False

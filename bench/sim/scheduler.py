@@ -109,6 +109,10 @@ class EngineStats:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    # NixlConnector's failure counters (vllm:nixl_num_failed_transfers on the decode side,
+    # its handshakes included; vllm:nixl_num_kv_expired_reqs on the prefill side)
+    nixl_failed_transfers: int = 0
+    nixl_expired_reqs: int = 0
 
 
 class Scheduler:
