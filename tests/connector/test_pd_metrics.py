@@ -122,3 +122,40 @@ def test_the_prometheus_counters_add_up_the_increments_and_the_router_reads_them
     assert scraped["storage_waited"] == 2
     assert scraped["storage_timeouts"] == 1
     assert scraped["storage_mismatches"] == 1
+
+
+def test_vllms_own_prometheus_and_log_paths_take_the_connector_by_its_module_path() -> None:
+    """What vLLM's API server builds at start (``KVConnectorProm``: a crash there would stop
+    every replica running the connector) and feeds each scheduler-stats dict, and its
+    periodic "KV Transfer metrics" log line (``KVConnectorLogging``)."""
+    from prometheus_client import REGISTRY
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+
+    transfer = KVTransferConfig(
+        kv_connector="KVRouteConnector",
+        kv_connector_module_path="kvroute.connector.kvroute_connector",
+        kv_role="kv_both",
+    )
+    prom = KVConnectorProm(
+        VllmConfig(kv_transfer_config=transfer), ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    try:
+        prom.observe({"transfers": 2, "timeouts": 1}, 0)
+        labels = {"model_name": "tiny", "engine": "0"}
+        assert REGISTRY.get_sample_value("vllm:kvroute_pd_transfers_total", labels) == 2
+        assert REGISTRY.get_sample_value("vllm:kvroute_pd_timeouts_total", labels) == 1
+        logging = KVConnectorLogging(transfer)
+        logging.observe({"transfers": 2, "timeouts": 1})
+        logging.observe({"transfers": 1})
+        lines: list[str] = []
+        logging.log(lambda fmt, text: lines.append(fmt % text))
+        assert lines and "transfers=3" in lines[0] and "timeouts=1" in lines[0]
+    finally:  # the process-wide registry: leave it as it was
+        for _, name, _ in PD_COUNTERS:
+            collector = REGISTRY._names_to_collectors.get(name)
+            if collector is not None:
+                REGISTRY.unregister(collector)
