@@ -11,7 +11,10 @@ prompts) replayed on a fresh simulated fleet of the same replicas per arm:
   (its port closed, its held blocks gone): requests must still all succeed.
 
 The simulator's replicas speak vLLM's P/D protocol (bench/sim/disagg.py): a split request's
-decode replica pulls the prompt at ``transfer_s_per_token``. The router's cost model is set
+decode replica pulls the prompt at ``transfer_s_per_token``, beside its engine. They run
+the simulator's step model (``STEP_BUDGET``, bench/sim/scheduler.py): vLLM's scheduler
+computes a replica's prompts one after the other and its decodes wait for each step's
+prefill chunk, which is what P/D removes from the decode replicas. The router's cost model is set
 to the simulator's rates, as an operator sets it to the hardware. ``kvroute bench routing
 --scenario pd`` runs it; the targets (issue 33): the decider's TTFT p90 no worse than the
 better of the other two and at most 0.8x always-split's, and zero failed requests.
@@ -46,6 +49,15 @@ ARMS: tuple[tuple[str, str, bool, bool], ...] = (
     ("kvroute_pd_prefill_killed", "auto", True, True),
 )
 
+# The replicas run the simulator's step model (bench/sim/scheduler.py) with vLLM's default
+# token budget for an API server on an H100 (vllm/engine/arg_utils.py: 8192): where P/D
+# pays in vLLM, a long prefill holds up the prompts and decode steps behind it; the
+# processor-sharing model let them through beside it.
+STEP_BUDGET = 8192
+
+# The full preset's load (docs/benchmarks.md): with every prompt prefilled in the prefill
+# pool (always-split), that pool is about 70% busy, long prompts at 1.25/s being most of it
+# (0.78 engine-s each), as a P/D fleet is provisioned: the prefill pool is its busy part.
 PD_PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "replicas": 4,  # 2 prefill + 2 decode in the P/D arms
@@ -76,9 +88,9 @@ PD_PRESETS: dict[str, dict[str, Any]] = {
         "kill_at_s": 20.0,
         "deadline_s": 240.0,
         "sizes": dict(
-            long_requests=40,
+            long_requests=50,
             long_tokens=3000,
-            long_rate=1.0,
+            long_rate=1.25,
             users=24,
             rounds=5,
             history_tokens=1500,
@@ -105,7 +117,11 @@ def _fleet_config(args: argparse.Namespace, preset: dict[str, Any]) -> SimFleetC
         storage_blocks=0,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
-        latency=LatencyModel(time_scale=preset["time_scale"], **BENCH_LATENCY),
+        latency=LatencyModel(
+            time_scale=preset["time_scale"],
+            max_num_batched_tokens=STEP_BUDGET,
+            **BENCH_LATENCY,
+        ),
     )
 
 
@@ -198,7 +214,32 @@ def run_pd_arm(
             row["killed"] = None if victim is None else {"replica": victim, "at_s": killed_at}
             row["failed"] = row["requests"] - row["completed"]
             row["sizes"] = preset["sizes"]
+            row.update(_by_kind(records, lat.time_scale))
     return row
+
+
+def _by_kind(records: list[RequestRecord], time_scale: float) -> dict[str, Any]:
+    """TTFT p50/p90 per kind of request (long, user: a returning user's turn after the
+    first, user_first, short) and the time per output token after the first (TPOT) p90,
+    where a decode stalled by a prefill beside it shows."""
+    from kvroute.bench.routing_bench import percentile
+
+    ttfts: dict[str, list[float]] = {}
+    tpots: list[float] = []
+    for r in records:
+        if not r.ok or r.first_token is None or r.done is None:
+            continue
+        kind = r.session.split("-")[0]
+        if kind == "user" and r.turn == 0:
+            kind = "user_first"
+        ttfts.setdefault(kind, []).append((r.first_token - r.sent) / time_scale)
+        if r.completion_tokens > 1:
+            tpots.append((r.done - r.first_token) / time_scale / (r.completion_tokens - 1))
+    return {
+        "ttft_p50_by_kind_s": {k: percentile(v, 50) for k, v in sorted(ttfts.items())},
+        "ttft_p90_by_kind_s": {k: percentile(v, 90) for k, v in sorted(ttfts.items())},
+        "tpot_p90_s": percentile(tpots, 90) if tpots else None,
+    }
 
 
 def run_pd_scenario(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -212,10 +253,12 @@ def run_pd_scenario(args: argparse.Namespace) -> list[dict[str, Any]]:
         row = run_pd_arm(args, preset, arm, log_dir=log_dir)
         rows.append(row)
         pd = row["pd"] or {}
+        kinds = ", ".join(f"{k} {v:.3f}" for k, v in row["ttft_p90_by_kind_s"].items())
         print(
-            f"routing bench: pd_mix/{arm[0]}: TTFT p90 {row['ttft_p90_s']:.3f} s, "
+            f"routing bench: pd_mix/{arm[0]}: TTFT p90 {row['ttft_p90_s']:.3f} s "
+            f"({kinds}), TPOT p90 {row['tpot_p90_s']}, "
             f"{row['completed']}/{row['requests']} done, split {pd.get('split')}, "
-            f"bypass rate {pd.get('bypass_rate')}",
+            f"bypass rate {pd.get('bypass_rate')}, decisions {pd.get('decisions')}",
             file=sys.stderr,
             flush=True,
         )

@@ -46,6 +46,7 @@ from kvroute.connector.layout import (
     pool_slots,
     stage_layers,
 )
+from kvroute.connector.pd_metrics import KVRoutePdStats, KVRoutePromMetrics
 from kvroute.connector.pd_store import (
     PdWaits,
     on_its_way,
@@ -435,6 +436,30 @@ class KVRouteConnector(KVConnectorBase_V1):
         self._pd.stats.prefill_answers += 1
         self._pd.stats.named_chunks += len(out["kvroute_storage"]["keys"])
         return out
+
+    # ================================================================ stats (vLLM's path)
+
+    def get_kv_connector_stats(self) -> KVRoutePdStats | None:
+        """The storage-domain P/D counters' increments since the last step (scheduler side;
+        connector/pd_metrics.py): vLLM adds them to ``vllm:kvroute_pd_*``."""
+        if self._pd is None:
+            return None
+        grown = self._pd.stats.take_increments()
+        return None if grown is None else KVRoutePdStats(data=grown)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVRoutePdStats:
+        return KVRoutePdStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVRoutePromMetrics:
+        return KVRoutePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def take_events(self) -> list[KVCacheEvent]:
         if self._planner is None:

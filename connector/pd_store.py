@@ -136,6 +136,31 @@ class PdStats:
     prefill_answers: int = 0
     named_chunks: int = 0
     wait_s_total: float = 0.0
+    _reported: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+
+    def counts(self) -> dict[str, float]:
+        """Every counter, by the keys vLLM's metrics page names them with
+        (connector/pd_metrics.py ``PD_COUNTERS``)."""
+        return {
+            "transfers": self.transfers,
+            "ready": self.ready,
+            "waited": self.waited,
+            "timeouts": self.timeouts,
+            "mismatches": self.mismatches,
+            "prefill_answers": self.prefill_answers,
+            "named_chunks": self.named_chunks,
+            "wait_s": self.wait_s_total,
+        }
+
+    def take_increments(self) -> dict[str, float] | None:
+        """What grew since the last call (None: nothing): what the connector hands vLLM's
+        stats path after each step, which adds it to the Prometheus counters."""
+        now = self.counts()
+        out = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        if not any(out.values()):
+            return None
+        self._reported = now
+        return out
 
 
 @dataclass

@@ -13,7 +13,9 @@ prefill's cached tokens as its own ``cached_tokens``, as vLLM does. A pull that 
 happen (the lease is gone, the prefill replica died or restarted) is recomputed locally, as
 vLLM's ``kv_load_failure_policy="recompute"``, after ``dead_side_channel_s`` when the
 prefill process is gone (vLLM waits ~5 s for a dead side channel); every such pull is
-counted (``TransferBoard.failures``).
+counted (``TransferBoard.failures``, and the decode replica's
+``vllm:nixl_num_failed_transfers``), every lease that ends unread too (the prefill
+replica's ``vllm:nixl_num_kv_expired_reqs``), as NixlConnector counts them.
 
 The "network" is this process: a board shared by the module (``BOARD``) is where a decode
 replica finds the prefill replica's blocks. Replicas may run on different event loops (the
@@ -106,6 +108,7 @@ class TransferBoard:
             lease = self.leases.pop(key, None)
         if lease is not None and not lease.pulled:
             self.expired += 1
+            lease.scheduler.stats.nixl_expired_reqs += 1  # on the prefill replica's loop
             _release(lease)
 
     def take(

@@ -28,6 +28,13 @@ class LatencyModel:
     # A decode replica pulling a prefill replica's KV (P/D, bench/sim/disagg.py): NIXL over
     # RDMA, a little slower than a load from local host memory.
     transfer_s_per_token: float = 1e-5
+    # How the engine shares itself among requests (bench/sim/scheduler.py). 0: processor
+    # sharing (concurrent prefills progress together, decoding never waits for them). > 0:
+    # vLLM's step scheduler with this token budget (``--max-num-batched-tokens``; vLLM's
+    # default for an API server on an H100 is 8192): prefills run in order, each step costs
+    # a decode step plus its prefill tokens, running decodes wait for the step's prefill
+    # chunk, and a NIXL pull does not occupy the engine. A float for the fleet's argv.
+    max_num_batched_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -37,6 +44,7 @@ class LatencyModel:
             "decode_s_per_step",
             "decode_s_per_seq",
             "transfer_s_per_token",
+            "max_num_batched_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -53,6 +61,11 @@ class LatencyModel:
             + from_storage * self.load_storage_s_per_token
             + pulled * self.transfer_s_per_token
         )
+
+    @property
+    def step_budget(self) -> int:
+        """vLLM's per-step token budget (0: the processor-sharing model)."""
+        return int(self.max_num_batched_tokens)
 
     def decode_step(self, running: int) -> float:
         """Simulated seconds per output token with ``running`` sequences in the batch."""

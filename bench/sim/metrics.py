@@ -168,6 +168,18 @@ class _EngineCollector(Collector):
         )
         success.add_metric([*self._values, "length"], st.requests_finished)
         yield success
+        # NixlConnector's (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py)
+        yield self._counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers, including handshake and notification "
+            "failures.",
+            st.nixl_failed_transfers,
+        )
+        yield self._counter(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Number of requests that had their KV expire.",
+            st.nixl_expired_reqs,
+        )
 
 
 class ReplicaMetrics:

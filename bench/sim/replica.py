@@ -360,10 +360,12 @@ class SimReplica:
             pull, dead = BOARD.take(pull_from, len(prompt), bs)
             if pull is not None:
                 req.pull_tokens, req.remote_cached_tokens = pull.tokens, pull.prefill_cached_tokens
-            elif dead and self.config.dead_side_channel_s:
-                await asyncio.sleep(
-                    self.config.dead_side_channel_s * self.config.latency.time_scale
-                )
+            else:
+                self.scheduler.stats.nixl_failed_transfers += 1
+                if dead and self.config.dead_side_channel_s:
+                    await asyncio.sleep(
+                        self.config.dead_side_channel_s * self.config.latency.time_scale
+                    )
         sched = self.scheduler
         lat = self.config.latency
         finished = False
@@ -380,7 +382,8 @@ class SimReplica:
             progress = 0.0
             last = sched.now()
             while len(gen.output) < max_tokens:
-                step = lat.decode_step(sched.num_running)
+                # the step model: the step's prefill chunk delays every decode in it
+                step = lat.decode_step(sched.num_running) + sched.prefill_step_s()
                 await asyncio.sleep(max(self.config.stream_interval_s, step * lat.time_scale))
                 if sched is not self.scheduler or not self.alive:
                     raise ReplicaDied("replica died")

@@ -10,10 +10,24 @@ them (the whole prompt fits one step's token budget here; vLLM chunks longer one
 admitted later may hit blocks still being computed; it then finishes its prefill no earlier
 than the request computing them, as vLLM would run it in a later step.
 
-Time is continuous. Prefills run as processor sharing: ``n`` concurrent prefills each progress
-at 1/n of the engine's rate, the cost of chunked prefill batching them into the same steps.
-Loads from CPU and STORAGE are part of a request's prefill work. Decoding is done by the
-request's own coroutine (``decode_step`` per token), since it never delays anything else here.
+Time is continuous. Two models of how the engine is shared (``LatencyModel``):
+
+* processor sharing (the default, ``max_num_batched_tokens`` 0): ``n`` concurrent prefills
+  each progress at 1/n of the engine's rate, and decoding is done by the request's own
+  coroutine (``decode_step`` per token), never delayed by a prefill;
+* vLLM's step scheduler (``max_num_batched_tokens`` > 0, the token budget of a step):
+  vLLM 0.32's ``Scheduler.schedule`` (vllm/v1/core/sched/scheduler.py) gives the step's
+  budget to the RUNNING requests first, in order, each taking up to its remaining prompt
+  (``long_prefill_token_threshold`` is 0 by default), then admits WAITING requests with
+  what is left: a prompt that arrives behind a running one waits for it, so prefills run
+  in order here, each costing its tokens plus one decode step per budget's worth of them
+  (a forward pass's fixed cost). Decodes ride in the same steps, so each decode step also
+  waits for the step's prefill chunk (``prefill_step_s``). A decode leg's NIXL pull does
+  not occupy the engine: NixlConnector's ``get_num_new_matched_tokens`` answers
+  ``load_kv_async`` and the request waits in ``WAITING_FOR_REMOTE_KVS`` while other
+  requests run (``ready_at``), then its remaining tokens are computed like any prefill.
+
+Loads from CPU and STORAGE are part of a request's prefill work in both models.
 
 Events: the cache's pending events are published as one batch after each scheduler action
 (admission, prefill completion, finish), which is vLLM's one batch per engine step.
@@ -70,6 +84,9 @@ class SimRequest:
     pull_tokens: int = 0
     remote_cached_tokens: int | None = None
     scheduled_at: float = 0.0  # simulated seconds, when admitted (vLLM's scheduled_ts)
+    # The step model (``LatencyModel.max_num_batched_tokens``): when its NIXL pull ends and
+    # it may be computed (vLLM's WAITING_FOR_REMOTE_KVS until then).
+    ready_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -92,6 +109,10 @@ class EngineStats:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
+    # NixlConnector's failure counters (vllm:nixl_num_failed_transfers on the decode side,
+    # its handshakes included; vllm:nixl_num_kv_expired_reqs on the prefill side)
+    nixl_failed_transfers: int = 0
+    nixl_expired_reqs: int = 0
 
 
 class Scheduler:
@@ -245,7 +266,18 @@ class Scheduler:
             req.cached_by_tier = {t: alloc.hit_blocks_in(t) * bs for t in Medium}
             pulled = max(0, req.pull_tokens - req.cached_tokens)
             uncached = len(req.prompt) - req.cached_tokens - pulled
-            req.work_left = self.latency.prefill_work(uncached, from_cpu, from_storage, pulled)
+            lat = self.latency
+            if lat.step_budget:
+                # vLLM: the pull runs beside the engine (the request waits in
+                # WAITING_FOR_REMOTE_KVS), then the rest is computed in steps that each
+                # cost a decode step of the running batch on top of their tokens.
+                req.ready_at = self.now() + pulled * lat.transfer_s_per_token
+                steps = max(1, -(-uncached // lat.step_budget))
+                req.work_left = lat.prefill_work(
+                    uncached, from_cpu, from_storage
+                ) + steps * lat.decode_step(len(self._running))
+            else:
+                req.work_left = lat.prefill_work(uncached, from_cpu, from_storage, pulled)
             if req.remote_cached_tokens is not None:
                 req.cached_tokens = req.remote_cached_tokens
             self.stats.prefix_queries += len(req.prompt)
@@ -267,15 +299,76 @@ class Scheduler:
                 block.owner = req
         self._flush()
 
+    def _queue(self, t: float) -> list[SimRequest]:
+        """The step model's prefills that may run at ``t``, in the order vLLM runs them:
+        the running ones first, in the order they became runnable (a pulled request joins
+        after the pull)."""
+        ready = [r for r in self._prefilling.values() if r.ready_at <= t + 1e-12]
+        return sorted(ready, key=lambda r: r.ready_at)  # stable: admission order
+
+    def prefill_step_s(self) -> float:
+        """Step model: what the prefill chunk of the step now running adds to its decodes'
+        step (vLLM batches decodes with the chunk, so each of them waits for it); 0 in the
+        processor-sharing model, or with no prefill running."""
+        lat = self.latency
+        if not lat.step_budget:
+            return 0.0
+        now = self.now()
+        elapsed, work = max(0.0, now - self._last), 0.0  # work done since the last advance
+        for req in self._queue(now):
+            done = min(max(req.work_left, 0.0), elapsed)
+            elapsed -= done
+            work += req.work_left - done
+        return min(work, lat.step_budget * lat.prefill_s_per_token)
+
+    def _advance_steps(self, now: float) -> None:
+        """Step model: the engine works on the first runnable prefill until it is done,
+        then the next (vLLM's scheduler gives the running requests the step's budget
+        first, in order, and admits waiting ones with what is left)."""
+        t = self._last
+        while t < now:
+            queue = self._queue(t)
+            if not queue:
+                later = [r.ready_at for r in self._prefilling.values() if r.ready_at > t]
+                if not later:
+                    break
+                t = min(min(later), now)
+                continue
+            head = queue[0]
+            dt = min(max(head.work_left, 0.0), now - t)
+            head.work_left -= dt
+            t += dt
+            if head.work_left <= 1e-9:
+                head.work_left = 0.0
+                del self._prefilling[head.id]
+                self._blocked[head.id] = head
+
+    def _next_event_s(self, now: float) -> float | None:
+        """Simulated seconds until a prefill may finish or a pull ends (None: never)."""
+        if not self._prefilling:
+            return None
+        if not self.latency.step_budget:
+            return min(r.work_left for r in self._prefilling.values()) * len(self._prefilling)
+        queue = self._queue(now)
+        waits = [r.ready_at - now for r in self._prefilling.values() if r.ready_at > now]
+        if queue:
+            waits.append(queue[0].work_left)
+        return min(waits)
+
     def _advance(self, now: float) -> None:
-        """Progress every prefill by the time since the last call (processor sharing)."""
-        n = len(self._prefilling)
-        if n and now > self._last:
-            share = (now - self._last) / n
-            for req in self._prefilling.values():
-                req.work_left -= share
+        """Progress every prefill by the time since the last call (processor sharing, or
+        the step model's order)."""
+        if self.latency.step_budget:
+            self._advance_steps(now)
+        else:
+            n = len(self._prefilling)
+            if n and now > self._last:
+                share = (now - self._last) / n
+                for req in self._prefilling.values():
+                    req.work_left -= share
         self._last = now
-        for req in [r for r in self._prefilling.values() if r.work_left <= 1e-9]:
+        done = [r for r in self._prefilling.values() if r.work_left <= 1e-9 and r.ready_at <= now]
+        for req in done:
             del self._prefilling[req.id]
             self._blocked[req.id] = req
         progress = True
@@ -309,10 +402,9 @@ class Scheduler:
             self._admit()
             self._advance(self.now())
             timeout: float | None = None
-            if self._prefilling:
-                n = len(self._prefilling)
-                next_done = min(r.work_left for r in self._prefilling.values()) * n
-                timeout = max(next_done, 0.0) * self.latency.time_scale
+            next_s = self._next_event_s(self.now())
+            if next_s is not None:
+                timeout = max(next_s, 0.0) * self.latency.time_scale
             self._wake.clear()
             if timeout is None:
                 await self._wake.wait()

@@ -22,6 +22,7 @@ import httpx
 
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.fleet.replicas import (
+    PD_TRANSPORT_COUNTERS,
     Replica,
     ReplicaRegistry,
     engine_gauges,
@@ -124,6 +125,7 @@ class HealthChecker:
             m.set_gauges(
                 gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
             )
+            m.pd_transport = {k: gauges[k] for k in PD_TRANSPORT_COUNTERS if k in gauges}
             if self.on_counters is not None:
                 self.on_counters(m, gauges)
 

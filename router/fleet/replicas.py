@@ -28,6 +28,8 @@ from typing import Any
 from kvroute.router.config import ReplicaConfig
 
 __all__ = [
+    "PD_PULL_FAILURES",
+    "PD_TRANSPORT_COUNTERS",
     "PREFILL_COUNTERS",
     "Replica",
     "ReplicaRegistry",
@@ -57,6 +59,22 @@ _BY_SOURCE = {
 }
 # The keys those counters are parsed into, in the order the calibration reads them.
 PREFILL_COUNTERS = ("prefill_s", "prefills", "computed_tokens", "host_tokens", "disk_tokens")
+# P/D transports' own counters on the replica's page: a decode that could not pull its
+# prefill's KV (it recomputed, or failed the request under kv_load_failure_policy=fail),
+# and a prefill whose held blocks expired unread. NixlConnector's (vLLM's nixl/stats.py)
+# and kvroute's storage-domain transport's (connector/pd_metrics.py).
+_PD_TRANSPORT = {
+    "vllm:nixl_num_failed_transfers_total": "nixl_failed_transfers",
+    "vllm:nixl_num_kv_expired_reqs_total": "nixl_expired_leases",
+    "vllm:kvroute_pd_transfers_total": "storage_transfers",
+    "vllm:kvroute_pd_waited_total": "storage_waited",
+    "vllm:kvroute_pd_timeouts_total": "storage_timeouts",
+    "vllm:kvroute_pd_mismatches_total": "storage_mismatches",
+}
+_COUNTERS.update(_PD_TRANSPORT)
+PD_TRANSPORT_COUNTERS = tuple(_PD_TRANSPORT.values())
+# Of those, the decodes that could not pull (the rest are traffic, or the prefill's side).
+PD_PULL_FAILURES = ("nixl_failed_transfers", "storage_timeouts", "storage_mismatches")
 
 _ENGINE_LABEL = re.compile(r'[{,]engine="([^"]*)"')
 _SOURCE_LABEL = re.compile(r'[{,]source="([^"]*)"')
@@ -189,6 +207,9 @@ class Replica:
     models_at: float | None = None
     removed: bool = False
     load_signal: LoadSignal | None = None  # its registry's, fired when in_flight changes
+    # Its P/D transport's counters as its last metrics page had them (PD_TRANSPORT_COUNTERS;
+    # empty: no such counters on its page).
+    pd_transport: dict[str, float] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -209,6 +209,8 @@ def _disaggregation(
         "prefill_fallbacks",
         "missing_transfer_params",
         "transfer_failures",
+        "pull_failures",
+        "expired_leases",
     )
     return {k: disagg.get(k) for k in keys}
 

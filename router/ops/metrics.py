@@ -136,6 +136,7 @@ class _StateCollector(Collector):
             "kvroute_burst_hints", "Live burst-hint keys", value=snap["hint_keys"]
         )
         yield from _pd_metrics(snap.get("pd"))
+        yield from _pd_transport_metrics(snap["replicas"])
 
 
 def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
@@ -158,13 +159,49 @@ def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
     failures = CounterMetricFamily(
         "kvroute_pd_failures",
         "P/D failures: prefill leg failed, served decode-only after them, prefill answer "
-        "without kv_transfer_params, decode failed after a split (transfer)",
+        "without kv_transfer_params, decode failed after a split (transfer), decode that "
+        "could not pull and recomputed (pull: the replicas' own counters)",
         labels=["kind"],
     )
     for kind in ("prefill_failures", "prefill_fallbacks", "missing_transfer_params"):
         failures.add_metric([kind.removesuffix("s")], pd[kind])
     failures.add_metric(["transfer_failure"], pd["transfer_failures"])
+    failures.add_metric(["pull_failure"], pd.get("pull_failures", 0))
     yield failures
+    if pd.get("bypass_rate") is not None:
+        yield GaugeMetricFamily(
+            "kvroute_pd_bypass_ratio",
+            "Share of P/D decisions served decode-only (the prefill leg skipped)",
+            value=pd["bypass_rate"],
+        )
+    pools = pd.get("pools") or {}
+    for field_, doc in (
+        ("replicas", "Replicas in each P/D pool (role: prefill, decode, both)"),
+        ("healthy", "Healthy replicas in each P/D pool"),
+        ("in_flight", "Requests this router has in flight to each P/D pool"),
+        ("pending", "max(router in-flight, vLLM running + waiting), summed over each pool"),
+    ):
+        family = GaugeMetricFamily(f"kvroute_pd_pool_{field_}", doc, labels=["pool"])
+        for role, pool in sorted(pools.items()):
+            family.add_metric([role], pool[field_])
+        yield family
+
+
+def _pd_transport_metrics(replicas: dict[str, dict[str, Any]]) -> Iterable[Metric]:
+    """The replicas' own P/D transport counters, as their metrics pages had them at the last
+    scrape (router/fleet/replicas.py ``PD_TRANSPORT_COUNTERS``): NIXL's failed transfers and
+    expired leases, the storage domain's transfers, waits, timeouts and mismatches."""
+    family = CounterMetricFamily(
+        "kvroute_pd_transport",
+        "P/D transport counters each replica reports (vllm:nixl_*, vllm:kvroute_pd_*): "
+        "nixl_failed_transfers, storage_timeouts and storage_mismatches are decodes that "
+        "could not pull their prefill's KV",
+        labels=["replica", "counter"],
+    )
+    for name, r in replicas.items():
+        for counter, value in sorted((r.get("pd_transport") or {}).items()):
+            family.add_metric([name, counter], value)
+    yield family
 
 
 class RouterMetrics:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvroute.indexer.stats import collect_stats
+from kvroute.router.fleet.replicas import PD_PULL_FAILURES
 
 if TYPE_CHECKING:
     from kvroute.router.service import RouterService
 
-__all__ = ["metrics_state", "router_stats"]
+__all__ = ["metrics_state", "pd_pools", "pull_failures", "router_stats"]
 
 
 def metrics_state(service: RouterService) -> dict[str, Any]:
@@ -41,6 +42,7 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
             # stored: the queued work an autoscaler reads (docs/router.md, "Saturation").
             "queued_prefill_tokens": (unstored.blocks(r.name) + r.peer_unstored_blocks)
             * (service.index.block_size(r.name) or default_size),
+            "pd_transport": dict(r.pd_transport),
         }
     check = getattr(service.tokenizer, "check", None)
     return {
@@ -48,7 +50,11 @@ def metrics_state(service: RouterService) -> dict[str, Any]:
         "tokenizer_modes": {m: st.mode for m, st in check.models.items()} if check else {},
         "index_bytes": service.index.stats().estimated_bytes,
         "hint_keys": len(service.router.hints),
-        "pd": service.disagg.counters.to_dict(),
+        "pd": {
+            **service.disagg.counters.to_dict(),
+            "pools": pd_pools(service),
+            "pull_failures": pull_failures(service),
+        },
     }
 
 
@@ -71,6 +77,8 @@ def router_stats(service: RouterService) -> dict[str, Any]:
         acc = service.accuracy.replica(r.name)
         entry["storage_domain"] = r.config.storage_domain
         entry["role"], entry["zone"] = r.role, r.config.zone
+        # its P/D transport's counters from its metrics page (NIXL's, the storage domain's)
+        entry["pd_transport"] = dict(r.pd_transport) or None
         entry["health"] = r.snapshot()
         entry["load"] = {
             "in_flight": r.in_flight,
@@ -133,20 +141,40 @@ def router_stats(service: RouterService) -> dict[str, Any]:
     }
 
 
-def _disaggregation(service: RouterService) -> dict[str, Any]:
-    """Prefill/decode disaggregation (router/routing/disagg.py): the pools with their load,
-    the decider's choices and every failure kind."""
+def pd_pools(service: RouterService) -> dict[str, dict[str, Any]]:
+    """Each role's pool (prefill, decode, both) with its load."""
     pools: dict[str, dict[str, Any]] = {}
     for r in service.registry:
-        pool = pools.setdefault(r.role, {"replicas": 0, "healthy": 0, "in_flight": 0})
+        pool = pools.setdefault(
+            r.role, {"replicas": 0, "healthy": 0, "in_flight": 0, "pending": 0.0}
+        )
         pool["replicas"] += 1
         pool["healthy"] += r.healthy
         pool["in_flight"] += r.in_flight
-        pool["pending"] = round(pool.get("pending", 0.0) + r.pending, 3)
+        pool["pending"] = round(pool["pending"] + r.pending, 3)
+    return pools
+
+
+def pull_failures(service: RouterService) -> int:
+    """Decodes that could not pull their prefill's KV, as the replicas count them."""
+    return int(sum(r.pd_transport.get(k, 0.0) for r in service.registry for k in PD_PULL_FAILURES))
+
+
+def _disaggregation(service: RouterService) -> dict[str, Any]:
+    """Prefill/decode disaggregation (router/routing/disagg.py): the pools with their load,
+    the decider's choices and every failure kind, the router's and the replicas' own: a
+    decode that could not pull its prefill's KV (``pull_failures``: NIXL's failed
+    transfers, the storage domain's timeouts and mismatches; the decode recomputed) and
+    prefills whose held blocks expired unread (``expired_leases``)."""
+    replicas = list(service.registry)
     return {
         "mode": service.settings.disagg.mode,
-        "pools": pools,
+        "pools": pd_pools(service),
         **service.disagg.counters.to_dict(),
+        "pull_failures": pull_failures(service),
+        "expired_leases": int(
+            sum(r.pd_transport.get("nixl_expired_leases", 0.0) for r in replicas)
+        ),
     }
 
 

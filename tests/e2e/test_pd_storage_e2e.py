@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -133,6 +134,19 @@ def test_the_decode_replica_loads_the_prompt_from_the_domain_with_the_aggregated
     assert list(store_fleet.shared.glob("*/tp0-pp0/*.kvc"))
 
 
+def _counter(rep: Any, name: str) -> float:
+    return rep.metric_sum(f"vllm:kvroute_pd_{name}_total")
+
+
+def _counted(rep: Any, name: str, value: float) -> None:
+    """The replica's /metrics reaches ``value`` (vLLM's stats logger records each step's
+    connector stats as the step's output is handled: soon after, not before, the answer)."""
+    end = time.monotonic() + 10.0
+    while _counter(rep, name) != value:
+        assert time.monotonic() < end, (name, _counter(rep, name), value)
+        time.sleep(0.2)
+
+
 def _prefill_leg(fleet: StoreFleet, prompt: str) -> tuple[dict[str, Any], int, list[Path]]:
     """A real prefill leg, as the router sends it, sent to the prefill replica: its answer's
     transfer parameters, the tokens they cover, and the named chunk files once they landed."""
@@ -187,6 +201,7 @@ def test_a_decode_asked_before_its_chunks_landed_waits_for_them_and_loads_them(
     for f, h in zip(files, held, strict=True):
         f.rename(h)
     before = source_hits(store_fleet.decode)
+    waited = _counter(store_fleet.decode, "waited")
     late = threading.Timer(1.5, lambda: [h.rename(f) for f, h in zip(files, held, strict=True)])
     t0 = time.monotonic()
     late.start()
@@ -199,6 +214,8 @@ def test_a_decode_asked_before_its_chunks_landed_waits_for_them_and_loads_them(
     loaded = delta(source_hits(store_fleet.decode), before)
     assert loaded.get("disk", 0.0) == tokens and loaded["device"] == 0, loaded
     assert 1.5 <= took < WAIT_S, took
+    # vLLM's /metrics counts it (connector/pd_metrics.py): loaded after waiting
+    _counted(store_fleet.decode, "waited", waited + 1)
 
 
 def test_a_decode_whose_chunks_never_come_recomputes_at_the_deadline(
@@ -211,9 +228,18 @@ def test_a_decode_whose_chunks_never_come_recomputes_at_the_deadline(
     for f in files:
         f.unlink()
     before = source_hits(store_fleet.decode)
+    timeouts = _counter(store_fleet.decode, "timeouts")
     got, took = _decode_leg(store_fleet, prompt, params)
     assert got == reference
     loaded = delta(source_hits(store_fleet.decode), before)
     assert loaded.get("disk", 0.0) == 0 and loaded["external"] == 0, loaded
     # It waited for the deadline (not less: the chunks were named), then recomputed.
     assert WAIT_S <= took < WAIT_S + 30.0, took
+    # A decode that could not pull: on the replica's /metrics, and the router reports it
+    # from its scrape (/index/stats "disaggregation" pull_failures).
+    _counted(store_fleet.decode, "timeouts", timeouts + 1)
+    url = store_fleet.router.url + "/index/stats"
+    end = time.monotonic() + 10.0
+    while (pd := httpx.get(url, timeout=5).json()["disaggregation"])["pull_failures"] < 1:
+        assert time.monotonic() < end, pd
+        time.sleep(0.2)

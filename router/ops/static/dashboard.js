@@ -88,6 +88,8 @@ function renderPd(pd) {
   setText("pd-prefill-fallbacks", fmt(pd.prefill_fallbacks));
   setText("pd-missing-params", fmt(pd.missing_transfer_params));
   setText("pd-transfer-failures", fmt(pd.transfer_failures));
+  setText("pd-pull-failures", fmt(pd.pull_failures));
+  setText("pd-expired-leases", fmt(pd.expired_leases));
   const body = $("pd-pools").tBodies[0];
   body.replaceChildren(...Object.entries(pd.pools || {}).sort().map(([role, p]) => {
     const tr = el("tr", { "data-pool": role });

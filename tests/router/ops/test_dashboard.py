@@ -306,6 +306,7 @@ def test_a_hundred_replicas_are_paged_sorted_and_filtered(
         for role, n in sorted({"both": 50, "decode": 25, "prefill": 25}.items())
     ]
     assert text_of(driver, "#pd-split") == "0"
+    assert text_of(driver, "#pd-pull-failures") == text_of(driver, "#pd-expired-leases") == "0"
 
 
 def test_a_router_with_a_key_asks_for_it_once(driver: Any) -> None:

@@ -247,6 +247,25 @@ def test_a_decode_that_cannot_pull_is_served_again_decode_only(pd_fleet: Fleet) 
     assert "kv_transfer_params" in bodies[0] and "kv_transfer_params" not in bodies[-1]
 
 
+def test_a_decode_that_could_not_pull_and_recomputed_is_reported(pd_fleet: Fleet) -> None:
+    """The pull fails and the decode recomputes (kv_load_failure_policy="recompute"): an
+    ordinary 200 the router cannot tell apart, so it reads the decode replica's own
+    counter (vllm:nixl_num_failed_transfers) at its scrape: /index/stats, /metrics."""
+    gone = {"do_remote_prefill": True, "remote_engine_id": "gone-1", "remote_request_id": "x"}
+    answer = _client(pd_fleet).completions.create(
+        model="tiny", prompt=LONG, max_tokens=3, extra_body={"kv_transfer_params": gone}
+    )
+    assert answer.choices[0].text
+    wait_until(lambda: _stats(pd_fleet)["pull_failures"] == 1, timeout_s=10)
+    stats = pd_fleet.stats()
+    assert stats["replicas"]["r1"]["pd_transport"]["nixl_failed_transfers"] == 1
+    assert stats["replicas"]["r0"]["pd_transport"]["nixl_failed_transfers"] == 0
+    assert stats["disaggregation"]["transfer_failures"] == 0  # no error reached the router
+    text = httpx.get(f"{pd_fleet.url}/metrics", timeout=5).text
+    assert 'kvroute_pd_failures_total{kind="pull_failure"} 1.0' in text
+    assert 'kvroute_pd_transport_total{counter="nixl_failed_transfers",replica="r1"} 1.0' in text
+
+
 def test_pd_metrics_are_exported(pd_fleet: Fleet) -> None:
     _client(pd_fleet).completions.create(model="tiny", prompt=LONG, max_tokens=3)
     text = httpx.get(f"{pd_fleet.url}/metrics", timeout=5).text
