@@ -28,9 +28,13 @@ the rates (it is not a rate the cost model prices). Requests sent into a longer 
 more noise (their wait varies with the queue) and weigh less: ``1 / (1 + pending)^2``.
 
 The estimate is a weighted least-squares fit, regularised towards the configured rates (the
-priors) with the strength of ``prior_samples`` typical samples (of the mean weight of the
-samples seen: where every request is sent into a queue, whole samples would make the prior
-outweigh the evidence), and with the data's weight halving every ``half_life_s``: without
+priors) with the strength of ``prior_samples`` typical samples: of the mean weight of the
+samples seen (where every request is sent into a queue, whole samples would make the prior
+outweigh the evidence), and of the spread of each feature (beside a fitted overhead a sample
+tells a rate what its size differs from the others', not its size: chat turns whose
+uncached parts all lie near 100 tokens tell the prefill rate little each, and a prior worth
+half a sample of their size held a rate 10x off at 1.5x after a hundred noiseless ones),
+and with the data's weight halving every ``half_life_s``: without
 samples an estimate relaxes back to the priors, as the queue model's does. A sample far off
 the current fit (more than ``outlier_k`` mean absolute residuals) is clipped to that bound
 before it counts, so a stalled request or a replica's cold start cannot drag the rates. A
@@ -129,6 +133,10 @@ class _Fit:
     # mean of each feature squared where it is not zero (the scale the prior's strength is
     # given in), and how many samples had it (a tier's loads are a few of all requests)
     x2: list[float] = field(default_factory=lambda: [0.0] * _N)
+    # each feature's mean and mean square over all samples (its spread: what a rate learns
+    # from beside the overhead)
+    m1: list[float] = field(default_factory=lambda: [0.0] * _N)
+    m2: list[float] = field(default_factory=lambda: [0.0] * _N)
     seen: list[int] = field(default_factory=lambda: [0] * _N)
     weight: float = 0.0
     count: float = 0.0  # samples, decayed like ``weight`` (their ratio: a sample's mean weight)
@@ -163,6 +171,8 @@ class _Fit:
         self.count += 1.0
         self.samples += 1
         for i in range(_N):
+            self.m1[i] += (x[i] - self.m1[i]) / min(self.samples, 50)
+            self.m2[i] += (x[i] * x[i] - self.m2[i]) / min(self.samples, 50)
             if x[i] > 0:
                 self.seen[i] += 1
                 x2[i] += (x[i] * x[i] - x2[i]) / min(self.seen[i], 50)
@@ -276,6 +286,7 @@ class LearnedRates:
         own = fit.samples if fit is not None else 0
         share = self.pool_samples / (self.pool_samples + own) if self.pool_samples else 0.0
         scale = [0.0] * n
+        spread = [0.0] * n
         seen = [0] * n
         weight = count = 0.0
         for f, w in ((fit, 1.0), (pooled, share)):
@@ -290,12 +301,13 @@ class LearnedRates:
                 for j in range(n):
                     a[i][j] += keep * f.a[i][j]
                 scale[i] = max(scale[i], f.x2[i])
+                spread[i] = max(spread[i], f.m2[i] - f.m1[i] * f.m1[i])
                 seen[i] = max(seen[i], f.seen[i])
         # A sample's typical weight: the prior is worth ``prior_samples`` samples like these
         # (requests sent into a queue weigh ``1 / (1 + pending)^2`` each; counted as whole
         # samples, the prior would outweigh a busy replica's evidence many times over).
         unit = weight / count if count > 0 else 1.0
-        theta = self._fit(a, b, scale, seen, self._theta0, unit)
+        theta = self._fit(a, b, scale, seen, self._theta0, unit, spread)
         if theta is None:
             return self._theta0
         # The priors say how much faster a load is than recomputing: absent evidence of a
@@ -303,7 +315,7 @@ class LearnedRates:
         # replica that prefills 5x faster than assumed is not thereby slower to load).
         ratio = theta[1] / self._theta0[1] if self._theta0[1] > 0 else 1.0
         scaled_prior = tuple(t * ratio if i in _TIERS else t for i, t in enumerate(self._theta0))
-        theta = self._fit(a, b, scale, seen, scaled_prior, unit) or theta
+        theta = self._fit(a, b, scale, seen, scaled_prior, unit, spread) or theta
         out = [max(0.0, theta[0])]
         for i in range(1, n):
             prior = self._theta0[i]
@@ -319,6 +331,7 @@ class LearnedRates:
         seen: list[int],
         theta0: tuple[float, ...],
         sample_weight: float = 1.0,
+        spread: list[float] | None = None,
     ) -> list[float] | None:
         """The regularised fit of the statistics ``a``, ``b`` towards ``theta0``, the prior
         worth samples of ``sample_weight`` each."""
@@ -333,7 +346,10 @@ class LearnedRates:
             weight = self.prior_samples
             if i in _TIERS:
                 weight = max(weight, _MIN_TIER_SAMPLES - seen[i])
-            strength = weight * sample_weight * (scale[i] if scale[i] > 0 else 1.0)
+            size = scale[i] if scale[i] > 0 else 1.0
+            if i > 0 and spread is not None and spread[i] > 0:
+                size = min(size, spread[i])
+            strength = weight * sample_weight * size
             a[i][i] += strength
             b[i] += strength * theta0[i]
         # Solved in units of each feature's typical size: tokens and the constant differ by
