@@ -261,6 +261,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "session, turn, sent and first-token times, prompt and cached tokens, the replica "
         "that answered)",
     )
+    parser.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="before the first policy, run each workload once straight at the replicas (no "
+        "router), then reset their caches: every policy meets a warm simulator, as a real "
+        "fleet is warm (a fresh simulator process answers its first requests slowly, which "
+        "only the first policy would pay)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     mooncake_trace.add_arguments(parser)
     parser.add_argument(
@@ -466,6 +474,32 @@ def _apply_router_options(settings: dict[str, Any], options: list[str]) -> None:
         for part in parents:
             target = target.setdefault(part, {})
         target[leaf] = value
+
+
+def _warm_up(
+    fleet: SimFleet, built: dict[str, Any], config: SimFleetConfig, deadline: float
+) -> None:
+    """Each workload once, straight at the replicas (spread by session and turn), and the
+    caches reset after: the simulator process's first requests (its first connections and
+    code paths) are paid here, not by whichever policy runs first."""
+    urls = [r.url for r in fleet.replicas]
+    for w, workload in built.items():
+        records, wall = asyncio.run(
+            run_workload(
+                workload,
+                urls,
+                model=config.model,
+                time_scale=config.latency.time_scale,
+                deadline_s=deadline,
+            )
+        )
+        done = sum(1 for r in records if r.ok)
+        print(
+            f"routing bench: warm-up {w}: {done}/{len(records)} done, {wall:.0f} s wall",
+            file=sys.stderr,
+            flush=True,
+        )
+    fleet.reset_caches()
 
 
 async def _run_measured(
@@ -757,6 +791,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sizes["stages"] = [(d, r * args.rate_scale) for d, r in sizes["stages"]]
             text.rng.seed(f"{args.seed}/{w}")
             built[w] = BUILDERS[w](text, seed=args.seed, **sizes)
+        if getattr(args, "warm_up", False):
+            _warm_up(fleet, built, config, deadline)
         # One router process per policy (its start-up costs seconds); the fleet's caches are
         # reset before every run, and the AllBlocksCleared events empty the router's index.
         for policy in policies:

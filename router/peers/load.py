@@ -126,7 +126,9 @@ def load_body(
     """This router's ``GET /peer/load`` answer: ``samples`` are its samples from the
     asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none): queue samples
     in ``values``, samples of the replicas' rates (router/routing/calibration.py) in
-    ``rates`` (a router that does not know the key ignores it)."""
+    ``rates_q`` (with the queue delay priced for the request; an older router's samples,
+    without it and net of that delay, in ``rates``). A router that does not know a key
+    ignores it."""
     replicas = list(replicas)
     body: dict[str, Any] = {
         "router": router_id,
@@ -138,8 +140,9 @@ def load_body(
         },
     }
     rates = [[name, *r] for name, _, r in samples or () if r is not None]
-    if rates:
-        body["samples"]["rates"] = rates
+    for key, size in (("rates", 6), ("rates_q", 7)):
+        if rows := [row for row in rates if len(row) == size]:
+            body["samples"][key] = rows
     if unstored is not None:
         body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
     return body
@@ -183,7 +186,8 @@ class PeerAnswer:
     # router that shares none).
     next_sample: int | None = None
     samples: list[tuple[str, float]] = field(default_factory=list)
-    # Its samples of the replicas' rates: (replica, (uncached, cpu, storage, seconds, weight))
+    # Its samples of the replicas' rates: (replica, (uncached, cpu, storage, seconds, weight[,
+    # queue_s])), as router/routing/calibration.py's CalibrationSample takes them
     rate_samples: list[tuple[str, tuple[float, ...]]] = field(default_factory=list)
 
 
@@ -229,26 +233,29 @@ def parse_load(body: object) -> PeerAnswer:
 
 
 def _rate_samples(value: object) -> list[tuple[str, tuple[float, ...]]]:
-    rows = value.get("rates", []) if isinstance(value, dict) else []
-    if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
-        raise PeerLoadError(f"'samples.rates' must be a list of at most {MAX_SAMPLES}")
     out: list[tuple[str, tuple[float, ...]]] = []
-    for row in rows:
-        if (
-            not isinstance(row, list)
-            or len(row) != 6
-            or not isinstance(row[0], str)
-            or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-                for v in row[1:]
-            )
-            or min(row[1:4]) < 0
-            or not 0 < row[5] <= 1
-        ):
-            raise PeerLoadError(
-                "a rate sample must be [replica, uncached, cpu, storage, seconds, weight]"
-            )
-        out.append((row[0], tuple(float(v) for v in row[1:])))
+    for key, size in (("rates", 6), ("rates_q", 7)):
+        rows = value.get(key, []) if isinstance(value, dict) else []
+        if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
+            raise PeerLoadError(f"'samples.{key}' must be a list of at most {MAX_SAMPLES}")
+        for row in rows:
+            if (
+                not isinstance(row, list)
+                or len(row) != size
+                or not isinstance(row[0], str)
+                or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in row[1:]
+                )
+                or min(row[1:4]) < 0
+                or not 0 < row[5] <= 1
+                or (size == 7 and row[6] < 0)
+            ):
+                raise PeerLoadError(
+                    "a rate sample must be [replica, uncached, cpu, storage, seconds, weight]"
+                    " (in 'rates_q', then the priced queue delay)"
+                )
+            out.append((row[0], tuple(float(v) for v in row[1:])))
     return out
 
 

@@ -14,21 +14,33 @@ the replica reported (``usage...cached_tokens``: what it really served from cach
 queue it sent the request into (and the queue delay its model priced), and when the first
 byte came back. One sample is
 
-    first_byte_s - priced_queue_s  =  overhead + p x uncached + c x cpu + s x storage
+    first_byte_s  =  overhead + p x uncached + c x cpu + s x storage + q x priced_queue_s
 
 with ``uncached = prompt - delivered`` and the predicted tier split trimmed to what was
-delivered (a shortfall is taken from the slowest tier first: storage, then CPU). Requests
-sent into a longer queue carry more noise (their wait is itself an estimate, whose error grows
-with the queue) and weigh less: ``1 / (1 + pending)^2``, the inverse of that variance.
+delivered (a shortfall is taken from the slowest tier first: storage, then CPU). The priced
+queue is a regressor, not subtracted: the queue model learns its seconds per pending request
+from what these rates leave unexplained, and its ``pending`` counts requests that are
+decoding, which hardly delay a new prefill. Subtracted at face value, a queue priced at
+5-10x the real wait (measured on the simulator's chat workload: 77-103 ms priced, 1-6 ms
+waited, 12 ms of prefill) made most samples negative, and the fit answered with a negative
+overhead and a prefill rate 1.3-6x too high. Its share ``q`` starts at 0 and is fitted with
+the rates (it is not a rate the cost model prices). Requests sent into a longer queue carry
+more noise (their wait varies with the queue) and weigh less: ``1 / (1 + pending)^2``.
 
 The estimate is a weighted least-squares fit, regularised towards the configured rates (the
-priors) with the strength of ``prior_samples`` typical samples, and with the data's weight
-halving every ``half_life_s``: without samples an estimate relaxes back to the priors, as
-the queue model's does. A sample far off the current fit (more than ``outlier_k`` mean
-absolute residuals) is clipped to that bound before it counts, so a stalled request or a
-replica's cold start cannot drag the rates. A replica with few samples of its own borrows its
-pool's (the replicas serving the same model): its own data counts fully, the pool's with
-weight ``pool_samples / (pool_samples + own samples)``.
+priors) with the strength of ``prior_samples`` typical samples: of the mean weight of the
+samples seen (where every request is sent into a queue, whole samples would make the prior
+outweigh the evidence), and of the spread of each feature (beside a fitted overhead a sample
+tells a rate what its size differs from the others', not its size: chat turns whose
+uncached parts all lie near 100 tokens tell the prefill rate little each, and a prior worth
+half a sample of their size held a rate 10x off at 1.5x after a hundred noiseless ones),
+and with the data's weight halving every ``half_life_s``: without
+samples an estimate relaxes back to the priors, as the queue model's does. A sample far off
+the current fit (more than ``outlier_k`` mean absolute residuals) is clipped to that bound
+before it counts, so a stalled request or a replica's cold start cannot drag the rates. A
+replica with few samples of its own borrows its pool's (the replicas serving the same
+model): its own data counts fully, the pool's with weight ``pool_samples / (pool_samples +
+own samples)``.
 
 Rates are clamped to [prior / ``max_ratio``, prior x ``max_ratio``]: a rate can move by
 orders of magnitude, never to zero or to infinity.
@@ -43,9 +55,9 @@ from dataclasses import dataclass, field
 
 __all__ = ["CalibrationSample", "LearnedRates", "Rates"]
 
-_N = 4  # overhead, prefill, load from CPU, load from storage
+_N = 5  # overhead, prefill, load from CPU, load from storage, share of the priced queue
+_TIERS = (2, 3)  # the load rates' indices
 _MIN_TIER_SAMPLES = 16
-_NAMES = ("overhead_s", "prefill_s_per_token", "load_s_per_token_cpu", "load_s_per_token_storage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +78,9 @@ class CalibrationSample:
     uncached: float
     cpu: float
     storage: float
-    seconds: float  # first byte minus the queue delay the model priced
+    seconds: float  # the first byte (a replica's counters: its prefill time, no queue in it)
     weight: float = 1.0
+    queue_s: float = 0.0  # the queue delay the cost model priced when it sent the request
 
     @classmethod
     def from_request(
@@ -104,11 +117,11 @@ class CalibrationSample:
         else:
             cached = min(float(prompt_tokens), gpu + cpu + storage)
         uncached = max(0.0, prompt_tokens - cached)
-        seconds = first_byte_s - max(0.0, queue_s)
-        return cls(uncached, cpu, storage, seconds, 1.0 / (1.0 + max(0.0, pending)) ** 2)
+        weight = 1.0 / (1.0 + max(0.0, pending)) ** 2
+        return cls(uncached, cpu, storage, first_byte_s, weight, max(0.0, queue_s))
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, self.uncached, self.cpu, self.storage)
+    def features(self) -> tuple[float, float, float, float, float]:
+        return (1.0, self.uncached, self.cpu, self.storage, self.queue_s)
 
 
 @dataclass(slots=True)
@@ -120,8 +133,13 @@ class _Fit:
     # mean of each feature squared where it is not zero (the scale the prior's strength is
     # given in), and how many samples had it (a tier's loads are a few of all requests)
     x2: list[float] = field(default_factory=lambda: [0.0] * _N)
+    # each feature's mean and mean square over all samples (its spread: what a rate learns
+    # from beside the overhead)
+    m1: list[float] = field(default_factory=lambda: [0.0] * _N)
+    m2: list[float] = field(default_factory=lambda: [0.0] * _N)
     seen: list[int] = field(default_factory=lambda: [0] * _N)
     weight: float = 0.0
+    count: float = 0.0  # samples, decayed like ``weight`` (their ratio: a sample's mean weight)
     samples: int = 0
     abs_residual: float = 0.0  # decayed mean absolute residual (the outlier bound's unit)
     at: float = 0.0
@@ -139,6 +157,7 @@ class _Fit:
         for j in range(_N):
             self.b[j] *= keep
         self.weight *= keep
+        self.count *= keep
 
     def add(self, x: tuple[float, ...], y: float, w: float) -> None:
         a, b, x2 = self.a, self.b, self.x2
@@ -149,8 +168,11 @@ class _Fit:
             for j in range(_N):
                 row[j] += wx * x[j]
         self.weight += w
+        self.count += 1.0
         self.samples += 1
         for i in range(_N):
+            self.m1[i] += (x[i] - self.m1[i]) / min(self.samples, 50)
+            self.m2[i] += (x[i] * x[i] - self.m2[i]) / min(self.samples, 50)
             if x[i] > 0:
                 self.seen[i] += 1
                 x2[i] += (x[i] * x[i] - x2[i]) / min(self.seen[i], 50)
@@ -181,11 +203,16 @@ class LearnedRates:
         self.outlier_k = outlier_k
         self.max_ratio = max_ratio
         self._clock = clock
+        # The share of the priced queue in a first byte starts at none of it: the queue
+        # model's estimate is learned from what these rates leave unexplained, so believing
+        # it would let an overpriced queue drive the rates (measured: the priced queue was
+        # 5-10x the real wait where most pending requests were decoding).
         self._theta0 = (
             prior.overhead_s,
             prior.prefill_s_per_token,
             prior.load_s_per_token_cpu,
             prior.load_s_per_token_storage,
+            0.0,
         )
         self._fits: dict[str, _Fit] = {}
         self._pool_of: dict[str, str] = {}
@@ -259,27 +286,36 @@ class LearnedRates:
         own = fit.samples if fit is not None else 0
         share = self.pool_samples / (self.pool_samples + own) if self.pool_samples else 0.0
         scale = [0.0] * n
+        spread = [0.0] * n
         seen = [0] * n
+        weight = count = 0.0
         for f, w in ((fit, 1.0), (pooled, share)):
             if f is None or w == 0.0:
                 continue
             # the statistics as of now (decay without mutating: reading must not write)
             keep = math.exp(-math.log(2.0) * max(0.0, now - f.at) / self.half_life_s) * w
+            weight += keep * f.weight
+            count += keep * f.count
             for i in range(n):
                 b[i] += keep * f.b[i]
                 for j in range(n):
                     a[i][j] += keep * f.a[i][j]
                 scale[i] = max(scale[i], f.x2[i])
+                spread[i] = max(spread[i], f.m2[i] - f.m1[i] * f.m1[i])
                 seen[i] = max(seen[i], f.seen[i])
-        theta = self._fit(a, b, scale, seen, self._theta0)
+        # A sample's typical weight: the prior is worth ``prior_samples`` samples like these
+        # (requests sent into a queue weigh ``1 / (1 + pending)^2`` each; counted as whole
+        # samples, the prior would outweigh a busy replica's evidence many times over).
+        unit = weight / count if count > 0 else 1.0
+        theta = self._fit(a, b, scale, seen, self._theta0, unit, spread)
         if theta is None:
             return self._theta0
         # The priors say how much faster a load is than recomputing: absent evidence of a
         # tier's own, its rate follows the learned prefill rate at the priors' ratio (a
         # replica that prefills 5x faster than assumed is not thereby slower to load).
         ratio = theta[1] / self._theta0[1] if self._theta0[1] > 0 else 1.0
-        scaled_prior = (self._theta0[0], self._theta0[1], *(t * ratio for t in self._theta0[2:]))
-        theta = self._fit(a, b, scale, seen, scaled_prior) or theta
+        scaled_prior = tuple(t * ratio if i in _TIERS else t for i, t in enumerate(self._theta0))
+        theta = self._fit(a, b, scale, seen, scaled_prior, unit, spread) or theta
         out = [max(0.0, theta[0])]
         for i in range(1, n):
             prior = self._theta0[i]
@@ -294,8 +330,11 @@ class LearnedRates:
         scale: list[float],
         seen: list[int],
         theta0: tuple[float, ...],
+        sample_weight: float = 1.0,
+        spread: list[float] | None = None,
     ) -> list[float] | None:
-        """The regularised fit of the statistics ``a``, ``b`` towards ``theta0``."""
+        """The regularised fit of the statistics ``a``, ``b`` towards ``theta0``, the prior
+        worth samples of ``sample_weight`` each."""
         n = _N
         # The prior: ``prior_samples`` samples' worth of each feature's typical size, pulling
         # each rate to ``theta0``; a feature never seen keeps it exactly. A load rate is
@@ -305,9 +344,12 @@ class LearnedRates:
         b = b[:]
         for i in range(n):
             weight = self.prior_samples
-            if i >= 2:
+            if i in _TIERS:
                 weight = max(weight, _MIN_TIER_SAMPLES - seen[i])
-            strength = weight * (scale[i] if scale[i] > 0 else 1.0)
+            size = scale[i] if scale[i] > 0 else 1.0
+            if i > 0 and spread is not None and spread[i] > 0:
+                size = min(size, spread[i])
+            strength = weight * sample_weight * size
             a[i][i] += strength
             b[i] += strength * theta0[i]
         # Solved in units of each feature's typical size: tokens and the constant differ by

@@ -482,7 +482,14 @@ class Router:
         if self.queue_delay is not None:  # numbered with the queue samples, for the peers
             self.queue_delay.log_rates(
                 replica.name,
-                (sample.uncached, sample.cpu, sample.storage, sample.seconds, sample.weight),
+                (
+                    sample.uncached,
+                    sample.cpu,
+                    sample.storage,
+                    sample.seconds,
+                    sample.weight,
+                    sample.queue_s,
+                ),
             )
 
     def observe_shared_rates(self, replica: Replica, values: tuple[float, ...]) -> None:

@@ -275,3 +275,30 @@ def test_router_timing_is_this_runs_share_of_the_histograms() -> None:
     }
     empty = routing_bench.router_timing_row(after, after, float("nan"), 1.0)
     assert empty == dict.fromkeys(row, None)
+
+
+def test_warm_up_runs_each_workload_at_the_replicas_then_resets_their_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--warm-up``: every workload once, straight at the replicas (no router), before the
+    first policy; the caches are reset after it, so no policy starts on what it left."""
+    calls: list[tuple[str, list[str]]] = []
+    events: list[str] = []
+
+    async def fake_run(workload, urls, **kw):  # type: ignore[no-untyped-def]
+        calls.append((workload, list(urls)))
+        events.append("run")
+        return [], 0.1
+
+    class Fleet:
+        replicas = [argparse.Namespace(url="http://r0"), argparse.Namespace(url="http://r1")]
+
+        def reset_caches(self) -> None:
+            events.append("reset")
+
+    config = argparse.Namespace(model="m", latency=argparse.Namespace(time_scale=0.5))
+    monkeypatch.setattr(routing_bench, "run_workload", fake_run)
+    routing_bench._warm_up(Fleet(), {"chat": "chat-w", "doc_qa": "doc-w"}, config, 5.0)  # type: ignore[arg-type]
+    assert calls == [("chat-w", ["http://r0", "http://r1"]), ("doc-w", ["http://r0", "http://r1"])]
+    assert events == ["run", "run", "reset"]
+    assert _args("--warm-up").warm_up and not _args().warm_up

@@ -73,6 +73,16 @@ def test_a_peers_answer_round_trips() -> None:
     answer = parse_load(body)
     assert answer.samples == [("r0", 0.25), ("r1", 0.125)]
     assert answer.rate_samples == [("r1", (100.0, 0.0, 50.0, 0.5, 1.0))]
+    # This version's samples carry the queue delay priced for the request, in their own key
+    # (an older router, which refuses rows of another length, ignores it).
+    row = (100.0, 0, 50.0, 0.5, 1.0, 0.25)
+    current = load_body("router-a", replicas, next_sample=1, samples=[("r1", None, row)])
+    assert current["samples"]["rates_q"] == [["r1", 100.0, 0, 50.0, 0.5, 1.0, 0.25]]
+    assert "rates" not in current["samples"]
+    assert parse_load(current).rate_samples == [("r1", (100.0, 0.0, 50.0, 0.5, 1.0, 0.25))]
+    current["samples"]["rates_q"][0][6] = -1.0
+    with pytest.raises(PeerLoadError):
+        parse_load(current)
     # An older router's answer has no version: its follower polls it.
     del body["version"]
     assert parse_load(body).version is None
@@ -499,7 +509,7 @@ def test_a_streamed_answer_comes_at_each_change_and_at_each_heartbeat(
         log = fleet.service.router.queue_delay
 
         def streamed_all() -> bool:
-            rates = sum(len(b["samples"].get("rates", [])) for _, b in lines)
+            rates = sum(len(b["samples"].get("rates_q", [])) for _, b in lines)
             return rates == 2 and lines[-1][1]["samples"]["next"] == log.next_sample
 
         wait_until(streamed_all, timeout_s=5)
@@ -508,7 +518,7 @@ def test_a_streamed_answer_comes_at_each_change_and_at_each_heartbeat(
         # Each sample on exactly one line: those since the line before (queue samples, and
         # the rate samples of each answer, numbered in one log).
         values = [v for _, b in lines for v in b["samples"]["values"]]
-        rates = [v for _, b in lines for v in b["samples"].get("rates", [])]
+        rates = [v for _, b in lines for v in b["samples"].get("rates_q", [])]
         assert len(values) + len(rates) == taken and {name for name, _ in values} == {"r0"}
         assert len(rates) == 2 and {row[0] for row in rates} == {"r0"}
         stopping = time.monotonic()
