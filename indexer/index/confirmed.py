@@ -161,6 +161,8 @@ class ConfirmedHoldings(IndexStore):
             state.block_size = bs
         if len(hashes) > 1:
             state.size_confirmed = True  # partial blocks come one at a time
+        if parent is not None and event.parent_block_hash not in state.engine_to_key:
+            self._rehold_parent(state, event.parent_block_hash, parent, result)
         extra = event_extra_keys(event.extra_keys, event.lora_name, len(hashes))
         keys = block_keys(pack_tokens(event.token_ids), bs, parent=parent, extra_keys=extra)
         # A partial block published right after this store may lie inside its blocks.
@@ -180,7 +182,24 @@ class ConfirmedHoldings(IndexStore):
         count_dup = parent is not None or self._recomputed(state, keys, bs)
         if parent is None and count_dup:
             self._computed.add((state, hashes[-1]))  # the other groups' stores of this step too
+        if not count_dup and self._held_in(state, hashes[0], _GPU):
+            # Perhaps a second copy the index does not count: keep the hashes it forgets, so
+            # the blocks vLLM stores on the copy it still holds resolve (_rehold_parent).
+            self._want_ghost(state)
         self._hold_run(state, hashes, keys, _GPU, result, count_dup=count_dup)
+
+    def _rehold_parent(
+        self, state: _ReplicaState, parent_hash: int | None, parent: int, result: ApplyResult
+    ) -> None:
+        """A device store on a parent the index forgot: vLLM stores a block only on a parent
+        its request holds on the device, so a copy of the parent is there that the index did
+        not count (a second copy of a prompt's start, taken once: ``_store_device``). Hold it
+        again (once: its next removal takes it out)."""
+        ghost = state.ghost
+        if ghost is None or parent_hash is None or ghost.get(parent_hash) != parent:
+            return  # resolved through the storage domain: not a device block
+        if not self._hybrid(state):
+            self._hold(state, parent_hash, parent, _GPU, result, count_dup=False)
 
     def _device_block_size(
         self, state: _ReplicaState, event: BlockStored, result: ApplyResult

@@ -115,6 +115,24 @@ def test_a_store_from_the_prompt_start_of_held_blocks_is_idempotent() -> None:
     assert index.lookup(DOC)["a"].blocks == 0
 
 
+def test_blocks_stored_on_a_second_copy_the_index_let_go_are_indexed_with_it() -> None:
+    """A second physical copy of a prompt's start is taken once: the first copy's removal
+    drops the block while vLLM still holds the other. vLLM then stores the rest of the
+    prompt on that copy (a parent its request holds): the index once rejected that store
+    (parent unknown) and predicted nothing; it now resolves it and holds the parent again.
+    Found by tests/indexer/subscriber/test_feed_truth.py."""
+    index = InMemoryPrefixIndex()
+    index.apply("a", [stored(DOC, 0, 1), stored(DOC, 0, 1)])  # two copies of block 0
+    index.apply("a", [removed(DOC, [0])])  # the first copy goes
+    assert index.lookup(DOC)["a"].blocks == 0  # taken once: low, never high
+    result = index.apply("a", [stored(DOC, 1, 3)])  # stored on the copy vLLM still holds
+    assert not result.rejected, result.rejected
+    assert index.lookup(DOC)["a"].blocks_by_tier == {Medium.GPU: 4}
+    index.apply("a", [removed(DOC, [0])])  # the second copy goes: nothing is kept
+    assert index.block_tiers("a", DOC)[:2] == [set(), {"GPU"}]
+    assert index.lookup(DOC)["a"].blocks == 0
+
+
 def test_chunks_sharing_blocks_keep_them_until_both_are_gone() -> None:
     """vLLM's offloading connector announces blocks two chunks share once per chunk."""
     index = InMemoryPrefixIndex()

@@ -149,7 +149,9 @@ class ModelReplica:
         b = blocks_of(doc, variant)[i]
         if b.hash not in self.gpu or (b.parent is not None and b.parent not in self.gpu):
             return
-        if sum(self.gpu.values()) >= self.gpu_blocks and not self._evict_gpu({b.hash}):
+        # The request that computes the copy holds the parent (vLLM evicts only free blocks)
+        keep = {b.hash} if b.parent is None else {b.hash, b.parent}
+        if sum(self.gpu.values()) >= self.gpu_blocks and not self._evict_gpu(keep):
             return
         self._new_copy(b.hash)
         self.main.append(self._store([b], Medium.GPU, with_extra=True))

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvroute.indexer.index import InMemoryPrefixIndex, domain_key
 from kvroute.indexer.keys import RequestKeys
+from kvroute.indexer.stats import collect_stats
 from kvroute.indexer.wire import BlockStored, Event, Medium, decode_batch
 from tests.indexer.builders import BS, DOC, hashes_of, removed, stored, tier_only
 
@@ -226,6 +227,25 @@ def test_a_remote_fs_tier_is_credited_to_its_storage_domain() -> None:
     assert _tiers(index, "c", DOC) == {"STORAGE?": N_BLOCKS}
     index.attach("c", "d")
     assert _tiers(index, "c", DOC) == {"STORAGE?": N_BLOCKS}
+
+
+def test_index_stats_shows_a_domains_unconfirmed_blocks_until_they_age_out() -> None:
+    """/index/stats's ``storage_domains`` counts a domain's unconfirmed chunks apart from its
+    confirmed ones (here vLLM's REMOTE FS files; llm-d's PVC over HTTP in
+    tests/router/routing/test_llmd_pvc.py), and the count follows the age-out."""
+    now = [0.0]
+    index = InMemoryPrefixIndex(unconfirmed_ttl_s=60.0, clock=lambda: now[0])
+    index.attach("a", "d")
+    index.apply("a", [stored(DOC, 0, N_BLOCKS)])
+    index.apply("a", decoded(fs_store(DOC, 0, 4, "REMOTE"), fs_store(DOC, 4, 4, "REMOTE")))
+    index.apply("a", [stored(DOC, 0, 4, Medium.STORAGE)])  # kvroute's connector: confirmed
+    domain = collect_stats(index).to_dict()["storage_domains"]["d"]
+    assert (domain["blocks"], domain["unconfirmed_blocks"]) == (4, N_BLOCKS)
+    assert domain["attached"] == ["a"]
+    now[0] = 61.0
+    index.expire()
+    domain = collect_stats(index).to_dict()["storage_domains"]["d"]
+    assert (domain["blocks"], domain["unconfirmed_blocks"]) == (4, 0)
 
 
 # --- Mooncake's store: vLLM's hashes, no extra keys -----------------------------------------
