@@ -19,22 +19,19 @@ is required, ``targetPorts`` holds at most one port, and there is no ``appProtoc
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
 from kvroute.router.cli import settings_from_args
 from kvroute.router.fleet.discovery.k8s import pool_spec
 from kvroute.router.fleet.discovery.k8s_pods import pod_replicas
 from tests.deploy.test_kubernetes_manifests import (
-    KUBE,
     container,
     container_port,
+    edited_kube,
     flag,
     one,
     render,
@@ -293,22 +290,12 @@ def test_only_the_gateway_reaches_the_picker_and_http_stays_open() -> None:
 
 def _render_with_cert_manager(tmp_path: Path) -> tuple[dict[str, Any], ...]:
     """The epp overlay with components/epp-cert-manager, as its comment says to add it."""
-    work = tmp_path / "kubernetes"
-    shutil.copytree(KUBE, work)
-    kustomization = work / "overlays" / "epp" / "kustomization.yaml"
-    data = yaml.safe_load(kustomization.read_text())
-    data["components"] = ["../../components/epp-cert-manager"]
-    kustomization.write_text(yaml.safe_dump(data))
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
-    out = subprocess.run(
-        [kubectl, "kustomize", str(work / "overlays" / "epp")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    copy = edited_kube(
+        tmp_path,
+        "overlays/epp/kustomization.yaml",
+        lambda d: d.update(components=["../../components/epp-cert-manager"]),
     )
-    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    return render("epp", copy)
 
 
 def test_the_cert_manager_component_gives_the_routers_its_certificate(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -64,11 +66,12 @@ STORAGE_EVENT_PORTS = {5600, 5601}
 
 
 @functools.cache
-def render(overlay: str) -> tuple[dict[str, Any], ...]:
+def render(overlay: str, kube: Path = KUBE) -> tuple[dict[str, Any], ...]:
+    """``kubectl kustomize`` of ``overlay`` in ``kube`` (the tree, or an edited copy)."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
     out = subprocess.run(
-        [kubectl, "kustomize", str(KUBE / "overlays" / overlay)],
+        [kubectl, "kustomize", str(kube / "overlays" / overlay)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -76,6 +79,25 @@ def render(overlay: str) -> tuple[dict[str, Any], ...]:
     )
     assert out.returncode == 0, out.stderr
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def edited_kube(tmp_path: Path, path: str, edit: Callable[[Any], Any]) -> Path:
+    """A copy of deploy/kubernetes whose YAML file ``path`` is replaced by ``edit`` of its
+    parsed content (the value ``edit`` returns, else the content it changed in place): what
+    an operator's change there renders to, the tree itself untouched."""
+    work = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, work)
+    target = work / path
+    data = yaml.safe_load(target.read_text())
+    changed = edit(data)
+    target.write_text(yaml.safe_dump(data if changed is None else changed))
+    return work
+
+
+def set_image(kustomization: dict[str, Any], name: str, new_name: str) -> None:
+    """Point the ``images:`` entry ``name`` of a parsed kustomization at ``new_name``:9.9.9."""
+    (entry,) = [i for i in kustomization["images"] if i["name"] == name]
+    entry.update(newName=new_name, newTag="9.9.9")
 
 
 def one(objects: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
@@ -607,24 +629,13 @@ def test_shared_storage_class_is_the_overlays_parameter(tmp_path: Any) -> None:
     assert claim["spec"]["storageClassName"] == params["data"]["storageClassName"]
     assert not [o for o in objects if o["metadata"]["name"] == params["metadata"]["name"]]
 
-    copy = tmp_path / "kubernetes"
-    shutil.copytree(KUBE, copy)
-    edited = copy / "overlays" / "shared-storage" / "params.yaml"
-    edited.write_text(
-        edited.read_text().replace("storageClassName: nfs-csi", "storageClassName: cephfs")
+    assert params["data"]["storageClassName"] != "cephfs"
+    copy = edited_kube(
+        tmp_path,
+        "overlays/shared-storage/params.yaml",
+        lambda d: d["data"].update(storageClassName="cephfs"),
     )
-    kubectl = shutil.which("kubectl")
-    assert kubectl
-    out = subprocess.run(
-        [kubectl, "kustomize", str(copy / "overlays" / "shared-storage")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    claims = [
-        d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PersistentVolumeClaim"
-    ]
+    claims = [d for d in render("shared-storage", copy) if d["kind"] == "PersistentVolumeClaim"]
     assert [c["spec"]["storageClassName"] for c in claims] == ["cephfs"]
 
 
@@ -641,23 +652,12 @@ def test_shared_storage_evictor_runs_the_router_image_named_once(tmp_path: Any) 
     )
     assert not [i for i in overlay.get("images", []) if i["name"] == "kvroute-router"]
 
-    copy = tmp_path / "kubernetes"
-    shutil.copytree(KUBE, copy)
-    base = copy / "overlays" / "cpu" / "kustomization.yaml"
-    data = yaml.safe_load(base.read_text())
-    (entry,) = [i for i in data["images"] if i["name"] == "kvroute-router"]
-    entry.update(newName="registry.internal:5000/team/kvroute-router", newTag="9.9.9")
-    base.write_text(yaml.safe_dump(data))
-    kubectl = shutil.which("kubectl")
-    assert kubectl
-    out = subprocess.run(
-        [kubectl, "kustomize", str(copy / "overlays" / "shared-storage")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    copy = edited_kube(
+        tmp_path,
+        "overlays/cpu/kustomization.yaml",
+        lambda d: set_image(d, "kvroute-router", "registry.internal:5000/team/kvroute-router"),
     )
-    edited = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    edited = render("shared-storage", copy)
     want = "registry.internal:5000/team/kvroute-router:9.9.9"
     assert container(one(edited, "Deployment", "kvroute-storage-gc"), "gc")["image"] == want
     assert container(router(edited), "router")["image"] == want

@@ -10,8 +10,6 @@ cluster runs here.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +23,13 @@ from tests.deploy.test_kubernetes_manifests import (
     KUBE,
     container,
     container_port,
+    edited_kube,
     flag,
     one,
     render,
     selects,
     serve_args,
+    set_image,
 )
 
 
@@ -126,23 +126,12 @@ def test_both_pools_run_the_image_one_images_entry_names(tmp_path: Path) -> None
     overlay = yaml.safe_load((KUBE / "overlays" / "pd" / "kustomization.yaml").read_text())
     assert not [i for i in overlay.get("images", []) if i["name"] == "kvroute-vllm"]
 
-    copy = tmp_path / "kubernetes"
-    shutil.copytree(KUBE, copy)
-    base = copy / "overlays" / "cpu" / "kustomization.yaml"
-    data = yaml.safe_load(base.read_text())
-    (entry,) = [i for i in data["images"] if i["name"] == "kvroute-vllm"]
-    entry.update(newName="registry.internal:5000/team/vllm-cpu", newTag="9.9.9")
-    base.write_text(yaml.safe_dump(data))
-    kubectl = shutil.which("kubectl")
-    assert kubectl
-    out = subprocess.run(
-        [kubectl, "kustomize", str(copy / "overlays" / "pd")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    copy = edited_kube(
+        tmp_path,
+        "overlays/cpu/kustomization.yaml",
+        lambda d: set_image(d, "kvroute-vllm", "registry.internal:5000/team/vllm-cpu"),
     )
-    edited = tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    edited = render("pd", copy)
     for name in ("vllm", "vllm-prefill"):
         workload = one(edited, "Deployment", name)
         assert container(workload, "vllm")["image"] == "registry.internal:5000/team/vllm-cpu:9.9.9"

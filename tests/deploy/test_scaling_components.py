@@ -6,19 +6,17 @@ them, and the ScaledObject scales the replicas on a metric the router really exp
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
-import yaml
 
 from kvroute.router.cli import settings_from_args
 from kvroute.router.ops.metrics import RouterMetrics
 from tests.deploy.test_kubernetes_manifests import (
-    KUBE,
+    edited_kube,
     one,
+    render,
     router,
     selects,
     serve_args,
@@ -27,22 +25,12 @@ from tests.deploy.test_kubernetes_manifests import (
 
 
 def _render_cpu_with(tmp_path: Path, *components: str) -> tuple[dict[str, Any], ...]:
-    work = tmp_path / "kubernetes"
-    shutil.copytree(KUBE, work)
-    kustomization = work / "overlays" / "cpu" / "kustomization.yaml"
-    data = yaml.safe_load(kustomization.read_text())
-    data["components"] = [f"../../components/{c}" for c in components]
-    kustomization.write_text(yaml.safe_dump(data))
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
-    out = subprocess.run(
-        [kubectl, "kustomize", str(work / "overlays" / "cpu")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    copy = edited_kube(
+        tmp_path,
+        "overlays/cpu/kustomization.yaml",
+        lambda d: d.update(components=[f"../../components/{c}" for c in components]),
     )
-    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+    return render("cpu", copy)
 
 
 def test_deletion_costs_are_off_by_default(tmp_path: Path) -> None:
