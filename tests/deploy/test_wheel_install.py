@@ -169,6 +169,7 @@ def test_the_wheel_holds_one_namespace_and_its_data_files(wheel: Path) -> None:
     assert [n for n in names if n.startswith("kvroute/indexer/_native.") and n.endswith(".so")]
     assert "kvroute/router/ops/static/dashboard.html" in names
     assert "kvroute/deploy/grafana/kvroute-dashboard.json" in names
+    assert "kvroute/bench/workloads/traces/kvroute_small.jsonl" in names  # `--trace` default
     assert "kvroute/connector/kvroute_connector.py" in names
     assert "connector/__init__.py" in names
     assert not [name for name in names if name.startswith("connector/") and "__init__" not in name]
