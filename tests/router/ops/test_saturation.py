@@ -28,20 +28,26 @@ def _gauge(text: str, name: str, labels: str = "") -> float:
     return float(match.group(1))
 
 
+def _settings(*sims: SimServer) -> RouterSettings:
+    """A router in front of ``sims``, health-checked every 0.2 s; a placement stays while
+    the test runs (it is what turns the sent work into queued prefill)."""
+    replicas = [
+        ReplicaConfig(url=sim.url, events=f"tcp://127.0.0.1:{free_port()}", name=sim.name)
+        for sim in sims
+    ]
+    return RouterSettings(
+        replicas=replicas,
+        health_interval_s=0.2,
+        tokenizer_check_on_start=False,
+        cost=CostSettings(placement_unstored_max_age_s=600),
+    )
+
+
 def test_queued_prefill_rises_with_work_sent_and_the_fleet_figure_is_per_replica(
     local_tokenizer: LocalTokenizer,
 ) -> None:
     with SimServer("r0", local_tokenizer.name) as r0, SimServer("r1", local_tokenizer.name) as r1:
-        replicas = [
-            ReplicaConfig(url=sim.url, events=f"tcp://127.0.0.1:{free_port()}", name=sim.name)
-            for sim in (r0, r1)
-        ]
-        settings = RouterSettings(
-            replicas=replicas,
-            health_interval_s=0.2,
-            tokenizer_check_on_start=False,
-            cost=CostSettings(placement_unstored_max_age_s=600),
-        )
+        settings = _settings(r0, r1)
         router = ServerThread(
             create_app(settings, tokenizer=local_tokenizer),
             http=header_deadline_protocol(settings.header_timeout_s),
@@ -74,16 +80,7 @@ def test_a_peer_router_reports_the_fleets_figure_with_the_work_it_did_not_send(
     B's figures too (the blocks A sent to compute, shared in ``/peer/load``), so any router
     the autoscaler scrapes reports the fleet's saturation, not its own share."""
     with SimServer("r0", local_tokenizer.name) as r0, SimServer("r1", local_tokenizer.name) as r1:
-        replicas = [
-            ReplicaConfig(url=sim.url, events=f"tcp://127.0.0.1:{free_port()}", name=sim.name)
-            for sim in (r0, r1)
-        ]
-        settings = RouterSettings(
-            replicas=replicas,
-            health_interval_s=0.2,
-            tokenizer_check_on_start=False,
-            cost=CostSettings(placement_unstored_max_age_s=600),
-        )
+        settings = _settings(r0, r1)
         a = ServerThread(
             create_app(settings, tokenizer=local_tokenizer),
             http=header_deadline_protocol(settings.header_timeout_s),
