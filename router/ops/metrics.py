@@ -49,6 +49,7 @@ EPP_OUTCOMES = (
     "unavailable",  # no replica could take it (503), the subset hint's included
     "router_error",  # a bug in the router (answered 500)
 )
+_POOL_PREFIX = "kvroute_pd_pool_"  # the P/D pool gauges': kvroute_pd_pool_<field of pools>
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -175,13 +176,29 @@ def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
             value=pd["bypass_rate"],
         )
     pools = pd.get("pools") or {}
-    for field_, doc in (
-        ("replicas", "Replicas in each P/D pool (role: prefill, decode, both)"),
-        ("healthy", "Healthy replicas in each P/D pool"),
-        ("in_flight", "Requests this router has in flight to each P/D pool"),
-        ("pending", "max(router in-flight, vLLM running + waiting), summed over each pool"),
+    # Each name written out whole, so that a search for a dashboard's metric finds it here
+    # (tests/deploy/test_grafana_dashboard.py reads the names so).
+    for family in (
+        GaugeMetricFamily(
+            "kvroute_pd_pool_replicas",
+            "Replicas in each P/D pool (role: prefill, decode, both)",
+            labels=["pool"],
+        ),
+        GaugeMetricFamily(
+            "kvroute_pd_pool_healthy", "Healthy replicas in each P/D pool", labels=["pool"]
+        ),
+        GaugeMetricFamily(
+            "kvroute_pd_pool_in_flight",
+            "Requests this router has in flight to each P/D pool",
+            labels=["pool"],
+        ),
+        GaugeMetricFamily(
+            "kvroute_pd_pool_pending",
+            "max(router in-flight, vLLM running + waiting), summed over each pool",
+            labels=["pool"],
+        ),
     ):
-        family = GaugeMetricFamily(f"kvroute_pd_pool_{field_}", doc, labels=["pool"])
+        field_ = family.name[len(_POOL_PREFIX) :]
         for role, pool in sorted(pools.items()):
             family.add_metric([role], pool[field_])
         yield family
