@@ -504,8 +504,9 @@ class ConfirmedHoldings(IndexStore):
         state.unsized = {}
         state.groups = {}
         state.unplaced = {}
-        if state.ghost is not None:
-            state.ghost = {}
+        # As a fresh replica's: what the index does after a clear must not depend on the
+        # history before it (a feed that joins after the clear skips that history).
+        state.ghost = None
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:
         """Drop one confirmed class from every block of the replica (a tier's clear)."""

@@ -80,6 +80,11 @@ class Resets(IndexStore):
                 device = False  # after the connector's events: its own pool's reset
         if device:
             self._clear_class(state, _GPU)
+            # The hashes the clear forgot are no parents of later stores (vLLM stores on a
+            # parent its request holds, computed again after the clear), and what the index
+            # does next must not depend on the history before the clear: a feed that joins
+            # after it skips that history.
+            state.ghost = None
             state.groups = {}
             self._forget_deferred(state)
             result.device_cleared += 1

@@ -133,6 +133,25 @@ def test_blocks_stored_on_a_second_copy_the_index_let_go_are_indexed_with_it() -
     assert index.lookup(DOC)["a"].blocks == 0
 
 
+def test_after_a_device_clear_the_index_is_a_fresh_replicas_whatever_came_before() -> None:
+    """The hashes a device clear forgets are kept for nothing: a store on one of them as a
+    parent is refused as on a replica that never saw them, whether or not the stream had a
+    second copy before the clear (which makes the index keep hashes it forgets). A feed
+    that joins after the clear skips that history and must end in the same index. Found by
+    test_subscriber's moot-history property."""
+    tails = []
+    for copies in (1, 2):
+        index = InMemoryPrefixIndex()
+        index.apply("a", [stored(DOC, 0, 1)] * copies)
+        index.apply("a", [AllBlocksCleared()])
+        result = index.apply("a", [stored(DOC, 1, 1, Medium.CPU)])
+        tails.append((result.rejected, index.lookup(DOC)["a"].blocks, index.summary()))
+    assert tails[0][0] and tails[0][1] == 0
+    assert [(r, b, [(x.entries, x.entries_by_tier) for x in s]) for r, b, s in tails[1:]] == [
+        (tails[0][0], tails[0][1], [(x.entries, x.entries_by_tier) for x in tails[0][2]])
+    ]
+
+
 def test_chunks_sharing_blocks_keep_them_until_both_are_gone() -> None:
     """vLLM's offloading connector announces blocks two chunks share once per chunk."""
     index = InMemoryPrefixIndex()
