@@ -217,7 +217,9 @@ class HybridGroups(IndexStore):
 
     @staticmethod
     def _hybrid(state: _ReplicaState) -> bool:
-        return bool(state.groups) or any(g != state.primary for g in state.group_specs)
+        # some group other than the keyed one (a lookup asks this of every replica: no loop)
+        specs = state.group_specs
+        return bool(state.groups) or len(specs) > 1 or (bool(specs) and state.primary not in specs)
 
     def _recomputed(self, state: _ReplicaState, keys: Sequence[int], block_size: int) -> bool:
         """Whether a keyed-group store from the prompt's start of these blocks is a new

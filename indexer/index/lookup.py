@@ -79,16 +79,35 @@ class Lookups(IndexStore):
             by_size: dict[int, list[_ReplicaState]] = {}
             out: dict[str, PrefixMatch] = {}
             for state in wanted:
-                block_size = self.block_size(state.name)
+                # ``block_size(name)`` inlined for the common case: at a thousand replicas
+                # the per-replica work around the walk is most of a lookup
+                block_size = state.block_size
                 if block_size is None:
-                    out[state.name] = PrefixMatch(state.name, 0, 0, {})
+                    block_size = self.block_size(state.name)
+                    if block_size is None:
+                        out[state.name] = PrefixMatch(state.name, 0, 0, {})
+                        continue
+                group = by_size.get(block_size)
+                if group is None:
+                    by_size[block_size] = [state]
                 else:
-                    by_size.setdefault(block_size, []).append(state)
+                    group.append(state)
             for block_size, states in by_size.items():
                 keys = request.keys(block_size)
-                out.update(self._walk(keys, states, block_size, self._lifted(states)))
-                self._probe_partials(request, states, block_size, out)
-                self._cap_hybrid(request, keys, states, block_size, out)
+                self._walk(keys, states, block_size, out)
+                partial = [s for s in states if s.partial_unit is not None]
+                if partial:
+                    self._probe_partials(request, partial, block_size, out)
+                # ``_hybrid`` inlined (the same test): it runs for every replica
+                hybrid = [
+                    s
+                    for s in states
+                    if s.groups
+                    or len(s.group_specs) > 1
+                    or (s.group_specs and s.primary not in s.group_specs)
+                ]
+                if hybrid:
+                    self._cap_hybrid(request, keys, hybrid, block_size, out)
             return out
 
     def _probe_partials(
@@ -149,27 +168,35 @@ class Lookups(IndexStore):
         keys: Sequence[int],
         states: list[_ReplicaState],
         block_size: int,
-        get: Callable[[int, int], int] | None = None,
-    ) -> dict[str, PrefixMatch]:
-        """What each replica can serve of ``keys``: the walk's counts (``_walk_counts``, or
-        the native core's twin when it runs and the keys are a list), each lower-tier run
-        ended on a whole chunk (``_trim``)."""
-        get = get or self._masks.get
+        out: dict[str, PrefixMatch],
+    ) -> None:
+        """What each replica can serve of ``keys``, into ``out``: the walk's counts
+        (``_walk_counts``, or the native core's twin when it runs and the keys are a list),
+        each lower-tier run ended on a whole chunk (``_trim``)."""
+        attached = self._attached
+        lifting = bool(attached) and any(s.name in attached for s in states)
+        get = self._lifted(states) if lifting else self._masks.get
         rows: Iterable[tuple[_ReplicaState, list[int], int]]
         if self._native is not None and isinstance(keys, list):
             native_counts, native_ended = self._native.walk_counts(
-                keys, self._masks, [s.slot for s in states], self._lift_pairs(states)
+                keys,
+                self._masks,
+                [s.slot for s in states],
+                self._lift_pairs(states) if lifting else [],
             )
             rows = zip(states, native_counts, native_ended, strict=True)
         else:
             counts, ended = self._walk_counts(keys, states, get)
             n = len(keys)
-            rows = ((s, counts[s.slot], ended.get(s.slot, n)) for s in states)
-        out: dict[str, PrefixMatch] = {}
-        shared: dict[int, list[int]] = {}  # a replica named twice shares its counts
+            rows = [(s, counts[s.slot], ended.get(s.slot, n)) for s in states]
+        # a replica named twice shares its counts (the trim below edits them in place)
+        shared: dict[int, list[int]] | None = (
+            None if len({s.slot for s in states}) == len(states) else {}
+        )
         gpu = Medium.GPU
-        for s, first, blocks in rows:
-            c = shared.setdefault(s.slot, first)
+        for s, c, blocks in rows:
+            if shared is not None:
+                c = shared.setdefault(s.slot, c)
             if blocks > c[0]:
                 blocks = self._trim(s, keys, blocks, c, get)
             if c[1] or c[2] or c[3] or c[4] or c[5]:
@@ -179,7 +206,6 @@ class Lookups(IndexStore):
                 by_tier = {gpu: c[0]} if c[0] else {}
                 unconfirmed = {}
             out[s.name] = PrefixMatch(s.name, block_size, blocks, by_tier, unconfirmed)
-        return out
 
     def _lift_pairs(self, states: list[_ReplicaState]) -> list[tuple[int, int]]:
         """``_lifted`` for the native walk: (a domain's class bit, index in ``states`` of a
