@@ -24,6 +24,11 @@ load generator (this process: a raw keep-alive HTTP/1.1 client on uvloop, far ch
 an HTTP library, so it does not hide the router's cost). With ``--pin`` (default on when the
 machine has >= 2 cores) the router gets a core of its own: "req/s on one core" is literal.
 Every phase is bounded by a request count and a wall-clock limit.
+
+With ``--smg`` (default: when smg is installed) SGLang's gateway (bench/peer_gateway.py) is
+measured the same way right after kvroute, over the same upstream, on the core kvroute had
+(kvroute's router stopped first): its requests/s at c64 and its added latency in pairs,
+and ``rps_ratio_kvroute_over_smg``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import sys
 import time
 from typing import Any
 
+from kvroute.bench.peer_gateway import SMG_POLICY, smg_executable, smg_version, start_smg
 from kvroute.deploy.processes import ChildProcess, free_port
 from kvroute.deploy.router_process import ReplicaEndpoint, RouterProcess
 
@@ -69,6 +75,9 @@ _METRICS = (
 
 # What one router process should add and pass on a quiet machine (docs/benchmarks.md).
 _TARGETS = {"added_p50_ms_c64": 0.5, "added_p99_ms_c64": 2.0, "rps": 3000}
+
+# kvroute's requests/s against smg's, same upstream, same core, same run (issue 36).
+_SMG_TARGET = 1.0
 
 # (slots, seconds per request) when the upstream has a fixed capacity (the overload phase).
 _CAPACITY: tuple[asyncio.Semaphore, float] | None = None
@@ -522,6 +531,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="the limited router's --max-in-flight (4x the upstream's slots by default)",
     )
+    parser.add_argument(
+        "--smg",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure SGLang's gateway (smg, PyPI) beside kvroute on the same upstream and "
+        "core in the same run (default: when smg is installed)",
+    )
     parser.add_argument("--policy", default="kvroute")
     parser.add_argument(
         "--tokenizer",
@@ -579,6 +595,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         router.start()
         return router.port
 
+    with_smg = args.smg if args.smg is not None else smg_executable() is not None
+    smg: dict[str, Any] | None = None
     try:
         up_port = start_upstream()
         router_port = start_router(up_port)
@@ -588,9 +606,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         direct = _measure(up_port, bodies, args)
         routed = _measure(router_port, bodies, args)
         paired = _measure_added(up_port, router_port, bodies, args)
+        if with_smg:
+            children[1].stop()  # kvroute is measured: smg gets the same core, alone
+            smg_port = start_smg(
+                f"http://127.0.0.1:{up_port}", router_cores or set(cores), children
+            )
+            smg = {
+                "version": smg_version(),
+                "policy": SMG_POLICY,
+                "throughput": _measure(smg_port, bodies, args),
+                "paired": _measure_added(up_port, smg_port, bodies, args),
+            }
         overload = None
         if args.overload:
-            for child in children[1:]:  # the throughput router is done: free its core
+            for child in children[1:]:  # the throughput routers are done: free their core
                 child.stop()
             slow_port = start_upstream(args.overload_slots, args.overload_service_ms)
             overload = _overload(
@@ -632,6 +661,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if overload is not None:
         result["overload"] = overload
+    if smg is not None:
+        smg_rps = smg["throughput"]["c64"]["rps"]
+        result["smg"] = {
+            "version": smg["version"],
+            "policy": smg["policy"],
+            "rps": smg_rps,
+            "added_p50_ms_c64": smg["paired"]["c64_paced"]["added_p50_ms"],
+            "added_p99_ms_c64": smg["paired"]["c64_paced"]["added_p99_ms"],
+            "added_p50_ms_c1": smg["paired"]["c1"]["added_p50_ms"],
+            "added_p99_ms_c1": smg["paired"]["c1"]["added_p99_ms"],
+            "throughput": smg["throughput"],
+            "paired": smg["paired"],
+        }
+        result["rps_ratio_kvroute_over_smg"] = round(routed["c64"]["rps"] / smg_rps, 3)
+        result["meets_smg_target"] = result["rps_ratio_kvroute_over_smg"] >= _SMG_TARGET
     result["meets_targets"] = (
         result["added_p50_ms_c64"] is not None
         and result["added_p50_ms_c64"] <= _TARGETS["added_p50_ms_c64"]

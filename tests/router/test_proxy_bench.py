@@ -27,6 +27,7 @@ def test_proxy_bench_runs_and_reports(tiny_model_dir) -> None:
             "20",
             "--overload-s",
             "1",
+            "--smg",
         ]
     )
     result = run(args)
@@ -55,3 +56,12 @@ def test_proxy_bench_runs_and_reports(tiny_model_dir) -> None:
     assert set(limited["statuses"]) == {"200", "429"}, limited["statuses"]
     assert set(unlimited["statuses"]) == {"200"}, unlimited["statuses"]
     assert 0 < over["served_share"] < 1 and over["served_p99_ms"] is not None
+    # SGLang's gateway (smg, installed by the bench extra) measured beside kvroute on the
+    # same upstream: every request answered, and the ratio reported.
+    smg = result["smg"]
+    assert smg["version"] == "1.13.0" and smg["policy"] == "cache_aware"
+    assert smg["throughput"]["c64"]["errors"] == 0 and smg["rps"] > 0
+    for phase in ("c1", "c64_paced"):
+        assert smg["paired"][phase]["routed"]["errors"] == 0
+        assert smg["paired"][phase]["pairs"] > 0
+    assert result["rps_ratio_kvroute_over_smg"] == round(result["rps"] / smg["rps"], 3)
