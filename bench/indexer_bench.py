@@ -25,6 +25,7 @@ import gc
 import itertools
 import random
 import statistics
+import threading
 import time
 import tracemalloc
 from contextlib import AbstractContextManager, nullcontext
@@ -176,13 +177,49 @@ def _streams(
     return tagged, block_events
 
 
+def _apply_frames(index: InMemoryPrefixIndex, frames: list[tuple[str, bytes]]) -> None:
+    for replica, message in frames:
+        frame = decode_frames(message)
+        batch = decode_batch(frame.payload)
+        result = index.apply(replica, batch.events)
+        if result.rejected:
+            raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
+
+
+def _apply_in_threads(
+    index: InMemoryPrefixIndex, frames: list[tuple[str, bytes]], threads: int
+) -> None:
+    """The frames split by replica over ``threads`` threads (a replica's frames stay in order
+    on one thread, as a router's feed threads apply them), each decoding and applying its own."""
+    groups: dict[str, int] = {}
+    parts: list[list[tuple[str, bytes]]] = [[] for _ in range(threads)]
+    for replica, message in frames:
+        parts[groups.setdefault(replica, len(groups) % threads)].append((replica, message))
+    errors: list[BaseException] = []
+
+    def work(part: list[tuple[str, bytes]]) -> None:
+        try:
+            _apply_frames(index, part)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(part,)) for part in parts]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+
+
 def _ingest(
-    args: argparse.Namespace, rng: random.Random, cores: list[str]
+    args: argparse.Namespace, rng: random.Random, cores: list[str], threads: int = 1
 ) -> dict[str, dict[str, Any]]:
     """The same frames decoded alone (msgspec, the ceiling) and through each core's apply,
     ``--ingest-rounds`` times with the cores taking turns, so a busy machine's load falls on
     both alike. Each core's figure is its median round; ``ingest_vs_decode_ceiling`` is the
-    median of its rounds' ratios to the ceiling measured right before."""
+    median of its rounds' ratios to the ceiling measured right before. ``threads`` > 1:
+    the replicas' frames applied by that many threads at once."""
     frames, block_events = _streams(args, rng)
     raw_decode = msgspec.msgpack.Decoder().decode
     rounds: dict[str, list[tuple[float, float, InMemoryPrefixIndex]]] = {c: [] for c in cores}
@@ -197,12 +234,10 @@ def _ingest(
             gc.collect()
             with _keying_of(core):
                 started = time.perf_counter()
-                for replica, message in frames:
-                    frame = decode_frames(message)
-                    batch = decode_batch(frame.payload)
-                    result = index.apply(replica, batch.events)
-                    if result.rejected:
-                        raise RuntimeError(f"bench events rejected: {result.rejected[:3]}")
+                if threads > 1:
+                    _apply_in_threads(index, frames, threads)
+                else:
+                    _apply_frames(index, frames)
                 elapsed = time.perf_counter() - started
             rounds[core].append((ceiling, elapsed, index))
     out: dict[str, dict[str, Any]] = {}
@@ -423,6 +458,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             per_core[core][f"ingest_{n}_replicas_vs_decode_ceiling"] = ingest[
                 "ingest_vs_decode_ceiling"
             ]
+            per_core[core][f"ingest_{n}_replicas_index_entries"] = ingest["ingest_index_entries"]
+        # The same frames applied by two threads, as two feed threads of a router would.
+        for core, ingest in _ingest(scale, random.Random(args.seed + 3), cores, 2).items():
+            one = per_core[core][f"ingest_{n}_replicas_blocks_per_s"]
+            two = ingest["ingest_blocks_per_s"]
+            per_core[core][f"ingest_{n}_replicas_2_threads_blocks_per_s"] = two
+            per_core[core][f"ingest_{n}_replicas_2_threads_vs_1"] = round(two / one, 3)
+            per_core[core][f"ingest_{n}_replicas_2_threads_index_entries"] = ingest[
+                "ingest_index_entries"
+            ]
         found = _lookup(scale, random.Random(args.seed + 4), cores, args.scale_lookups)
         for core, figures in found.items():
             for name in ("lookup_p50_us_2048", "lookup_p99_us_2048", "bytes_per_entry"):
@@ -478,6 +523,9 @@ def _native_targets(native: dict[str, Any], n: int) -> dict[str, bool]:
         )
         targets["lookup_p99_us_2048_1000_replicas <= 2000"] = (
             native["lookup_p99_us_2048_1000_replicas"] <= 2000
+        )
+        targets["ingest_1000_replicas_2_threads_vs_1 >= 1.7"] = (
+            native["ingest_1000_replicas_2_threads_vs_1"] >= 1.7
         )
         targets["chat_lookup_p99_us_264_1000_replicas <= 500"] = (
             native["chat_lookup_p99_us_264_1000_replicas"] <= 500

@@ -61,6 +61,15 @@ def test_both_cores_are_measured_in_the_same_run() -> None:
         assert figures["ingest_30_replicas_blocks_per_s"] > 0
         assert figures["lookup_p99_us_2048_30_replicas"] > 0
         assert figures["chat_lookup_p99_us_264_30_replicas"] > 0
+        # Two threads (the replicas split between them, each replica's frames in order on
+        # one) apply the same frames into the same index as one thread.
+        assert figures["ingest_30_replicas_2_threads_blocks_per_s"] > 0
+        assert figures["ingest_30_replicas_2_threads_vs_1"] > 0
+        assert (
+            figures["ingest_30_replicas_2_threads_index_entries"]
+            == figures["ingest_30_replicas_index_entries"]
+            > 0
+        )
     assert native["chat_index_entries_30_replicas"] == python["chat_index_entries_30_replicas"]
     # the same events and the same index, whichever core applies and walks them
     assert native["ingest_index_entries"] == python["ingest_index_entries"]
