@@ -60,9 +60,21 @@ def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int)
     return min(match_tokens, ((prompt_len - 1) // block_size) * block_size)
 
 
+_CONFIRMED_LABELS = {tier: label for tier, label, _ in _TIER_LABELS}
+
+
 def match_tiers(match: PrefixMatch) -> dict[str, int]:
     """A match's tokens per tier name: confirmed tiers by name, and the tiers of publishers
     that never announce removals as ``<TIER>_UNCONFIRMED``."""
+    by_tier = match.blocks_by_tier
+    if len(by_tier) == 1 and not match.unconfirmed_by_tier and not match.partial_tokens:
+        # One confirmed tier, no partial block (most replicas of a large fleet): the same
+        # answer as the loops below, without them (a decision asks it of every replica).
+        ((tier, blocks),) = by_tier.items()
+        label = _CONFIRMED_LABELS.get(tier)
+        if label is not None:
+            tokens = blocks * match.block_size
+            return {label: tokens} if tokens else {}
     tiers: dict[str, int] = {}
     for tier, label, _ in _TIER_LABELS:
         n = match.tokens_in(tier)
@@ -257,10 +269,11 @@ class Router:
         views: dict[str, ReplicaView] = {}
         self.sample_stored_blocks()
         for r in candidates:
+            name = r.name  # a property: read once per replica, a decision reads every one
             fresh, why = self._freshness(r)
-            rates = None if self.rates is None else self.rates.rates(r.name, _rate_pool(r))
-            views[r.name] = ReplicaView(
-                name=r.name,
+            rates = None if self.rates is None else self.rates.rates(name, _rate_pool(r))
+            views[name] = ReplicaView(
+                name=name,
                 pending=r.pending,
                 in_flight=r.in_flight,
                 running=r.running,
@@ -268,13 +281,13 @@ class Router:
                 kv_usage=r.kv_usage,
                 queue_s_per_request=None
                 if self.queue_delay is None
-                else self.queue_delay.per_request_s(r.name),
+                else self.queue_delay.per_request_s(name),
                 stored_rate=self._placement_rate(r) if self.policy.uses_homes else 0.0,
                 prefill_s_per_token=None if rates is None else rates.prefill_s_per_token,
                 load_s_per_token_cpu=None if rates is None else rates.load_s_per_token_cpu,
                 load_s_per_token_storage=None if rates is None else rates.load_s_per_token_storage,
                 rate_samples=0 if rates is None else rates.samples,
-                block_size=self.index.block_size(r.name),
+                block_size=self.index.block_size(name),
                 freshness=fresh,
                 freshness_reason=why,
                 storage_domain=r.config.storage_domain,
@@ -352,9 +365,11 @@ class Router:
                         shared += 1
                     earlier.update(keys)
                 for name in names:
+                    m = matches.get(name)
+                    if not batch and (m is None or not m.tokens) and not hints.get(name):
+                        continue  # nothing cached, nothing hinted: the view stays at zero
                     view = views[name]
                     cap, tiers = 0, {}
-                    m = matches.get(name)
                     if m is not None and m.tokens:
                         unit = m.partial_unit if m.partial_tokens else bs
                         cap = predicted_cached_tokens(m.tokens, n, unit or bs)
