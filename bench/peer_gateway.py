@@ -25,7 +25,7 @@ SMG_POLICY = "cache_aware"
 
 def smg_executable() -> str | None:
     """The ``smg`` console script of this Python's environment (else one on PATH), or None
-    when smg is not installed (``pip install smg``)."""
+    when smg is not installed (``pip install 'kvroute[smg]'``)."""
     beside = Path(sys.executable).with_name("smg")
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -47,7 +47,7 @@ def start_smg(
     starts, so the caller stops it whatever happens."""
     exe = smg_executable()
     if exe is None:
-        raise RuntimeError("smg is not installed (pip install smg)")
+        raise RuntimeError("smg is not installed (pip install 'kvroute[smg]')")
     port = free_port()
     child = ChildProcess("proxy-bench smg")
     children.append(child)
