@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _latency(time_scale: float) -> LatencyModel:
-    from kvroute.bench.routing_bench import BENCH_LATENCY
+    from kvroute.bench.routing_presets import BENCH_LATENCY
 
     return LatencyModel(time_scale=time_scale, **BENCH_LATENCY)
 

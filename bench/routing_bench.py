@@ -27,17 +27,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
-
 from kvroute.bench.pick_quality import queued_prefill_at_pick
 from kvroute.bench.policy_variants import PolicyVariant, learned_rates_row
+from kvroute.bench.router_scrape import (
+    decision_reasons,
+    feed_volume,
+    router_timing_row,
+    router_timings,
+)
+from kvroute.bench.routing_plots import draw_plots
+from kvroute.bench.routing_presets import BENCH_LATENCY, PRESETS, TARGET_WORKLOADS
 from kvroute.bench.sim.fleet import SimFleet, SimFleetConfig
 from kvroute.bench.sim.latency import LatencyModel
 from kvroute.bench.sim.looplag import LoopLagMonitor
 from kvroute.bench.sim.tokenizer import SimTokenizer
-from kvroute.bench.workloads import BUILDERS, TextSource, mooncake_trace, tenants
+from kvroute.bench.workloads import BUILDERS, TextSource, mooncake_trace
 from kvroute.bench.workloads.runner import RequestRecord, run_workload, summarize_errors
 from kvroute.bench.workloads.upper_bound import infinite_cache_hit_rate
 from kvroute.deploy.processes import free_port
@@ -45,123 +49,6 @@ from kvroute.deploy.router_process import RouterProcess
 from kvroute.router.routing.policies import POLICIES
 
 __all__ = ["PRESETS", "add_arguments", "percentile", "run"]
-
-# The simulated hardware: a 70B-class model on one H100-class GPU (FP8): prefill ~4k tokens/s,
-# KV loads from host memory 12.5x and from local NVMe 2.5x faster than recomputing, 30 ms
-# decode steps. Heavier per-token work than the simulator's 8B default lets a few hundred
-# requests load a fleet, which a 2-core machine can drive through a Python router.
-BENCH_LATENCY = dict(
-    prefill_s_per_token=2.5e-4,
-    load_cpu_s_per_token=2e-5,
-    load_storage_s_per_token=1e-4,
-    decode_s_per_step=0.03,
-    decode_s_per_seq=2e-4,
-)
-
-# Sizes per preset (docs/benchmarks.md has the arithmetic). In every workload the working set
-# exceeds the fleet's device cache, and the offered prefill load is 1.2-1.5x what the fleet
-# could serve with no prefix reuse at all: affordable with good reuse, not without. The
-# numbers follow from the fleet and the workload, never from any policy's results.
-PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {
-        "replicas": 4,
-        "gpu_blocks": 150,
-        "cpu_blocks": 150,
-        "storage_blocks": 0,
-        "time_scale": 0.5,
-        "workloads": ["shared_prefix", "chat"],
-        "deadline_s": 40.0,
-        "sizes": {
-            "shared_prefix": dict(
-                groups=16,
-                questions=4,
-                prefix_tokens=1500,
-                question_tokens=60,
-                answer_tokens=16,
-                rate=13.0,
-            ),
-            "chat": dict(
-                users=32,
-                rounds=3,
-                system_tokens=300,
-                question_tokens=80,
-                answer_tokens=40,
-                user_rate=8.0,
-                think_s=1.0,
-            ),
-            "doc_qa": dict(
-                documents=8,
-                questions=3,
-                document_tokens=3000,
-                question_tokens=40,
-                answer_tokens=16,
-                rate=6.0,
-            ),
-            "agentic": dict(
-                agents=12,
-                steps=4,
-                system_tokens=600,
-                task_tokens=100,
-                tool_output_tokens=(100, 300),
-                call_tokens=32,
-                agent_rate=4.0,
-                tool_latency_s=0.5,
-            ),
-        },
-    },
-    "full": {
-        "replicas": 8,
-        "gpu_blocks": 800,
-        "cpu_blocks": 800,
-        "storage_blocks": 0,
-        "time_scale": 0.5,
-        "workloads": ["chat", "shared_prefix", "doc_qa", "agentic"],
-        "deadline_s": 150.0,
-        "sizes": {
-            "shared_prefix": dict(
-                groups=32,
-                questions=16,
-                prefix_tokens=4000,
-                question_tokens=100,
-                answer_tokens=32,
-                rate=11.0,
-            ),
-            "chat": dict(
-                users=100,
-                rounds=12,
-                system_tokens=1000,
-                history_tokens=3000,
-                question_tokens=100,
-                answer_tokens=32,
-                user_rate=1.25,
-                think_s=1.0,
-            ),
-            "doc_qa": dict(
-                documents=24,
-                questions=4,
-                document_tokens=6000,
-                question_tokens=60,
-                answer_tokens=32,
-                rate=7.5,
-            ),
-            "agentic": dict(
-                agents=48,
-                steps=8,
-                system_tokens=1500,
-                task_tokens=200,
-                tool_output_tokens=(200, 800),
-                call_tokens=64,
-                agent_rate=4.0,
-                tool_latency_s=1.0,
-            ),
-        },
-    },
-}
-
-# llm-d's precise-routing benchmark shape: many tenants' prefixes, a ramping rate.
-PRESETS["llmd"] = tenants.LLMD_PRESET
-
-TARGET_WORKLOADS = ("chat", "shared_prefix")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -558,105 +445,6 @@ def _row(
     }
 
 
-def _metric_samples(router_urls: list[str]) -> Iterator[Sample]:
-    """Every sample of every router's /metrics (a router that does not answer is skipped)."""
-    for url in router_urls:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=5.0).text
-        except httpx.HTTPError:
-            continue
-        for family in text_string_to_metric_families(text):
-            yield from family.samples
-
-
-def _decision_reasons(router_urls: list[str]) -> dict[str, float]:
-    """The routers' own count of routing decisions by reason (their /metrics, summed), so a
-    row says why a policy placed requests where it did (e.g. how often kvroute spilled)."""
-    out: dict[str, float] = {}
-    for sample in _metric_samples(router_urls):
-        if sample.name == "kvroute_routing_decisions_total":
-            reason = sample.labels["reason"]
-            out[reason] = out.get(reason, 0.0) + sample.value
-    return out
-
-
-_TIMING_SAMPLES = (
-    "kvroute_decision_seconds_sum",
-    "kvroute_decision_seconds_count",
-    "kvroute_upstream_ttft_seconds_sum",
-    "kvroute_upstream_ttft_seconds_count",
-)
-
-
-def _router_timings(router_urls: list[str]) -> dict[str, float]:
-    """The routers' decision-time and upstream-TTFT histograms (sums and counts, summed over
-    the routers): with the client's TTFT, what the routers themselves added to it."""
-    out = dict.fromkeys(_TIMING_SAMPLES, 0.0)
-    for sample in _metric_samples(router_urls):
-        if sample.name in out:
-            out[sample.name] += sample.value
-        elif sample.name == "kvroute_decision_seconds_bucket":
-            key = f"decision_le_{sample.labels['le']}"  # cumulative, per bucket bound
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
-
-
-def _decision_p90_bound_ms(d: dict[str, float]) -> float | None:
-    """The smallest decision-time bucket bound (ms) under which 90% of this run's decisions
-    fell: the histogram's resolution, enough to tell a tail from a shift of the mean."""
-    total = d.get("kvroute_decision_seconds_count", 0.0)
-    bounds = sorted(
-        (float(k.removeprefix("decision_le_")), v)
-        for k, v in d.items()
-        if k.startswith("decision_le_")
-    )
-    for bound, count in bounds:
-        if total and count >= 0.9 * total:
-            return None if math.isinf(bound) else 1000 * bound
-    return None
-
-
-def router_timing_row(
-    before: dict[str, float], after: dict[str, float], client_ttft_mean_s: float, time_scale: float
-) -> dict[str, float | None]:
-    """One run's ``router_timing``: the mean decision time (tokenize, look up, rank) and the
-    mean time from forwarding to the replica's first byte, both as the routers measured them,
-    and the client's mean TTFT minus the latter (ms, wall clock): the router's own share
-    of every request's TTFT (parsing, deciding, proxying, and waiting for a busy core)."""
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
-    n_dec, n_up = d["kvroute_decision_seconds_count"], d["kvroute_upstream_ttft_seconds_count"]
-    upstream_ms = 1000 * d["kvroute_upstream_ttft_seconds_sum"] / n_up if n_up else None
-    return {
-        "decision_ms_mean": round(1000 * d["kvroute_decision_seconds_sum"] / n_dec, 3)
-        if n_dec
-        else None,
-        "decision_ms_p90_bound": _decision_p90_bound_ms(d),
-        "upstream_ttft_ms_mean": None if upstream_ms is None else round(upstream_ms, 2),
-        "router_added_ms_mean": None
-        if upstream_ms is None or not math.isfinite(client_ttft_mean_s)
-        else round(1000 * client_ttft_mean_s * time_scale - upstream_ms, 2),
-    }
-
-
-_FEED_COUNTERS = ("batches", "events_applied", "blocks_stored", "blocks_removed")
-
-
-def _feed_volume(router_url: str) -> dict[str, int]:
-    """What one router's event feeds took in so far, summed over the replicas (every router
-    reads the same feeds): the KV-event volume a workload puts on an indexer, per replica
-    and simulated second once divided (docs/benchmarks.md, "Index at 1,000 replicas")."""
-    try:
-        replicas = httpx.get(f"{router_url}/index/stats", timeout=5.0).json()["replicas"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return {}
-    out = dict.fromkeys(_FEED_COUNTERS, 0)
-    for entry in replicas.values():
-        feed = entry.get("feed") or {}
-        for key in _FEED_COUNTERS:
-            out[key] += int(feed.get(key) or 0)
-    return out
-
-
 def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The routing targets (docs/benchmarks.md, "Targets"), evaluated per target workload
     present in this run."""
@@ -682,51 +470,6 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def _plots(rows: list[dict[str, Any]], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    paths: list[str] = []
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, w in zip(axes[0], workloads, strict=True):
-        for r in (r for r in rows if r["workload"] == w):
-            xs = sorted(r["ttfts_s"])
-            if xs:
-                ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", label=r["policy"])
-        ax.set_xscale("log")
-        ax.set_title(f"TTFT CDF: {w}")
-        ax.set_xlabel("time to first token (simulated s)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "routing_ttft_cdf.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(str(path))
-
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, w in zip(axes[0], workloads, strict=True):
-        sel = [r for r in rows if r["workload"] == w]
-        ax.bar([r["policy"] for r in sel], [r["hit_rate"] for r in sel], color="tab:blue")
-        ub = max(r["upper_bound_hit_rate"] for r in sel)
-        ax.axhline(ub, color="tab:red", linestyle="--", label=f"infinite cache ({ub:.2f})")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"token hit rate: {w}")
-        ax.tick_params(axis="x", rotation=30)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "routing_hit_rate.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(str(path))
-    return paths
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -823,7 +566,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for router in routers:
                         router.wait_feeds_settled()
                     cpu_before = [_cpu_seconds(r.process.pid) for r in routers]
-                    timings_before = _router_timings(urls)
+                    timings_before = router_timings(urls)
                     records, wall, client_lag = asyncio.run(
                         _run_measured(
                             run_workload(
@@ -841,13 +584,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["queued_prefill_at_pick"] = queued_prefill_at_pick(
                         records, (r.name for r in fleet.replicas)
                     )
-                    reasons = _decision_reasons(urls)
+                    reasons = decision_reasons(urls)
                     if PolicyVariant.parse(policy).policy == "kvroute":
                         row["cost_rates"] = learned_rates_row(urls[0], _true_rates(config))
                     row["routers"] = len(urls)
                     row["idle_routers"] = len(idle_urls)
                     # Cumulative over the policy's workloads: an idle router never decides.
-                    row["idle_router_decisions"] = sum(_decision_reasons(idle_urls).values())
+                    row["idle_router_decisions"] = sum(decision_reasons(idle_urls).values())
                     row["sizes"] = sizes_by_workload[w]
                     if args.records:
                         request_lines += _request_lines(
@@ -864,13 +607,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ]
                     row["router_timing"] = router_timing_row(
                         timings_before,
-                        _router_timings(urls),
+                        router_timings(urls),
                         row["ttft_mean_s"],
                         config.latency.time_scale,
                     )
                     row["route_reasons"] = {k: v - seen.get(k, 0) for k, v in reasons.items()}
                     seen = reasons
-                    volume = _feed_volume(urls[0])
+                    volume = feed_volume(urls[0])
                     row["feed_volume"] = {k: v - seen_volume.get(k, 0) for k, v in volume.items()}
                     seen_volume = volume
                     rows.append(row)
@@ -895,7 +638,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "routing.json").write_text(json.dumps(public, indent=2))
     if args.records:
         (out / "routing_requests.jsonl").write_text("".join(x + "\n" for x in request_lines))
-    plots = [] if args.no_plots or not rows else _plots(rows, out)
+    plots = [] if args.no_plots or not rows else draw_plots(rows, out)
     fleet_desc = asdict(config)
     return {
         "results": public,
@@ -930,7 +673,7 @@ def _run_storage_scenario(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out_dir) / "shared_storage"  # its plots never replace the main run's
     out.mkdir(parents=True, exist_ok=True)
     (out / "routing_shared_storage.json").write_text(json.dumps(public, indent=2))
-    plots = [] if args.no_plots or not rows else _plots(rows, out)
+    plots = [] if args.no_plots or not rows else draw_plots(rows, out)
     return {
         "scenario": "shared_storage",
         "results": public,

@@ -110,7 +110,7 @@ SCENARIO_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _fleet_config(args: argparse.Namespace, preset: dict[str, Any], shared: bool) -> SimFleetConfig:
-    from kvroute.bench.routing_bench import BENCH_LATENCY
+    from kvroute.bench.routing_presets import BENCH_LATENCY
 
     total = preset["shared_storage_blocks"]
     return SimFleetConfig(

@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from kvroute.bench.routing_bench import PRESETS
+from kvroute.bench.routing_presets import PRESETS
 from kvroute.bench.workloads import BUILDERS, TextSource
 from kvroute.bench.workloads.runner import pick_router
 from kvroute.router.tokens.requests import ParsedRequest, parse_body
