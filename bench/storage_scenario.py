@@ -284,7 +284,13 @@ def run_arm(
     """One arm on a fresh fleet and router. ``inspect(fleet, router, records)``, when given,
     runs before they stop (the tests look at the fleet and the router's index there);
     ``log_dir``: where the fleet's and the router's logs are kept."""
-    from kvroute.bench.routing_bench import _router_settings, _row
+    from kvroute.bench.policy_variants import learned_rates_row
+    from kvroute.bench.routing_bench import (
+        _apply_router_options,
+        _router_settings,
+        _row,
+        _true_rates,
+    )
 
     name, policy, shared = arm
     config = _fleet_config(args, preset, shared)
@@ -296,6 +302,7 @@ def run_arm(
         settings = _router_settings(fleet, policy, config)
         settings.pop("replicas")
         settings.update(replicas_file=str(replicas_file), watch_interval_s=0.2)
+        _apply_router_options(settings, getattr(args, "router_option", None) or [])
         with RouterProcess(settings, **router_logs) as router:
             _wait_healthy(router, len(fleet.replicas))
             router.wait_feeds_settled()
@@ -331,6 +338,9 @@ def run_arm(
             row["sizes"] = preset["sizes"]
             row["warmup"] = warmup  # None: the trace started on cold tiers
             row |= _changes_report(records, changes, config.latency.time_scale)
+            if policy.startswith("kvroute"):
+                # what the cost model learned of the rates (issue 38's calibration)
+                row["cost_rates"] = learned_rates_row(router.url, _true_rates(config))
             if shared:
                 stats = fleet.storage_contents()
                 row["storage_domain"] = {k: v for k, v in stats.items() if k != "hashes"}

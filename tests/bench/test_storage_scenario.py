@@ -132,6 +132,12 @@ def test_quick_shared_storage_arm_mechanics(tmp_path: Path) -> None:
     assert restart["requests_after"] >= 3, restart
     assert restart["first_hit_request_after"] is not None, restart
 
+    # What the cost model learned of the rates, against the simulator's (issue 38's
+    # calibration on this preset): answered streams were its samples.
+    rates = row["cost_rates"]
+    assert rates["learned"] is True and rates["samples"] > 0, rates
+    assert rates["load_s_per_token_storage_vs_true"] > 0, rates
+
 
 def test_scenario_targets_compare_shared_with_private() -> None:
     rows = [
