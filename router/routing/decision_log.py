@@ -62,6 +62,9 @@ def _entry(at: float, d: Decision, replica: str) -> dict[str, Any]:
                 "name": v.name,
                 "predicted_cached_tokens": v.predicted_cached_tokens,
                 "tokens_by_tier": dict(v.tokens_by_tier),
+                # the prefix this router sent the replica moments ago: on its device by now,
+                # whatever tier the index, its events still in flight, puts it in
+                "hint_tokens": v.hint_tokens,
                 "est_ttft_s": None if v.est_ttft_s is None else round(v.est_ttft_s, 6),
                 "pending": v.pending,
                 "freshness": v.freshness,

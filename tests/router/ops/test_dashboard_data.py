@@ -110,3 +110,20 @@ def test_decision_log_is_a_bounded_ring() -> None:
         log.record(Decision("kvroute", "load", [], [], i), f"r{i}")
     assert len(log) == 2 and log.recorded == 5
     assert [(d["chosen"], d["prompt_tokens"]) for d in log.to_list()] == [("r4", 4), ("r3", 3)]
+
+
+def test_a_decision_shows_the_prefix_this_router_just_sent_its_replica(fleet: Fleet) -> None:
+    """Each candidate of a logged decision says how much of the prompt this router sent it
+    moments ago (its burst hints): on the replica's device by now, whatever tier the index,
+    its events maybe still in flight, puts those blocks in."""
+    body = {"model": "tiny", "prompt": "a prompt sent twice in a row " * 30, "max_tokens": 1}
+    with httpx.Client(base_url=fleet.url, timeout=10) as client:
+        first = client.post("/v1/completions", json=body)
+        second = client.post("/v1/completions", json=body)
+        assert first.status_code == second.status_code == 200
+        newest = client.get("/dashboard/data").json()["decisions"][0]
+    chosen = next(c for c in newest["candidates"] if c["name"] == newest["chosen"])
+    assert newest["chosen"] == first.headers["x-kvroute-replica"]
+    assert chosen["hint_tokens"] >= 16 * (newest["prompt_tokens"] // 16 - 1) > 0, chosen
+    others = [c for c in newest["candidates"] if c["name"] != newest["chosen"]]
+    assert all(c["hint_tokens"] == 0 for c in others), others
