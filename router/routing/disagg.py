@@ -249,7 +249,10 @@ class Disaggregation:
             return plan
         work = self._work(view, prompt)
         decode_wait = self.backlog.wait_s(view.name)
-        plan.decoding = max(0.0, view.pending - self.backlog.count(view.name))
+        # Decoding there now: a scrape's gauges still count the short decodes that ended
+        # since (up to one scrape interval of them), which are stalled no more.
+        now = view.pending if view.pending_now is None else view.pending_now
+        plan.decoding = max(0.0, now - self.backlog.count(view.name))
         plan.decode_stall_s = s.decode_stall_weight * work * plan.decoding
         # Decode legs on their way there (prefill legs in flight) wait for this prompt
         # before their first token: their time to first token, one for one.

@@ -265,6 +265,7 @@ class Router:
             views[r.name] = ReplicaView(
                 name=r.name,
                 pending=r.pending,
+                pending_now=r.pending_fresh,
                 in_flight=r.in_flight,
                 running=r.running,
                 waiting=r.waiting,

@@ -283,3 +283,16 @@ def test_a_decode_leg_on_its_way_is_delayed_by_a_prompt_computed_before_it_lands
     assert plan.split
     backlog.arrived("d0", "leg")
     assert backlog.incoming("d0") == 0
+
+
+def test_decodes_that_ended_since_the_last_scrape_are_not_stalled() -> None:
+    """The gauges said 4 running; this router saw 3 of them end since: 1 decode is left to
+    stall (Replica.pending_fresh), not 4."""
+    disagg = _disagg(skip_tokens=64)
+    d = _replica("d0", "decode", pending=4)
+    d.ended_since_scrape = 3
+    decode = _decision(4000, [(d, 0)])
+    decode.views[0].pending_now = d.pending_fresh
+    plan, _ = _plan(disagg, decode, [(_replica("p0", "prefill"), 0)])
+    assert plan.decoding == 1.0
+    assert plan.decode_stall_s == pytest.approx(WORK_4000)
