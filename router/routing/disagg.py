@@ -27,8 +27,8 @@ its load): that is where the conversation's KV will live. Then:
    request decoding there (vLLM's scheduler runs the new prompt at once beside them, so
    each of their next tokens waits for it: the work times the decoding requests, priced at
    ``decode_stall_weight``), plus the delay to the first token of each split request whose
-   decode leg is on its way there (its prefill leg in flight: not yet in the replica's
-   pending), one for one. Split: the prefill replica's time to answer plus the pull
+   decode leg lands there while the prompt computes (its prefill leg in flight: not yet in
+   the replica's pending), one for one. Split: the prefill replica's time to answer plus the pull
    (``transfer_s_per_token`` per uncached token) and ``split_overhead_s``. Running decodes
    are no queue for a new prompt, and a prefill replica has none to stall.
 
@@ -254,10 +254,12 @@ class Disaggregation:
         now = view.pending if view.pending_now is None else view.pending_now
         plan.decoding = max(0.0, now - self.backlog.count(view.name))
         plan.decode_stall_s = s.decode_stall_weight * work * plan.decoding
-        # Decode legs on their way there (prefill legs in flight) wait for this prompt
-        # before their first token: their time to first token, one for one.
-        plan.incoming_legs = self.backlog.incoming(view.name)
-        delayed_s = work * plan.incoming_legs
+        # Decode legs on their way there (prefill legs in flight) that land while this
+        # prompt computes wait for what is left of it: their time to first token, one for
+        # one. A leg due after it is done is not delayed.
+        incoming = self.backlog.incoming(view.name)
+        plan.incoming_legs = len(incoming)
+        delayed_s = sum(max(0.0, decode_wait + work - due) for due in incoming)
         plan.decode_only_s = decode_wait + work + plan.decode_stall_s + delayed_s
         prefill_ttft = costs[ranked[0].name] + s.transfer_s_per_token * uncached
         # The decode leg's few tokens wait for the decode replica's prefills ahead, which

@@ -40,7 +40,7 @@ class _Entry:
 class _Replica:
     busy_until: float = 0.0
     entries: OrderedDict[Hashable, _Entry] = field(default_factory=OrderedDict)
-    incoming: dict[Hashable, float] = field(default_factory=dict)  # decode legs: when expected
+    incoming: dict[Hashable, float] = field(default_factory=dict)  # decode legs: when due
 
 
 class PrefillBacklog:
@@ -86,11 +86,11 @@ class PrefillBacklog:
         if r is not None:
             r.entries.pop(key, None)
 
-    def expect(self, replica: str, key: Hashable) -> None:
-        """A split request's decode leg will come to ``replica`` once its prefill leg
-        answers: a prompt computed there meanwhile delays its first token."""
+    def expect(self, replica: str, key: Hashable, in_s: float) -> None:
+        """A split request's decode leg will come to ``replica`` in about ``in_s`` (when its
+        prefill leg answers): a prompt computed there meanwhile may delay its first token."""
         r = self._by_replica.setdefault(replica, _Replica())
-        r.incoming[key] = self._clock()
+        r.incoming[key] = self._clock() + max(0.0, in_s)
 
     def arrived(self, replica: str, key: Hashable) -> None:
         """The decode leg was sent (it now counts in the replica's pending), or given up."""
@@ -98,15 +98,15 @@ class PrefillBacklog:
         if r is not None:
             r.incoming.pop(key, None)
 
-    def incoming(self, replica: str) -> int:
-        """Decode legs on their way to ``replica`` (their prefill legs in flight)."""
+    def incoming(self, replica: str) -> list[float]:
+        """Seconds until each decode leg on its way to ``replica`` lands (0: due now)."""
         r = self._by_replica.get(replica)
         if r is None:
-            return 0
+            return []
         now = self._clock()
         for key in [k for k, at in r.incoming.items() if at + self.stale_after_s * 6 < now]:
             del r.incoming[key]  # a leg never reported (its request ended unseen)
-        return len(r.incoming)
+        return [max(0.0, at - now) for at in r.incoming.values()]
 
     def wait_s(self, replica: str) -> float:
         """Seconds before a prefill sent now would start on ``replica``."""

@@ -219,7 +219,7 @@ async def _split(
     # prompt the decider puts there meanwhile would delay its first token (disagg.py).
     backlog, leg = service.router.backlog, (decision.ranked[0].name, id(decision))
     async with DisconnectWatch(receive) as watch:
-        backlog.expect(*leg)
+        backlog.expect(*leg, plan.split_s or 0.0)
         try:
             prefill, answer = await _prefill_leg(endpoint, plan, parsed, target, headers)
         finally:

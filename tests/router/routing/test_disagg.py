@@ -269,20 +269,26 @@ def test_the_choice_is_not_made_by_the_noise_of_learned_rates() -> None:
 
 def test_a_decode_leg_on_its_way_is_delayed_by_a_prompt_computed_before_it_lands() -> None:
     """A split request's decode leg is not in the decode replica's pending while its
-    prefill leg runs; a long prompt put there meanwhile delays its first token by the
-    prompt's work, so it is priced like one more request waiting on the decode replica."""
+    prefill leg runs; a long prompt put there meanwhile delays the leg's first token by
+    what is left of the prompt's work when it lands, priced one for one. A leg due after
+    the prompt is done is not delayed."""
     backlog = PrefillBacklog()
     d = _replica("d0", "decode")
     disagg = _disagg(backlog, skip_tokens=64)
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
     assert (plan.split, plan.incoming_legs) == (False, 0)
-    backlog.expect("d0", "leg")
+    backlog.expect("d0", "late", 1.0)  # its prefill answers in 1 s: the prompt is done
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
-    assert plan.incoming_legs == 1
-    assert plan.decode_only_s == pytest.approx(2 * WORK_4000)
+    assert (plan.split, plan.incoming_legs) == (False, 1)
+    assert plan.decode_only_s == pytest.approx(WORK_4000)
+    backlog.expect("d0", "due", 0.1)  # lands 0.1 s in: waits the remaining 0.3 s
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert plan.incoming_legs == 2
+    assert plan.decode_only_s == pytest.approx(WORK_4000 + 0.3, abs=1e-3)
     assert plan.split
-    backlog.arrived("d0", "leg")
-    assert backlog.incoming("d0") == 0
+    backlog.arrived("d0", "due")
+    backlog.arrived("d0", "late")
+    assert backlog.incoming("d0") == []
 
 
 def test_decodes_that_ended_since_the_last_scrape_are_not_stalled() -> None:
