@@ -178,7 +178,7 @@ def run_pd_arm(
 ) -> dict[str, Any]:
     """One arm on a fresh fleet and router: the routing benchmark's row, the P/D counters,
     and when the prefill replica was killed."""
-    from kvroute.bench.routing_bench import _router_settings, _row
+    from kvroute.bench.routing_bench import _apply_router_options, _router_settings, _row
     from kvroute.bench.storage_scenario import _wait_healthy
 
     name, mode, split, kill = arm
@@ -194,8 +194,13 @@ def run_pd_arm(
         settings["disagg"] = {
             "mode": mode,
             "transfer_s_per_token": lat.transfer_s_per_token * lat.time_scale,
-            "split_overhead_s": 0.002,
+            # The decode leg's first token is a step of its own on the decode replica (its
+            # last partial block computed after the pull; a decode-only request's comes with
+            # its prefill's step), plus the second HTTP leg: measured 0.07 s slower than
+            # decode-only on idle replicas, of which the pull is 0.03 s.
+            "split_overhead_s": lat.decode_s_per_step * lat.time_scale + 0.002,
         }
+        _apply_router_options(settings, getattr(args, "router_option", None) or [])
         with RouterProcess(settings, **router_logs) as router:
             _wait_healthy(router, len(fleet.replicas))
             router.wait_feeds_settled()

@@ -304,6 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--pd-zone-slack", type=float, default=p.zone_slack)
     pd.add_argument("--pd-prefill-attempts", type=int, default=p.prefill_attempts)
     pd.add_argument("--pd-prefill-timeout-s", type=float, default=p.prefill_timeout_s)
+    pd.add_argument("--pd-decode-stall-weight", type=float, default=p.decode_stall_weight)
     proxy = parser.add_argument_group("proxy")
     proxy.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
@@ -528,6 +529,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
             zone_slack=args.pd_zone_slack,
             prefill_attempts=args.pd_prefill_attempts,
             prefill_timeout_s=args.pd_prefill_timeout_s,
+            decode_stall_weight=args.pd_decode_stall_weight,
         ),
     )
 

@@ -239,13 +239,13 @@ class DisaggSettings:
     (aggregated on the decode pool). The prefill leg is skipped when what the decode replica
     must compute is small: at most ``skip_tokens`` tokens, or at most ``skip_fraction`` of
     the prompt (a returning user whose history the decode replica holds); or when the cost
-    model says recomputing on the decode replica is no slower than prefill elsewhere plus
-    the pull (``transfer_s_per_token`` per token pulled, ``split_overhead_s`` per request).
-    A prefill replica in the decode replica's zone is preferred while it costs at most
-    ``1 + zone_slack`` times the cheapest; ``prefill_attempts`` prefill replicas are tried
-    before the request is served decode-only, each given ``prefill_timeout_s`` to answer (a
-    prefill replica that holds a request without answering must not hold the client).
-    """
+    model says recomputing on the decode replica, its stall of the decodes running there
+    priced at ``decode_stall_weight`` TTFT-seconds per second per decode, is no dearer than
+    prefill elsewhere plus the pull (``transfer_s_per_token`` per token pulled,
+    ``split_overhead_s`` per request). A prefill replica in the decode replica's zone is
+    preferred while it costs at most ``1 + zone_slack`` times the cheapest;
+    ``prefill_attempts`` prefill replicas are tried before the request is served
+    decode-only, each given ``prefill_timeout_s`` to answer."""
 
     mode: str = "auto"
     skip_tokens: int = 256
@@ -255,19 +255,19 @@ class DisaggSettings:
     zone_slack: float = 0.25
     prefill_attempts: int = 2
     prefill_timeout_s: float = 60.0
+    decode_stall_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.prefill_timeout_s <= 0:
-            raise ConfigError("pd prefill_timeout_s must be > 0")
+        if self.prefill_timeout_s <= 0 or self.prefill_attempts < 1:
+            raise ConfigError("pd prefill_timeout_s must be > 0 and prefill_attempts >= 1")
         if self.mode not in ("auto", "always", "never"):
             raise ConfigError(f"pd mode must be auto, always or never, got {self.mode!r}")
         if self.skip_tokens < 0 or not 0.0 <= self.skip_fraction <= 1.0:
             raise ConfigError("pd skip_tokens must be >= 0 and skip_fraction in [0, 1]")
-        for name in ("transfer_s_per_token", "split_overhead_s", "zone_slack"):
+        names = ("transfer_s_per_token", "split_overhead_s", "zone_slack", "decode_stall_weight")
+        for name in names:
             if getattr(self, name) < 0:
                 raise ConfigError(f"pd {name} must be >= 0")
-        if self.prefill_attempts < 1:
-            raise ConfigError("pd prefill_attempts must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,7 @@ class RouterService:
         self.router = Router(
             settings, self.index, self.subscriber, None, make_policy(settings.policy, settings)
         )
+        self.disagg.backlog = self.router.backlog  # the decider's waits: the work sent
         self.watcher = (
             ReplicasFileWatcher(
                 settings.replicas_file,

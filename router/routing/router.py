@@ -26,6 +26,7 @@ from kvroute.router.routing.hints import BurstHints
 from kvroute.router.routing.lmcache import LMCacheController
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
+from kvroute.router.routing.prefill_backlog import PrefillBacklog
 from kvroute.router.routing.prefill_evidence import PrefillEvidence
 from kvroute.router.routing.queue_model import LearnedQueueDelay
 from kvroute.router.tokens.requests import ParsedRequest
@@ -171,6 +172,8 @@ class Router:
         )
         self.history = RoutingHistory(settings.approx_max_keys)
         self.recent = DecisionLog()  # the last decisions sent, for GET /dashboard/data
+        # The prefill work sent to each replica and not yet done (the P/D decider's waits).
+        self.backlog = PrefillBacklog()
         # Where each prefix (its home_affinity) was first placed: where it goes back to once
         # evicted everywhere (KvroutePolicy). Router-local, like the hints; a prefix this
         # router never saw is placed by a rule every router computes alike (placement.py).
@@ -275,6 +278,7 @@ class Router:
             views[name] = ReplicaView(
                 name=name,
                 pending=r.pending,
+                pending_now=r.pending_fresh,
                 in_flight=r.in_flight,
                 running=r.running,
                 waiting=r.waiting,
@@ -439,6 +443,7 @@ class Router:
         if view is None:
             return
         self.recent.record(decision, replica.name)
+        self.backlog.add(replica.name, id(decision), _prefill_work_s(decision, view, self))
         if home and self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
         bs = view.block_size or self.settings.default_block_size
@@ -460,6 +465,7 @@ class Router:
         view = decision.view(replica.name)
         if view is not None and decision.ranked and decision.ranked[0] is replica:
             decision.first_byte_s = seconds
+        self.backlog.done(replica.name, id(decision))
         if self.queue_delay is None or view is None:
             return
         explained = (view.compute_s or 0.0) + (view.load_s or 0.0)
@@ -534,6 +540,16 @@ class Router:
         self.unstored.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)
+
+
+def _prefill_work_s(decision: Decision, view: ReplicaView, router: Router) -> float:
+    """The prefill ``decision`` asks of the replica of ``view``: its uncached tokens at the
+    configured rate, as the P/D decider prices work (router/routing/disagg.py, ``_work``);
+    none for a decode leg, whose prompt is pulled beside the engine."""
+    if decision.remote_prefill:
+        return 0.0
+    uncached = max(0, (decision.prompt_tokens or 0) - view.predicted_cached_tokens)
+    return router.settings.cost.prefill_s_per_token * uncached
 
 
 def _rate_pool(replica: Replica) -> str:

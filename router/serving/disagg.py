@@ -215,8 +215,15 @@ async def _split(
     commit = partial(service.router.commit, decision)
     upstream: Upstream | None = None
     named: Replica | None = None  # the prefill replica whose KV the decode leg pulls
+    # Until the decode leg is sent, the decode replica's pending does not count it: a
+    # prompt the decider puts there meanwhile would delay its first token (disagg.py).
+    backlog, leg = service.router.backlog, (decision.ranked[0].name, id(decision))
     async with DisconnectWatch(receive) as watch:
-        prefill, answer = await _prefill_leg(endpoint, plan, parsed, target, headers)
+        backlog.expect(*leg, plan.split_s or 0.0)
+        try:
+            prefill, answer = await _prefill_leg(endpoint, plan, parsed, target, headers)
+        finally:
+            backlog.arrived(*leg)
         params = None if answer is None else answer.get("kv_transfer_params")
         if prefill is None:
             counters.prefill_fallbacks += 1
@@ -233,8 +240,13 @@ async def _split(
             body, replaced = decode_body(parsed.body, params, prefill, ids)
             counters.loopback_hosts_replaced += replaced
             counters.decode_legs += 1
+            # Set before it is sent: its commit then adds no prefill work to the decode
+            # replica's backlog (the pull runs beside the engine), and its first byte is no
+            # sample of the replica's rates.
+            decision.remote_prefill = True
             upstream = await forwarder.open(decision.ranked, target, _encode(body), headers, commit)
             if upstream.status >= 500:
+                decision.remote_prefill = False  # decode-only now: the whole prompt's work
                 counters.transfer_failures += 1
                 log.warning(
                     "request %s: decode replica %s answered %d after a split (the pull "
@@ -247,7 +259,6 @@ async def _split(
                 upstream = None
             else:
                 named = prefill
-                decision.remote_prefill = True  # its first byte is no sample of its rates
                 _record_prefill_accuracy(service, plan, prefill, answer)
         if upstream is None:
             # Decode-only: the original bytes, ranked and committed as an aggregated request.
@@ -294,7 +305,10 @@ async def _prefill_leg(
         try:
             async with asyncio.timeout(service.settings.disagg.prefill_timeout_s):
                 status, data = await _send_prefill(service, replica, target, body, headers, commit)
+            # Answered: its prefill ended (the P/D decider's backlog of that replica).
+            service.router.backlog.done(replica.name, id(plan.prefill_decision))
         except TimeoutError:
+            service.router.backlog.drop(replica.name, id(plan.prefill_decision))
             service.registry.record_failure(replica, "proxy: the prefill leg timed out")
             counters.prefill_failures += 1
             log.warning("prefill leg on %s timed out; trying the next", replica.name)

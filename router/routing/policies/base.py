@@ -55,6 +55,9 @@ class ReplicaView:
 
     name: str
     pending: float = 0.0
+    # ``pending`` less what this router saw end since the last scrape (Replica.pending_fresh):
+    # the requests there now, which the P/D decider counts decodes by (None: not known).
+    pending_now: float | None = None
     in_flight: int = 0
     running: float = 0.0
     waiting: float = 0.0

@@ -14,6 +14,7 @@ from kvroute.router.config import CostSettings, DisaggSettings, ReplicaConfig
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.disagg import Disaggregation, PdPlan, decode_only_reason, pools
 from kvroute.router.routing.policies import ReplicaView
+from kvroute.router.routing.prefill_backlog import PrefillBacklog
 from kvroute.router.routing.router import Decision
 from kvroute.router.tokens.requests import ParsedRequest
 
@@ -58,8 +59,74 @@ def _plan(
     return plan, calls
 
 
-def _disagg(**kw: Any) -> Disaggregation:
-    return Disaggregation(DisaggSettings(**kw), CostSettings(learn_queue_delay=False))
+def _disagg(backlog: PrefillBacklog | None = None, **kw: Any) -> Disaggregation:
+    return Disaggregation(DisaggSettings(**kw), CostSettings(learn_queue_delay=False), backlog)
+
+
+def _sent(backlog: PrefillBacklog, replica: Replica, *works: float) -> None:
+    """This router sent ``replica`` prefills of these works (seconds), not yet done."""
+    for i, work in enumerate(works):
+        backlog.add(replica.name, (replica.name, i), work)
+    replica.running += len(works)
+
+
+# The cost model's default prefill rate (1e-4 s/token): a 4,000-token prompt is 0.4 s.
+WORK_4000 = 0.4
+
+
+def test_running_decodes_are_no_queue_for_a_new_prompt_on_a_decode_replica() -> None:
+    """vLLM's scheduler runs a new prompt at once beside the running decodes: decode-only
+    costs the prompt's work and the stall it gives them, never a queue of them."""
+    disagg = _disagg(skip_tokens=64, decode_stall_weight=0.0)
+    d = _replica("d0", "decode", pending=4)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert plan.decode_only_s == pytest.approx(WORK_4000)
+    assert (plan.decoding, plan.decode_stall_s) == (4.0, 0.0)
+    assert (plan.split, plan.reason) == (False, "cheaper_on_decode")
+
+
+def test_the_stall_of_each_decoding_request_is_priced_at_the_configured_weight() -> None:
+    """The trade made explicit: the same request splits when a second of stall to each of
+    the 2 decodes costs a second of TTFT, and stays on decode when it costs a tenth."""
+    for weight, split in ((1.0, True), (0.1, False)):
+        backlog = PrefillBacklog()
+        p = _replica("p0", "prefill")
+        _sent(backlog, p, 0.6)
+        disagg = _disagg(backlog, skip_tokens=64, decode_stall_weight=weight)
+        d = _replica("d0", "decode", pending=2)
+        plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(p, 0)])
+        assert plan.decode_stall_s == pytest.approx(weight * WORK_4000 * 2)
+        assert plan.decode_only_s == pytest.approx(WORK_4000 * (1 + 2 * weight))
+        assert plan.split_s == pytest.approx(0.6 + WORK_4000 + 4000 * 1e-5 + 0.005, rel=1e-3)
+        assert plan.split is split
+
+
+def test_a_decode_replicas_own_prefills_are_its_wait() -> None:
+    backlog = PrefillBacklog()
+    d = _replica("d0", "decode")
+    _sent(backlog, d, 1.0)  # a long prompt computing there: nothing decoding yet
+    disagg = _disagg(backlog, skip_tokens=64)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert plan.decoding == 0.0
+    assert plan.decode_only_s == pytest.approx(1.0 + WORK_4000, rel=1e-3)
+    # The decode leg waits only for what is left of it after the prefill leg and the pull.
+    assert plan.split_s == pytest.approx(1.0 + 0.005, rel=1e-3)
+    assert plan.split
+
+
+def test_the_prefill_replica_with_less_work_ahead_wins_not_the_one_with_fewer_requests() -> None:
+    """One long prompt ahead (0.75 s) waits longer than three short ones (30 ms): the wait
+    is the work ahead, and the prefills ahead are not slowed by this one (no delay to
+    others priced on a prefill replica)."""
+    backlog = PrefillBacklog()
+    long_ahead, short_ahead = _replica("p0", "prefill"), _replica("p1", "prefill")
+    _sent(backlog, long_ahead, 0.75)
+    _sent(backlog, short_ahead, 0.01, 0.01, 0.01)
+    disagg = _disagg(backlog, skip_tokens=64)
+    d = _replica("d0", "decode", pending=6)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(long_ahead, 0), (short_ahead, 0)])
+    assert [r.name for r in plan.prefill] == ["p1", "p0"]
+    assert plan.split_s == pytest.approx(0.03 + WORK_4000 + 4000 * 1e-5 + 0.005, rel=1e-2)
 
 
 def test_a_short_uncached_part_stays_on_decode_without_asking_the_prefill_pool() -> None:
@@ -186,3 +253,52 @@ def test_pools_keep_whole_requests_off_the_prefill_pool_unless_nothing_else_is_l
     p, d, a = _replica("p", "prefill"), _replica("d", "decode"), _replica("a", "both")
     assert pools([p, d, a]) == ([d, a], [p])
     assert pools([p]) == ([p], [])
+
+
+def test_the_choice_is_not_made_by_the_noise_of_learned_rates() -> None:
+    """Both idle: decode-only is cheaper by the pull and the split's overhead, though the
+    decode replica's learned rate came out 40% above the prefill replica's borrowed one
+    (the same hardware: the work is priced at the configured rate on both)."""
+    disagg = _disagg(skip_tokens=64)
+    decode = _decision(4000, [(_replica("d0", "decode"), 0)])
+    decode.views[0].prefill_s_per_token = 1.4e-4
+    plan, _ = _plan(disagg, decode, [(_replica("p0", "prefill"), 0)])
+    assert plan.decode_only_s == pytest.approx(WORK_4000)
+    assert (plan.split, plan.reason) == (False, "cheaper_on_decode")
+
+
+def test_a_decode_leg_on_its_way_is_delayed_by_a_prompt_computed_before_it_lands() -> None:
+    """A split request's decode leg is not in the decode replica's pending while its
+    prefill leg runs; a long prompt put there meanwhile delays the leg's first token by
+    what is left of the prompt's work when it lands, priced one for one. A leg due after
+    the prompt is done is not delayed."""
+    backlog = PrefillBacklog()
+    d = _replica("d0", "decode")
+    disagg = _disagg(backlog, skip_tokens=64)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert (plan.split, plan.incoming_legs) == (False, 0)
+    backlog.expect("d0", "late", 1.0)  # its prefill answers in 1 s: the prompt is done
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert (plan.split, plan.incoming_legs) == (False, 1)
+    assert plan.decode_only_s == pytest.approx(WORK_4000)
+    backlog.expect("d0", "due", 0.1)  # lands 0.1 s in: waits the remaining 0.3 s
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
+    assert plan.incoming_legs == 2
+    assert plan.decode_only_s == pytest.approx(WORK_4000 + 0.3, abs=1e-3)
+    assert plan.split
+    backlog.arrived("d0", "due")
+    backlog.arrived("d0", "late")
+    assert backlog.incoming("d0") == []
+
+
+def test_decodes_that_ended_since_the_last_scrape_are_not_stalled() -> None:
+    """The gauges said 4 running; this router saw 3 of them end since: 1 decode is left to
+    stall (Replica.pending_fresh), not 4."""
+    disagg = _disagg(skip_tokens=64)
+    d = _replica("d0", "decode", pending=4)
+    d.ended_since_scrape = 3
+    decode = _decision(4000, [(d, 0)])
+    decode.views[0].pending_now = d.pending_fresh
+    plan, _ = _plan(disagg, decode, [(_replica("p0", "prefill"), 0)])
+    assert plan.decoding == 1.0
+    assert plan.decode_stall_s == pytest.approx(WORK_4000)

@@ -1,0 +1,99 @@
+"""``PrefillBacklog`` (router/routing/prefill_backlog.py): the prefill work sent to a replica
+and not yet done drains as one in-order server's, re-based on each reported end."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.router.routing.prefill_backlog import PrefillBacklog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_work_queues_in_order_and_drains_with_time() -> None:
+    clock = Clock()
+    b = PrefillBacklog(clock=clock)
+    b.add("p0", "a", 0.75)
+    b.add("p0", "b", 0.75)
+    assert b.wait_s("p0") == pytest.approx(1.5)
+    assert b.count("p0") == 2
+    clock.now += 1.0  # a done, b half done: 0.5 s left
+    assert b.wait_s("p0") == pytest.approx(0.5)
+    clock.now += 1.0
+    assert b.wait_s("p0") == 0.0
+    assert b.wait_s("other") == 0.0 and b.count("other") == 0
+
+
+def test_a_reported_end_rebases_the_rest_and_ends_those_sent_before() -> None:
+    clock = Clock()
+    b = PrefillBacklog(clock=clock)
+    for key in ("a", "b", "c"):
+        b.add("p0", key, 0.5)
+    clock.now += 0.2  # b answered early (a was cached after all): a and b are done
+    b.done("p0", "b")
+    assert b.count("p0") == 1
+    assert b.wait_s("p0") == pytest.approx(0.5)  # c's work, from now
+    b.done("p0", "unknown")  # not ours: nothing changes
+    assert b.count("p0") == 1
+
+
+def test_no_work_is_not_a_prefill_and_a_failed_request_stops_counting() -> None:
+    clock = Clock()
+    b = PrefillBacklog(clock=clock)
+    b.add("d0", "decode-leg", 0.0)  # a pulled prompt: nothing ahead of anyone
+    assert (b.count("d0"), b.wait_s("d0")) == (0, 0.0)
+    b.add("p0", "a", 0.4)
+    b.add("p0", "b", 0.4)
+    b.drop("p0", "a")
+    assert b.count("p0") == 1
+
+
+def test_a_request_never_reported_done_is_dropped_after_its_predicted_end() -> None:
+    clock = Clock()
+    b = PrefillBacklog(stale_after_s=5.0, clock=clock)
+    b.add("p0", "a", 1.0)
+    clock.now += 5.5
+    assert b.count("p0") == 1
+    clock.now += 1.0
+    assert b.count("p0") == 0
+
+
+def test_the_router_feeds_the_deciders_backlog_from_what_it_sends() -> None:
+    """Committing a request adds its priced work on that replica, a decode leg (its prompt
+    pulled) adds none, and its first byte ends it: the decider reads the same backlog."""
+    from kvroute.router.config import ReplicaConfig, RouterSettings
+    from kvroute.router.routing.policies import ReplicaView
+    from kvroute.router.routing.router import Decision
+    from kvroute.router.service import RouterService
+
+    configs = [
+        ReplicaConfig(url="http://p0:8000", name="p0", role="prefill"),
+        ReplicaConfig(url="http://d0:8000", name="d0", role="decode"),
+    ]
+    service = RouterService(RouterSettings(replicas=configs))
+    assert service.disagg.backlog is service.router.backlog
+    p0, d0 = (service.add_replica(config) for config in configs)
+
+    def decision(replica: object, name: str) -> Decision:
+        view = ReplicaView(name=name)
+        view.compute_s, view.load_s = 0.4, 0.0
+        return Decision("kvroute", "load", [replica], [view], 4000)  # type: ignore[list-item]
+
+    prefill, decode = decision(p0, "p0"), decision(d0, "d0")
+    service.router.commit(prefill, p0, home=False)
+    decode.remote_prefill = True  # a split's decode leg
+    service.router.commit(decode, d0)
+    backlog = service.router.backlog
+    assert backlog.wait_s("p0") == pytest.approx(0.4, abs=0.05)
+    assert (backlog.count("p0"), backlog.count("d0")) == (1, 0)
+    whole = decision(d0, "d0")  # decode-only: the whole prompt computed there
+    service.router.commit(whole, d0)
+    assert backlog.count("d0") == 1
+    service.router.first_byte(whole, d0, 0.41)
+    assert (backlog.count("d0"), backlog.wait_s("d0")) == (0, 0.0)
