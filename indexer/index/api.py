@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DOMAIN_PREFIX",
+    "EAGLE_METHODS",
     "ApplyResult",
     "DomainSummary",
     "IndexFigures",
@@ -24,8 +25,20 @@ __all__ = [
     "PrefixMatch",
     "ReplicaIndexSummary",
     "domain_key",
+    "drops_block",
     "split_domain_key",
 ]
+
+# vLLM 0.32's SpeculativeConfig.use_eagle(): the speculative methods whose prefix-cache hits
+# lose their last block (drafts.py says what is dropped where).
+EAGLE_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+
+
+def drops_block(method: str | None) -> bool:
+    """Whether a replica drafting with ``method`` (vLLM's ``speculative_config.method``)
+    drops the last block of its prefix-cache hits."""
+    return method is not None and method.lower() in EAGLE_METHODS
+
 
 # The index key of a storage domain: a pseudo-replica whose STORAGE holdings are the domain's
 # (its evictor's stream is applied under this name). A domain's holdings are kept per layout
@@ -239,6 +252,15 @@ class PrefixIndex(ABC):
         domains refuses: a shared prefix would silently count nowhere."""
         if domain is not None:
             raise NotImplementedError(f"{type(self).__name__} has no storage domains")
+
+    def set_speculative(self, replica: str, method: str | None) -> None:
+        """The replica's speculative decoding method, as vLLM's ``speculative_config.method``
+        names it (None: none): the EAGLE-style ones (``eagle``, ``eagle3``, ``mtp``,
+        ``dflash``, ``dspark``) make vLLM drop the last block of every prefix-cache hit,
+        which the events do not say. A backend that cannot apply the drop refuses: it would
+        predict such a replica one block high."""
+        if drops_block(method):
+            raise NotImplementedError(f"{type(self).__name__} cannot drop EAGLE's block")
 
     def domains(self) -> list[DomainSummary]:
         """Every storage domain known (holding blocks, or with replicas attached)."""

@@ -5,7 +5,8 @@ The device prefix first, then, from the first block the device lacks, blocks a l
 holds, ending on a whole chunk of that tier (``_walk``, ``_trim``); a partial block past the
 device prefix (``_probe_partials``); a storage domain's holdings as the STORAGE tier of the
 replicas attached to it, and its llm-d shared storage chunks as their unconfirmed STORAGE
-(``_lifted``); and a hybrid model's cap (hybrid.py).
+(``_lifted``); an EAGLE replica's dropped block (drafts.py); and a hybrid model's cap
+(hybrid.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class Lookups(IndexStore):
     if TYPE_CHECKING:  # the replicas (memory.py), hybrid models (hybrid.py)
 
         def block_size(self, replica: str) -> int | None: ...
+
+        def _drop_drafted(
+            self,
+            n_tokens: int,
+            keys: Sequence[int],
+            states: list[_ReplicaState],
+            block_size: int,
+            out: dict[str, PrefixMatch],
+        ) -> None: ...
 
         def _cap_hybrid(
             self,
@@ -88,6 +98,7 @@ class Lookups(IndexStore):
                 keys = request.keys(block_size)
                 out.update(self._walk(keys, states, block_size, self._lifted(states)))
                 self._probe_partials(request, states, block_size, out)
+                self._drop_drafted(request.n_tokens, keys, states, block_size, out)
                 self._cap_hybrid(request, keys, states, block_size, out)
             return out
 

@@ -18,6 +18,7 @@ from kvroute.indexer.index.capacity import Capacity
 from kvroute.indexer.index.chunks import OffloadedChunks
 from kvroute.indexer.index.confirmed import ConfirmedHoldings
 from kvroute.indexer.index.domains import StorageDomains
+from kvroute.indexer.index.drafts import SpeculativeDrafts
 from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.resets import Resets
@@ -46,6 +47,7 @@ class InMemoryPrefixIndex(
     HybridGroups,
     UnconfirmedHoldings,
     StorageDomains,
+    SpeculativeDrafts,
     Resets,
     Capacity,
     Lookups,
@@ -87,6 +89,9 @@ class InMemoryPrefixIndex(
         self._entries = 0
         # replica -> the pseudo-replica of the storage domain it is attached to
         self._attached: dict[str, str] = {}
+        # replica -> its EAGLE-style speculative method (drafts.py): a setting, kept across
+        # clears and restarts as attachments are
+        self._drafts = {}
         self._deferred = []
         self._starts = []
         self._computed = set()
@@ -175,6 +180,7 @@ class InMemoryPrefixIndex(
     def remove_replica(self, replica: str) -> None:
         with self._lock:
             self._attached.pop(replica, None)
+            self._drafts.pop(replica, None)
             state = self._replicas.get(replica)
             if state is None:
                 return
