@@ -153,6 +153,7 @@ class InMemoryPrefixIndex(
                 self._clear_class(state, int(tier))
                 return
             self._clear_confirmed(state)
+            state.device_history = False  # its device may still hold what was forgotten
             for source in list(state.held):
                 self._drop_source_holdings(state, source)
             state.forget_configuration()
@@ -171,6 +172,9 @@ class InMemoryPrefixIndex(
             # means removals may have been missed, whatever the evictor itself published.
             if source in state.confirmed_sources or replica.startswith(DOMAIN_PREFIX):
                 self._clear_confirmed(state)
+                # A new process starts with an empty device; after a gap it still holds what
+                # the index forgot (confirmed.py, stores from the prompt's start).
+                state.device_history = restarted
                 if restarted and not replica.startswith(DOMAIN_PREFIX):
                     # A new process may run another configuration: learn it again.
                     state.forget_configuration()

@@ -86,6 +86,7 @@ class Resets(IndexStore):
             # after it skips that history.
             state.ghost = None
             state.groups = {}
+            state.device_history = True  # the device is empty: every block from now on is seen
             self._forget_deferred(state)
             result.device_cleared += 1
         if pool:

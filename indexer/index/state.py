@@ -68,6 +68,7 @@ class _ReplicaState:
         "chunk_obs",
         "chunks",
         "confirmed_sources",
+        "device_history",
         "engine_to_key",
         "ghost",
         "group_specs",
@@ -143,6 +144,10 @@ class _ReplicaState:
         # classes a lower-tier block pool stored in (SimpleCPUOffloadConnector): a bare
         # AllBlocksCleared may be its reset (resets.py)
         self.pool_tiers: set[int] = set()
+        # True while the index has applied every device store since the device was last
+        # empty (a device clear, a new process): False after its stream lost history, when a
+        # block the index does not hold may be held since before (confirmed.py)
+        self.device_history = True
 
     def forget_configuration(self) -> None:
         """Forget what the replica's events taught of its configuration (block size, prefix-

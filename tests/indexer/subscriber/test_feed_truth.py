@@ -34,11 +34,11 @@ replica (``block_tiers``) and for every prediction (``lookup``):
   - a storage domain's chunk stored on a stream that was behind and removed meanwhile by the
     domain's evictor (streams are not ordered with each other, docs/indexer.md): held until
     its next removal;
-  - after a clear of the stream (a gap the replay could not fill, a restart), a device block
-    held since before it and then stored from the prompt's start (a re-announced hit,
-    ``kv_cache_report_mode: "full"``, or a copy) may be counted twice: it stays until the
-    next device clear (the index cannot tell such a store from a computation without the
-    history it lost);
+  - none after a clear of the stream (a gap the replay could not fill, a restart): a device
+    block held since before it and then stored from the prompt's start (a re-announced hit,
+    ``kv_cache_report_mode: "full"``, or a copy) is never counted twice, so its removal
+    takes it out (the index lost the device's history: until the next device clear such
+    stores are taken once);
   - unconfirmed tiers (LMCache, Mooncake, vLLM's FS tier, llm-d's FS backend): a block
     deleted without a word, at most ``TTL`` after it was last announced.
   A prediction never covers a block that no tier of the replica may hold.
@@ -182,7 +182,6 @@ class Feed:
         self.vouched: set[int] = set()  # device blocks whose store was applied in order
         self.dups: set[int] = set()
         self.prev: set[Pair] = set()  # the confirmed pairs at the end of the last step
-        self.unseen: set[int] = set()
 
     def note_behind(self) -> None:
         """The stream is behind: the index may hold what the replica held when the stream
@@ -235,8 +234,6 @@ class Feed:
         keep = {x for x in self.excused | self.span if x[0] == STORAGE and self.model.domain}
         self.excused = keep
         self.vouched = set()
-        # device blocks the cleared index no longer knows are held (see ``unseen_restore``)
-        self.unseen = {h for cls, h in self.prev | self.span if cls == GPU}
 
     def restart(self) -> None:
         """The engine restarted: the connection drops and comes back, the feed asks the
@@ -253,17 +250,6 @@ class Feed:
         self.applied_seq = -1
         self.prev = set()
         self.model.restarted = False
-
-    def unseen_restore(self, events: list[Any]) -> None:
-        """After a clear, a store from the prompt's start naming a block held since before it
-        (a re-announced hit, or a copy) cannot be told from a computation by what the index
-        knows: the block may be counted twice, and outlive its removal until a device clear."""
-        for e in events:
-            if isinstance(e, BlockStored) and e.medium == Medium.GPU:
-                if e.parent_block_hash is None:
-                    self.excused |= {(GPU, h) for h in e.block_hashes if h in self.unseen}
-            elif isinstance(e, AllBlocksCleared):
-                self.unseen = set()
 
     def vouch(self, events: list[Any], gpu: set[int]) -> None:
         """Device stores applied live and in order, chained on vouched blocks."""
@@ -317,7 +303,6 @@ class Router:
                 else:
                     was_behind = f.behind
                     f.deliver(f.pub.publish(payload), live=True)
-                    f.unseen_restore(m.main)
                     if not was_behind:
                         f.vouch(m.main, set(m.gpu))
                     if m.unknown:
@@ -469,6 +454,20 @@ lower_st = st.sampled_from(["connector", "native_sd", "native_ph", "simple_cpu"]
     4,
     True,
     [(1, ("serve", 2, 1)), (1, ("restart",)), (1, ("compute", 0, 0, 3))],
+)
+@example(  # a gap the replay cannot fill, then a hit re-announced past what the index knows
+    ("connector", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", BUFFER + 1)),
+        *[(0, ("reannounce", 0, 0, 1))] * (BUFFER + 1),
+        (0, ("reannounce", 0, 0, 2)),
+        (0, ("reannounce", 0, 0, 4)),
+        (0, ("evict", 6)),
+    ],
 )
 def test_every_stream_through_the_feeds_stays_within_the_stated_window(
     lowers: tuple[str, str], gpu: int, cpu: int, domain: bool, ops: list[tuple[int, Any]]
