@@ -70,6 +70,7 @@ _KNOWN_FIELDS = frozenset(
         "pool_tiers",
         "primary",
         "refs",
+        "reset_pending",
         "size_confirmed",
         "slot",
         "tier_counts",

@@ -189,12 +189,15 @@ class PrefixIndex(ABC):
         """
 
     @abstractmethod
-    def reset_connector(self, replica: str) -> None:
+    def reset_connector(self, replica: str, *, device_cleared: bool = False) -> None:
         """The replica's KV connector was reset without an event (vLLM's
         ``reset_prefix_cache(reset_connector=True)``: ``/reset_prefix_cache?reset_external=
         true``, ``/pause``, ``/sleep``): forget what such a reset empties, its CPU tier
         (confirmed and unconfirmed). Storage tiers outlive it (vLLM keeps its FS/OBJ tiers;
-        kvroute's connector announces what it drops)."""
+        kvroute's connector announces what it drops). ``device_cleared``: the device's prefix
+        cache was reset with it, so its ``AllBlocksCleared`` will mark the reset's place in
+        the stream: the CPU tier is dropped again there (batches published before the reset
+        but applied after this call stored in it)."""
 
     @abstractmethod
     def remove_replica(self, replica: str) -> None:

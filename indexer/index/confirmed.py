@@ -517,8 +517,10 @@ class ConfirmedHoldings(IndexStore):
         state.groups = {}
         state.unplaced = {}
         # As a fresh replica's: what the index does after a clear must not depend on the
-        # history before it (a feed that joins after the clear skips that history).
+        # history before it (a feed that joins after the clear skips that history). A reset
+        # still awaited is moot too: its CPU tier is gone with the rest.
         state.ghost = None
+        state.reset_pending = False
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:
         """Drop one confirmed class from every block of the replica (a tier's clear)."""

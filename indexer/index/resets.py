@@ -89,6 +89,9 @@ class Resets(IndexStore):
             state.device_history = True  # the device is empty: every block from now on is seen
             self._forget_deferred(state)
             result.device_cleared += 1
+            if state.reset_pending:  # the connector reset the router forwarded: it is here
+                state.reset_pending = False
+                self._drop_cpu(state)
         if pool:
             for cls in sorted(state.pool_tiers):
                 if cls < 3:
@@ -107,14 +110,24 @@ class Resets(IndexStore):
             self._drop_class_holdings(state, cls + 3, source)
         result.distrusted += 1
 
-    def reset_connector(self, replica: str) -> None:
+    def reset_connector(self, replica: str, *, device_cleared: bool = False) -> None:
         with self._lock:
             state = self._replicas.get(replica)
             if state is None:
-                return
-            cpu = int(Medium.CPU)
-            self._clear_class(state, cpu)
-            self._drop_class_holdings(state, cpu + 3)
+                if not device_cleared:
+                    return
+                state = self._state(replica)
+            self._drop_cpu(state)
+            # The reset's own AllBlocksCleared is still to come on the replica's stream, after
+            # every batch published before the reset: what those store in CPU, applied after
+            # this call, the clear drops again.
+            state.reset_pending = device_cleared
+
+    def _drop_cpu(self, state: _ReplicaState) -> None:
+        """What a connector's reset empties: the CPU tier, confirmed and unconfirmed."""
+        cpu = int(Medium.CPU)
+        self._clear_class(state, cpu)
+        self._drop_class_holdings(state, cpu + 3)
 
 
 def _is_device_event(event: Event) -> bool:

@@ -80,6 +80,7 @@ class _ReplicaState:
         "pool_tiers",
         "primary",
         "refs",
+        "reset_pending",
         "size_confirmed",
         "slot",
         "tier_counts",
@@ -148,6 +149,9 @@ class _ReplicaState:
         # empty (a device clear, a new process): False after its stream lost history, when a
         # block the index does not hold may be held since before (confirmed.py)
         self.device_history = True
+        # a connector reset the router forwarded, with the device's: its AllBlocksCleared,
+        # not applied yet, marks where the reset happened in the stream (resets.py)
+        self.reset_pending = False
 
     def forget_configuration(self) -> None:
         """Forget what the replica's events taught of its configuration (block size, prefix-

@@ -88,6 +88,7 @@ class MixedReplica(ModelReplica):
         self.lose_next = False
         self.gap_next = False
         self.router_reset = False
+        self.router_reset_device = False
         self.prev = self.confirmed_sets()  # what the index was last told of confirmed tiers
 
     # --- the lower tier: SimpleCPUOffloadConnector's pool instead of chunks ------------------
@@ -118,10 +119,17 @@ class MixedReplica(ModelReplica):
             self.pool.clear()
             self.main.append(AllBlocksCleared())
 
-    def reset_external(self) -> None:
-        """``reset_external``/``/pause``: vLLM's offloading connector empties its CPU tier and
-        says nothing; kvroute's announces it (reset_lower). The router forwarded the request
-        and tells the index (``reset_connector``)."""
+    def reset_external(self, device: bool = True) -> None:
+        """``reset_external``/``/pause``: vLLM resets the device's prefix cache (its block pool
+        publishes ``AllBlocksCleared``), unless blocks are still in use (``device`` false:
+        ``{"success": false}``), then the connector: vLLM's offloading connector empties its
+        CPU tier and says nothing; kvroute's announces it (reset_lower). The router forwarded
+        the request and tells the index (``reset_connector``)."""
+        if device:
+            self.gpu.clear()
+            self.gpu_lru.clear()
+            self.main.append(AllBlocksCleared())
+        self.router_reset_device = device
         if self.lower == "connector" and not self.simple:
             self.reset_lower()
         else:
@@ -311,7 +319,7 @@ op_st = st.one_of(
     st.tuples(st.just("fs_store"), doc_st, variant_st),
     st.tuples(st.just("delete_behind"), st.integers(0, 3)),
     st.tuples(st.just("reset")),
-    st.tuples(st.just("reset_external")),
+    st.tuples(st.just("reset_external"), st.booleans()),
     st.tuples(st.just("tier_cleared")),
     st.tuples(st.just("lose")),
     st.tuples(st.just("gap")),
@@ -358,7 +366,7 @@ class Router:
             m.main.clear()
             m.unknown.clear()
         if m.router_reset:
-            self.index.reset_connector("r")
+            self.index.reset_connector("r", device_cleared=m.router_reset_device)
             m.lost = {x for x in m.lost if x[0] != CPU}
             m.router_reset = False
         for events, source, replica in (

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvroute.indexer.index import InMemoryPrefixIndex, domain_key
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.stats import collect_stats
-from kvroute.indexer.wire import BlockStored, Event, Medium, decode_batch
+from kvroute.indexer.wire import AllBlocksCleared, BlockStored, Event, Medium, decode_batch
 from tests.indexer.builders import BS, DOC, hashes_of, removed, stored, tier_only
 
 N_BLOCKS = len(DOC) // BS
@@ -310,6 +310,42 @@ def test_reset_connector_drops_cpu_keeps_device_and_storage() -> None:
     assert _tiers(index, "r", DOC) == {"GPU": 2, "STORAGE": N_BLOCKS - 2}
     assert index.block_tiers("r", DOC)[5] == {"STORAGE"}
     index.reset_connector("nobody")  # unknown replica: nothing happens
+
+
+def test_a_reset_with_the_devices_drops_cpu_again_at_its_clear() -> None:
+    """The router learns of a reset (``device_cleared``: vLLM reset the device's prefix cache
+    with it) while the replica's stream is behind: batches published before the reset store
+    CPU chunks after the router dropped CPU. The reset's own ``AllBlocksCleared`` comes after
+    them in the stream and drops them; what is stored after it stays, and a later clear (no
+    reset pending) keeps CPU."""
+    index = InMemoryPrefixIndex()
+    index.apply("r", [stored(DOC, 0, N_BLOCKS), stored(DOC, 0, 2, Medium.CPU)])
+    index.reset_connector("r", device_cleared=True)
+    assert _tiers(index, "r", DOC) == {"GPU": N_BLOCKS}
+    # the backlog: a CPU store published before the reset, applied now
+    index.apply("r", [stored(DOC, 0, 4, Medium.CPU)])
+    assert _tiers(index, "r", DOC) == {"GPU": N_BLOCKS}
+    assert index.block_tiers("r", DOC)[3] == {"GPU", "CPU"}
+    # the reset's batch: the device's clear, then what the connector stored after it
+    index.apply("r", [AllBlocksCleared(), stored(DOC, 0, 2, Medium.CPU)])
+    assert [t for t in index.block_tiers("r", DOC)[:4]] == [{"CPU"}, {"CPU"}, set(), set()]
+    index.apply("r", [AllBlocksCleared()])  # a device-only reset later: CPU is kept
+    assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
+
+
+def test_a_reset_alone_or_a_cleared_stream_leaves_no_pending_clear() -> None:
+    """Without the device's reset (``{"success": false}``) nothing marks the reset in the
+    stream: a later device clear keeps CPU. A stream cleared after a gap drops CPU anyway,
+    and the pending reset with it."""
+    index = InMemoryPrefixIndex()
+    index.apply("r", [stored(DOC, 0, 2)])
+    index.reset_connector("r")
+    index.apply("r", [stored(DOC, 0, 2, Medium.CPU), AllBlocksCleared()])
+    assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
+    index.reset_connector("r", device_cleared=True)
+    index.clear_source("r", "", restarted=False)
+    index.apply("r", [stored(DOC, 0, 2), stored(DOC, 0, 2, Medium.CPU), AllBlocksCleared()])
+    assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
 
 
 # --- events of a type the decoder does not know ---------------------------------------------

@@ -29,8 +29,11 @@ replica (``block_tiers``) and for every prediction (``lookup``):
     for a batch lost at its source, what the replica's confirmed tiers held while the stream
     was behind stays excused until the index next drops that tier (a device clear it
     applies, a connector reset, an unknown event's clear, a clear of the stream);
-  - a connector reset forwarded by the router while the replica's stream is behind: the
-    chunks the not-yet-applied batches stored stay excused until the index next drops CPU;
+  - a connector reset forwarded by the router while the replica's stream is behind, when
+    vLLM could not reset the device with it (``{"success": false}``): the chunks the
+    not-yet-applied batches stored stay excused until the index next drops CPU; with the
+    device's reset, none: its ``AllBlocksCleared`` marks the reset in the stream, after
+    those batches, and the index drops CPU again there;
   - a storage domain's chunk stored on a stream that was behind and removed meanwhile by the
     domain's evictor (streams are not ordered with each other, docs/indexer.md): held until
     its next removal;
@@ -314,9 +317,10 @@ class Router:
                 f.note_behind()
             f.vouched &= set(m.gpu)
             if m.router_reset:
-                self.index.reset_connector(f.name)
+                self.index.reset_connector(f.name, device_cleared=m.router_reset_device)
                 if f.behind:
-                    f.reset_while_behind = True
+                    # with the device's reset, its clear drops the backlog's CPU stores
+                    f.reset_while_behind = not m.router_reset_device
                 else:
                     f.drop_excuses(CPU)
                 m.router_reset = False
@@ -376,7 +380,7 @@ model_op = st.one_of(
     st.tuples(st.just("fs_store"), doc_st, variant_st),
     st.tuples(st.just("delete_behind"), st.integers(0, 3)),
     st.tuples(st.just("reset")),
-    st.tuples(st.just("reset_external")),
+    st.tuples(st.just("reset_external"), st.booleans()),
     st.tuples(st.just("tier_cleared")),
     st.tuples(st.just("lose")),
     st.tuples(st.just("drop"), st.sampled_from([1, 1, 2, BUFFER + 1])),
@@ -467,6 +471,19 @@ lower_st = st.sampled_from(["connector", "native_sd", "native_ph", "simple_cpu"]
         (0, ("reannounce", 0, 0, 2)),
         (0, ("reannounce", 0, 0, 4)),
         (0, ("evict", 6)),
+    ],
+)
+@example(  # a reset the router forwards while the stream is behind a CPU store
+    ("native_sd", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", 2)),
+        (0, ("serve", 1, 0)),
+        (0, ("reset_external", True)),
+        (0, ("serve", 2, 0)),
     ],
 )
 def test_every_stream_through_the_feeds_stays_within_the_stated_window(
