@@ -59,6 +59,7 @@ _KNOWN_FIELDS = frozenset(
         "chunks",
         "confirmed_sources",
         "device_history",
+        "doubted",
         "engine_to_key",
         "ghost",
         "group_specs",

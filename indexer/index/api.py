@@ -200,6 +200,14 @@ class PrefixIndex(ABC):
         but applied after this call stored in it)."""
 
     @abstractmethod
+    def expect_device_reset(self, replica: str) -> None:
+        """The router forwarded a prefix-cache reset of the device alone that the replica
+        accepted: its coming ``AllBlocksCleared`` left the connectors' tiers as they were. A
+        device clear the router was told nothing of may be a connector reset sent to the
+        replica directly: a backend that ages the silent connectors' tiers then keeps them
+        for this one."""
+
+    @abstractmethod
     def remove_replica(self, replica: str) -> None:
         """Forget the replica entirely."""
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult
 from kvroute.indexer.index.state import (
     _CONFIRMED,
+    _CPU,
     _GHOST_MAX,
     _GPU,
     _W,
@@ -368,6 +369,8 @@ class ConfirmedHoldings(IndexStore):
         count_dup: bool,
     ) -> None:
         """One more holding of ``key`` (vLLM hash ``h``) in confirmed class ``cls``."""
+        if state.doubted and cls == _CPU:
+            state.doubted.pop(h, None)  # stored again: held after the reset it might have had
         engine_to_key = state.engine_to_key
         old = engine_to_key.get(h)
         if old is None:
@@ -520,7 +523,8 @@ class ConfirmedHoldings(IndexStore):
         # history before it (a feed that joins after the clear skips that history). A reset
         # still awaited is moot too: its CPU tier is gone with the rest.
         state.ghost = None
-        state.reset_pending = False
+        state.reset_pending = 0
+        state.doubted = {}
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:
         """Drop one confirmed class from every block of the replica (a tier's clear)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from urllib.parse import parse_qs
 
-__all__ = ["resets_connector", "resets_device"]
+__all__ = ["resets_connector", "resets_device", "resets_device_only"]
 
 # FastAPI's (pydantic's) bool query values; anything else is a 422 (no reset).
 _TRUE = {"1", "true", "on", "yes", "t", "y"}
@@ -78,3 +78,13 @@ def resets_device(path: str, body: bytes) -> bool:
     except (ValueError, UnicodeDecodeError):
         return False
     return isinstance(answer, dict) and answer.get("success") is True
+
+
+def resets_device_only(method: str, path: str, query_string: bytes) -> bool:
+    """Whether this request resets the device's prefix cache and no connector (plain
+    ``POST /reset_prefix_cache``): the index is told, so that the clear it brings does not
+    look like a connector reset sent to the replica directly."""
+    path = path.rstrip("/") or "/"
+    if method.upper() != "POST" or path != "/reset_prefix_cache":
+        return False
+    return not resets_connector(method, path, query_string)

@@ -41,7 +41,11 @@ from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from kvroute.router.routing.router import Decision
 from kvroute.router.serving.admission import disconnect_watch, ticket_of
-from kvroute.router.serving.cache_resets import resets_connector, resets_device
+from kvroute.router.serving.cache_resets import (
+    resets_connector,
+    resets_device,
+    resets_device_only,
+)
 from kvroute.router.serving.disagg import has_prefill_pool, serve_disaggregated
 from kvroute.router.serving.proxy import (
     ClientGone,
@@ -416,9 +420,15 @@ class ProxyEndpoint:
         """A request that resets the replica's KV connector, accepted: no event will say what
         it emptied, so the index forgets it now, for every rank of the replica's server, and
         again at the device's clear that came with it (kvroute.router.serving.cache_resets)."""
-        if not resets_connector(scope["method"], scope["path"], scope.get("query_string") or b""):
-            return
+        query = scope.get("query_string") or b""
         service = self.service
+        if resets_device_only(scope["method"], scope["path"], query):
+            if resets_device(scope["path"], body):
+                for member in service.registry.group(replica.group) or [replica]:
+                    service.index.expect_device_reset(member.name)
+            return
+        if not resets_connector(scope["method"], scope["path"], query):
+            return
         device = resets_device(scope["path"], body)
         for member in service.registry.group(replica.group) or [replica]:
             service.index.reset_connector(member.name, device_cleared=device)

@@ -89,6 +89,9 @@ class MixedReplica(ModelReplica):
         self.gap_next = False
         self.router_reset = False
         self.router_reset_device = False
+        # CPU hashes a connector reset sent directly emptied, excused until then (docs/
+        # indexer.md: ``unconfirmed_ttl_s`` after the device clear that came with it)
+        self.doubted: dict[int, float] = {}
         self.prev = self.confirmed_sets()  # what the index was last told of confirmed tiers
 
     # --- the lower tier: SimpleCPUOffloadConnector's pool instead of chunks ------------------
@@ -136,6 +139,24 @@ class MixedReplica(ModelReplica):
             self.cpu.clear()
             self.pool.clear()
         self.router_reset = True
+
+    def reset_direct(self, device: bool) -> None:
+        """A connector reset sent to the replica directly: the router never hears of it.
+        vLLM's offloading connector empties its CPU tier without a word; the index, seeing a
+        device clear it was not told of, holds those chunks for ``TTL`` only. Without the
+        device's reset (``{"success": false}``) nothing in the stream says anything: they stay
+        until the index next drops CPU. kvroute's connector announces its reset, the
+        SimpleCPUOffloadConnector's pool with a bare clear."""
+        silent = self.lower in ("native_sd", "native_ph")
+        gone = {h for members in self.cpu.values() for h in members} if silent else set()
+        self.reset_external(device)
+        self.router_reset = False
+        if self.simple:
+            self.main.append(AllBlocksCleared())  # the pool's own reset, announced
+        if device:
+            self.doubted.update(dict.fromkeys(gone, self.now + TTL))
+        else:
+            self.lost |= {(CPU, h) for h in gone}
 
     # --- publishers that never remove --------------------------------------------------------
 
@@ -285,6 +306,8 @@ class MixedReplica(ModelReplica):
             for cls in (GPU, CPU):
                 if (cls, b.hash) in self.lost:
                     classes.add(cls)
+            if self.now <= self.doubted.get(b.hash, -1.0):
+                classes.add(CPU)
             for cls in UNCONFIRMED:
                 if self.now - self.announced[cls].get(b.hash, -1e9) <= TTL:
                     classes.add(cls)
@@ -320,6 +343,7 @@ op_st = st.one_of(
     st.tuples(st.just("delete_behind"), st.integers(0, 3)),
     st.tuples(st.just("reset")),
     st.tuples(st.just("reset_external"), st.booleans()),
+    st.tuples(st.just("reset_direct"), st.booleans()),
     st.tuples(st.just("tier_cleared")),
     st.tuples(st.just("lose")),
     st.tuples(st.just("gap")),
@@ -397,6 +421,7 @@ class Router:
 # One of each fault, so that every run checks them whatever hypothesis draws.
 @example("native_sd", 14, 4, True, [("serve", 0, 0), ("fs_store", 0, 0), ("delete_behind", 2)])
 @example("native_ph", 14, 4, False, [("serve", 0, 1), ("reset_external",)])
+@example("native_sd", 14, 4, False, [("serve", 0, 0), ("reset_direct", True), ("tick", 61)])
 @example("connector", 14, 4, False, [("serve", 0, 2), ("mooncake_store", 0, 2), ("tier_cleared",)])
 @example("simple_cpu", 14, 4, False, [("serve", 1, 0), ("lose",), ("evict", 6), ("reset",)])
 @example("native_sd", 14, 4, False, [("serve", 2, 0), ("gap",), ("evict", 6), ("serve", 2, 0)])

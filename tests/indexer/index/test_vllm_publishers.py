@@ -333,6 +333,49 @@ def test_a_reset_with_the_devices_drops_cpu_again_at_its_clear() -> None:
     assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
 
 
+def _offloaded_chunks(index: InMemoryPrefixIndex) -> None:
+    """vLLM's OffloadingConnector (tier-only stores, 2-block chunks) holds DOC's first four
+    blocks in CPU; the device keeps block 0."""
+    index.apply("r", [stored(DOC, 0, N_BLOCKS)])
+    index.apply("r", [tier_only(DOC, [1], Medium.CPU), tier_only(DOC, [3], Medium.CPU)])
+    index.apply("r", [removed(DOC, list(range(1, N_BLOCKS)))])
+
+
+def test_a_device_clear_nobody_announced_bounds_the_silent_cpu_tier() -> None:
+    """A device clear the router was not told of may be a connector reset sent to the
+    replica directly (vLLM resets the device with it when it can), which emptied vLLM's
+    OffloadingConnector's CPU tier without a word: its chunks are held for
+    ``unconfirmed_ttl_s`` only, unless stored again meanwhile."""
+    now = [0.0]
+    index = InMemoryPrefixIndex(unconfirmed_ttl_s=60.0, clock=lambda: now[0])
+    _offloaded_chunks(index)
+    assert index.block_tiers("r", DOC)[:4] == [{"GPU", "CPU"}, {"CPU"}, {"CPU"}, {"CPU"}]
+    index.apply("r", [AllBlocksCleared()])
+    now[0] = 30.0
+    index.apply("r", [tier_only(DOC, [3], Medium.CPU)])  # the connector stored it again
+    index.expire()
+    assert index.block_tiers("r", DOC)[:4] == [{"CPU"}, {"CPU"}, {"CPU"}, {"CPU"}]
+    now[0] = 60.0
+    assert index.expire() == 2
+    assert index.block_tiers("r", DOC)[:4] == [set(), set(), {"CPU"}, {"CPU"}]
+
+
+def test_a_device_reset_the_router_forwarded_keeps_the_cpu_tier() -> None:
+    """``/reset_prefix_cache`` without ``reset_external`` through the router: the device
+    alone; the CPU tier stays confirmed, without an age."""
+    now = [0.0]
+    index = InMemoryPrefixIndex(unconfirmed_ttl_s=60.0, clock=lambda: now[0])
+    _offloaded_chunks(index)
+    index.expect_device_reset("r")
+    index.apply("r", [AllBlocksCleared()])
+    now[0] = 600.0
+    assert index.expire() == 0
+    assert index.block_tiers("r", DOC)[:4] == [{"CPU"}, {"CPU"}, {"CPU"}, {"CPU"}]
+    index.apply("r", [AllBlocksCleared()])  # the next one, unannounced: aged again
+    now[0] = 660.0
+    assert index.expire() == 4
+
+
 def test_a_reset_alone_or_a_cleared_stream_leaves_no_pending_clear() -> None:
     """Without the device's reset (``{"success": false}``) nothing marks the reset in the
     stream: a later device clear keeps CPU. A stream cleared after a gap drops CPU anyway,

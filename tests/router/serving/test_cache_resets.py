@@ -13,7 +13,11 @@ import httpx
 import pytest
 
 from kvroute.indexer.wire import AllBlocksCleared, Medium
-from kvroute.router.serving.cache_resets import resets_connector, resets_device
+from kvroute.router.serving.cache_resets import (
+    resets_connector,
+    resets_device,
+    resets_device_only,
+)
 from kvroute.router.tokens.tokenization import LocalTokenizer
 from tests.indexer.builders import BS, DOC, removed, stored
 from tests.router.sim_fleet import Fleet, make_fleet
@@ -125,3 +129,32 @@ def test_a_forwarded_reset_drops_cpu_again_at_the_replicas_clear(fleet: Fleet) -
     assert all("CPU" in t for t in index.block_tiers(answered, DOC)[1:])
     index.apply(answered, [AllBlocksCleared()])
     assert not any(index.block_tiers(answered, DOC))
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "device_only"),
+    [
+        ("POST", "/reset_prefix_cache", True),
+        ("POST", "/reset_prefix_cache?reset_external=false", True),
+        ("POST", "/reset_prefix_cache?reset_external=true", False),
+        ("GET", "/reset_prefix_cache", False),
+        ("POST", "/pause", False),
+    ],
+)
+def test_which_requests_reset_the_device_alone(method: str, target: str, device_only: bool) -> None:
+    path, _, query = target.partition("?")
+    assert resets_device_only(method, path, query.encode()) is device_only
+
+
+def test_a_forwarded_device_reset_is_not_taken_for_a_connector_reset(fleet: Fleet) -> None:
+    """A plain ``/reset_prefix_cache`` through the router: the clear it brings keeps the CPU
+    tier for good (a clear nobody announced would age it: a direct connector reset)."""
+    _offloaded(fleet)
+    r = httpx.post(f"{fleet.url}/reset_prefix_cache", timeout=10)
+    assert r.status_code == 200 and r.json().get("success") is True
+    answered = r.headers["x-kvroute-replica"]
+    index = fleet.service.index
+    index.apply(answered, [AllBlocksCleared()])
+    assert _cpu(fleet)[answered] == N  # block 0 now from CPU too
+    # nothing set to age (the index's clock is the real one: its state says it)
+    assert index._replicas[answered].doubted == {}  # type: ignore[attr-defined]
