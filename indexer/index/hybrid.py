@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from math import gcd, lcm
+from typing import TYPE_CHECKING
 
 from kvroute.indexer.index.api import ApplyResult, PrefixMatch
 from kvroute.indexer.index.state import _GPU, _MAX_UNPLACED, _W, IndexStore, _ReplicaState
@@ -67,6 +68,10 @@ class HybridGroups(IndexStore):
     # of the batch's keyed stores from the prompt's start that were computations
     _starts: list[tuple[_ReplicaState, int, list[int]]]
     _computed: set[tuple[_ReplicaState, int]]
+
+    if TYPE_CHECKING:  # EAGLE-style drafts (drafts.py)
+
+        def _drops(self, state: _ReplicaState) -> str | None: ...
 
     # --- groups -----------------------------------------------------------------------------
 
@@ -254,7 +259,11 @@ class HybridGroups(IndexStore):
         if device < len(keys) or not self._hybrid(state):
             return device < len(keys)  # a plain model's hit is its held prefix
         n_tokens = len(keys) * block_size + 1  # at most the whole store could have been a hit
-        hit = self._hybrid_hit(state, keys, n_tokens, block_size, device, lambda _b: [])
+        # Without EAGLE's drop: a hit it re-announces ended a block before a held one, which
+        # this store does not list (a real computation taken for one: counted once, low).
+        hit = self._hybrid_hit(
+            state, keys, n_tokens, block_size, device, lambda _b: [], drafts=False
+        )
         return hit < len(keys) * block_size
 
     def _hybrid_hit(
@@ -265,6 +274,8 @@ class HybridGroups(IndexStore):
         block_size: int,
         device: int,
         pieces: Callable[[int], list[tuple[int, int]]],
+        *,
+        drafts: bool = True,
     ) -> int:
         """vLLM's hit in tokens for a prompt of ``n_tokens`` keyed ``keys`` whose first
         ``device`` blocks the keyed group holds (``pieces(b)``: the partial pieces of block b,
@@ -281,7 +292,7 @@ class HybridGroups(IndexStore):
         sides = sorted((set(specs) | set(state.groups)) - {state.primary})
         sizes = {g: specs[g][2] if g in specs and specs[g][2] else block_size for g in sides}
         align = unit or lcm(block_size, *sizes.values())
-        eagle = self._drops(state) is not None
+        eagle = drafts and self._drops(state) is not None
         # the end of the request's hashes (one per hash_block_size tokens: the prefix-match
         # unit, else the gcd of the groups' blocks): how far an EAGLE margin may look
         hashed = n_tokens // (unit or gcd(block_size, *sizes.values()))

@@ -18,6 +18,14 @@ Read from vLLM 0.32 (``v1/core/sched/scheduler.py``, ``v1/core/block_pool.py``,
   CPU tier (``TieringOffloadingManager.reset_cache``: the FS/OBJ tiers are kept), Mooncake's
   store runs ``remove_all``; the router sees the request (``/reset_prefix_cache?
   reset_external=true``, ``/pause``, ``/sleep``) and calls this when the replica accepted it.
+  ``Scheduler.reset_prefix_cache`` resets the device first, in the same call, when it can
+  (``{"success": true}``; ``/pause`` and ``/sleep`` always): the block pool's
+  ``AllBlocksCleared`` then marks the reset's place in the stream, and the CPU tier is dropped
+  again there (``device_cleared``: stores of batches published before the reset, applied after
+  the router's call). A device-only reset the router forwards is announced too
+  (``expect_device_reset``); a device clear nobody announced may be a connector reset sent
+  directly, so the OffloadingConnector's CPU blocks are held ``unconfirmed_ttl_s`` more only,
+  unless stored again (``_doubt_silent_cpu``).
 - An event of a type the decoder does not know (``UnknownEvent``: vLLM's proposed
   ``TierBlocksCleared``, say) may have changed any tier below the device: the replica's lower
   tiers are dropped (confirmed ones, and the unconfirmed holdings of that stream), and
