@@ -66,3 +66,48 @@ def test_the_router_predicts_its_eagle_replica_one_block_lower(
         matches = index.lookup(DOC)
         assert (matches["r0"].blocks, matches["drafts"].blocks) == (5, 4)
         assert matches["drafts"].tokens == 4 * BS
+
+
+_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 0.0
+"""
+
+
+@pytest.mark.parametrize(
+    ("setting", "page", "warned"),
+    [
+        (None, _PAGE, True),
+        ("eagle", _PAGE, False),  # configured: nothing to say
+        ("ngram", _PAGE, False),
+        (None, _PAGE.replace("spec_decode_num_drafts", "other"), False),  # no drafts at all
+    ],
+)
+def test_drafts_on_a_replica_whose_method_is_unknown_are_warned_of(
+    setting: str | None, page: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's spec-decode counters say that drafts are on, never which method: the router
+    can only ask for ``speculative=`` (one warning, and ``Replica.drafts_unknown``)."""
+    import asyncio
+
+    import httpx
+
+    from kvroute.router.fleet.health import HealthChecker
+    from kvroute.router.fleet.replicas import ReplicaRegistry
+
+    registry = ReplicaRegistry()
+    replica = registry.add(ReplicaConfig("http://h:1", name="r", speculative=setting))
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=page))
+
+    async def scrape_twice() -> None:
+        async with httpx.AsyncClient(transport=transport) as client:
+            checker = HealthChecker(registry, client)
+            await checker._scrape([replica])
+            await checker._scrape([replica])
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(scrape_twice())
+    assert replica.drafts_unknown is warned
+    assert replica.running == 1.0
+    messages = [r.getMessage() for r in caplog.records if "speculative" in r.getMessage()]
+    assert len(messages) == (1 if warned else 0)
