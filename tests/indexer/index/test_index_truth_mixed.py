@@ -13,7 +13,10 @@ its streams, in any order, and with what real fleets do to streams:
   hashes, no extra keys, medium ``cpu``), vLLM's FS tier (``STORAGE`` without extra keys) and
   llm-d's FS backend on a stream of its own, into a PVC whose evictor publishes removals on a
   third stream (or deletes silently);
-- resets that publish nothing but pass through the router (``reset_external``), events of an
+- resets that publish nothing but pass through the router (``reset_external``), or are sent
+  to the replica directly (``reset_direct``: with the device's clear, the offloading
+  connector's CPU blocks are excused for ``TTL`` after it; without, until CPU is next
+  dropped), events of an
   unknown type that may be resets, a gap the replay cannot fill (the stream is cleared), and a
   batch lost at its source (vLLM's publisher consumed the sequence number, nothing buffered).
 
@@ -154,9 +157,13 @@ class MixedReplica(ModelReplica):
         if self.simple:
             self.main.append(AllBlocksCleared())  # the pool's own reset, announced
         if device:
-            self.doubted.update(dict.fromkeys(gone, self.now + TTL))
+            self._doubt(gone)
         else:
             self.lost |= {(CPU, h) for h in gone}
+
+    def _doubt(self, gone: set[int]) -> None:
+        """The index applies the reset's device clear in this step: ``TTL`` from now."""
+        self.doubted.update(dict.fromkeys(gone, self.now + TTL))
 
     # --- publishers that never remove --------------------------------------------------------
 

@@ -34,9 +34,13 @@ replica (``block_tiers``) and for every prediction (``lookup``):
     not-yet-applied batches stored stay excused until the index next drops CPU; with the
     device's reset, none: its ``AllBlocksCleared`` marks the reset in the stream, after
     those batches, and the index drops CPU again there;
+  - a connector reset sent to the replica directly, with the device's (vLLM's offloading
+    connector empties CPU silently): its CPU blocks, ``TTL`` after the feed applied the
+    device clear (the index holds blocks a clear nobody announced may have emptied for
+    ``unconfirmed_ttl_s``);
   - a storage domain's chunk stored on a stream that was behind and removed meanwhile by the
     domain's evictor (streams are not ordered with each other, docs/indexer.md): held until
-    its next removal;
+    its next removal, for every replica attached to the domain;
   - none after a clear of the stream (a gap the replay could not fill, a restart): a device
     block held since before it and then stored from the prompt's start (a re-announced hit,
     ``kv_cache_report_mode: "full"``, or a copy) is never counted twice, so its removal
@@ -110,7 +114,13 @@ class Replica(MixedReplica):
         super().__init__(lower, gpu, cpu, pvc=domain)
         self.domain = domain
         self.drop_next = 0  # batches to miss on the wire
+        self.pending_doubt: set[int] = set()  # a direct reset's CPU blocks, clear not applied
         self.restarted = False
+
+    def _doubt(self, gone: set[int]) -> None:
+        """The feed applies the reset's device clear when the stream is caught up: the index's
+        ``TTL`` starts then (``Router.step``); until then the stream's span excuses them."""
+        self.pending_doubt |= gone
 
     def disk_store(self, doc: int, variant: int) -> None:
         """kvroute's connector writes the prompt's chunks to disk, in order."""
@@ -306,6 +316,9 @@ class Router:
                 else:
                     was_behind = f.behind
                     f.deliver(f.pub.publish(payload), live=True)
+                    # a direct reset's device clear is applied now (replayed, if it was missed)
+                    m.doubted.update(dict.fromkeys(m.pending_doubt, self.now + TTL))
+                    m.pending_doubt.clear()
                     if not was_behind:
                         f.vouch(m.main, set(m.gpu))
                     if m.unknown:
@@ -346,6 +359,12 @@ class Router:
         allowed = m.allowed(doc, variant)
         chain = blocks_of(doc, variant)
         excused = f.excused | f.span
+        if m.domain:
+            # the domain's files are every attached replica's: a chunk one feed's late store
+            # put back after the evictor removed it is held for all of them (the window of
+            # "a storage domain's chunk whose store reaches the router after the removal")
+            for g in self.feeds:
+                excused |= {x for x in g.excused | g.span if x[0] == STORAGE}
         got = self.index.block_tiers(f.name, request)
         if not got:  # nothing learned yet: no block size
             got = [frozenset()] * len(chain)
@@ -381,6 +400,7 @@ model_op = st.one_of(
     st.tuples(st.just("delete_behind"), st.integers(0, 3)),
     st.tuples(st.just("reset")),
     st.tuples(st.just("reset_external"), st.booleans()),
+    st.tuples(st.just("reset_direct"), st.just(True)),
     st.tuples(st.just("tier_cleared")),
     st.tuples(st.just("lose")),
     st.tuples(st.just("drop"), st.sampled_from([1, 1, 2, BUFFER + 1])),
@@ -484,6 +504,33 @@ lower_st = st.sampled_from(["connector", "native_sd", "native_ph", "simple_cpu"]
         (0, ("serve", 1, 0)),
         (0, ("reset_external", True)),
         (0, ("serve", 2, 0)),
+    ],
+)
+@example(  # a domain chunk put back by a late store is every attached replica's
+    ("connector", "connector"),
+    6,
+    1,
+    True,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", 1)),
+        (0, ("disk_store", 0, 0)),
+        (0, ("disk_evict",)),
+        (0, ("reset",)),
+    ],
+)
+@example(  # a connector reset sent directly, its batch applied late: TTL from then
+    ("native_sd", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", 1)),
+        (0, ("reset_direct", True)),
+        (0, ("tick", 61)),
+        (0, ("serve", 1, 0)),
+        (0, ("tick", 61)),
     ],
 )
 def test_every_stream_through_the_feeds_stays_within_the_stated_window(
