@@ -521,9 +521,9 @@ class ConfirmedHoldings(IndexStore):
         state.unplaced = {}
         # As a fresh replica's: what the index does after a clear must not depend on the
         # history before it (a feed that joins after the clear skips that history). A reset
-        # still awaited is moot too: its CPU tier is gone with the rest.
+        # the router still awaits stays awaited: the replay may refill the tiers from batches
+        # published before it, whose stores its clear, replayed after them, drops again.
         state.ghost = None
-        state.reset_pending = 0
         state.doubted = {}
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:

@@ -376,10 +376,11 @@ def test_a_device_reset_the_router_forwarded_keeps_the_cpu_tier() -> None:
     assert index.expire() == 4
 
 
-def test_a_reset_alone_or_a_cleared_stream_leaves_no_pending_clear() -> None:
+def test_a_reset_alone_marks_nothing_and_a_cleared_stream_keeps_the_mark() -> None:
     """Without the device's reset (``{"success": false}``) nothing marks the reset in the
-    stream: a later device clear keeps CPU. A stream cleared after a gap drops CPU anyway,
-    and the pending reset with it."""
+    stream: a later device clear keeps CPU. A stream cleared after a gap keeps the mark: the
+    replay refills it from batches that may predate the reset, and the reset's clear, replayed
+    after them, drops their CPU stores."""
     index = InMemoryPrefixIndex()
     index.apply("r", [stored(DOC, 0, 2)])
     index.reset_connector("r")
@@ -388,7 +389,7 @@ def test_a_reset_alone_or_a_cleared_stream_leaves_no_pending_clear() -> None:
     index.reset_connector("r", device_cleared=True)
     index.clear_source("r", "", restarted=False)
     index.apply("r", [stored(DOC, 0, 2), stored(DOC, 0, 2, Medium.CPU), AllBlocksCleared()])
-    assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
+    assert index.block_tiers("r", DOC)[:2] == [set(), set()]
 
 
 # --- events of a type the decoder does not know ---------------------------------------------
