@@ -58,6 +58,8 @@ _KNOWN_FIELDS = frozenset(
         "chunk_obs",
         "chunks",
         "confirmed_sources",
+        "device_history",
+        "doubted",
         "engine_to_key",
         "ghost",
         "group_specs",
@@ -69,6 +71,7 @@ _KNOWN_FIELDS = frozenset(
         "pool_tiers",
         "primary",
         "refs",
+        "reset_pending",
         "size_confirmed",
         "slot",
         "tier_counts",
@@ -262,6 +265,9 @@ def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) ->
     state.size_confirmed = rec.size_confirmed
     state.partial_unit = rec.partial_unit
     state.warm_chain = rec.warm_chain
+    # Not carried: whether the peer saw every device store since the device was last empty.
+    # Taken as not (confirmed.py: stores from the prompt's start are then never counted twice).
+    state.device_history = False
     state.engine_to_key = dict(zip(rec.engine_hashes, rec.engine_keys, strict=True))
     shift = _W * state.slot
     masks = index._masks

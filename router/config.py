@@ -10,14 +10,15 @@ A server started with vLLM's data parallelism runs N engines behind one URL: ``d
 ``dp=auto``: ask its ``/kv_event_sources``) makes each engine a routing target of its own
 (router/fleet/dp.py).
 
-A replica that mounts a shared storage directory names it: ``storage_domain=D``; every chunk
-stored there is a hit for all of D's replicas of the same ``layout=L`` (docs/indexer.md,
-storage domains).
+``storage_domain=D``: the shared storage directory it mounts; a chunk stored there is a hit
+for all of D's replicas of the same ``layout=L`` (docs/indexer.md, storage domains).
+``speculative=M``: vLLM's ``speculative_config.method`` (EAGLE-style ones drop a block of every
+hit, which the events do not say: docs/indexer.md; ``none`` with ``disable_eagle_block_drop``).
 
 Flag syntax: ``--replica URL[,events=EP][,replay=EP][,topic=T][,name=N][,aux=EP][,dp=N|auto]
-[,storage_domain=D][,layout=L][,role=prefill|decode|both][,zone=Z]``.
+[,storage_domain=D][,layout=L][,role=prefill|decode|both][,zone=Z][,speculative=M]``.
 File syntax (YAML): ``replicas: [{url, events, replay, topic, name, aux: [EP, ...], dp,
-storage_domain, layout, role, zone}, ...]``
+storage_domain, layout, role, zone, speculative}, ...]``
 or a bare list of the same mappings or URL strings. The file is re-read while the router runs
 (kvroute.router.fleet.discovery.file).
 """
@@ -86,6 +87,8 @@ class ReplicaConfig:
     # runs (a node or zone name), so a prefill replica near the decode one can be preferred.
     role: str = "both"
     zone: str | None = None
+    # vLLM's speculative_config.method (None: none); indexer/index/drafts.py
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in REPLICA_ROLES:
@@ -98,6 +101,10 @@ class ReplicaConfig:
             if self.storage_domain is None:
                 raise ConfigError("replica layout= needs storage_domain= (it keys the domain)")
             check_storage_domain_name(self.layout, "layout")
+        if self.speculative is not None:
+            check_storage_domain_name(self.speculative, "replica speculative= (vLLM's method)")
+            method = self.speculative.lower()
+            object.__setattr__(self, "speculative", None if method == "none" else method)
         if self.lmcache_instance is not None and not self.lmcache_instance.strip():
             raise ConfigError("replica lmcache_instance= needs LMCache's instance id")
         parts = urlsplit(self.url)
@@ -578,8 +585,7 @@ class RouterSettings:
 
 
 def check_api_key(key: object, what: str) -> None:
-    """Refuse a key that cannot work: empty, or not sendable as an HTTP header token. The
-    message never holds the key."""
+    """Refuse a key that cannot work: empty, or not an HTTP header token (never quoted)."""
     if not isinstance(key, str) or not key.strip():
         raise ConfigError(f"{what} is empty: give a non-empty key, or none at all")
     if not all("!" <= c <= "~" for c in key):
@@ -587,13 +593,8 @@ def check_api_key(key: object, what: str) -> None:
 
 
 def check_storage_domain_name(name: object, what: str = "storage domain name") -> None:
-    """A domain name (or a replica's layout) is a label (it keys the index and shows in
-    stats): letters, digits, ``-_.``; no ``:`` or ``#`` (kept for the index's pseudo-replica
-    keys)."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or len(name) > 128
-        or not all(c.isalnum() or c in "-_." for c in name)
-    ):
+    """A domain name, a replica's layout or speculative method is a label (it keys the index,
+    shows in stats): letters, digits, ``-_.``; no ``:`` or ``#`` (the index's pseudo-keys)."""
+    label = isinstance(name, str) and 0 < len(name) <= 128
+    if not label or not all(c.isalnum() or c in "-_." for c in name):  # type: ignore[union-attr]
         raise ConfigError(f"{what} must be 1-128 letters, digits, '-', '_' or '.', got {name!r}")

@@ -362,6 +362,7 @@ class RouterService:
         replica = self.registry.add(config)
         # In feed order: after the removal of the replica's previous entry, if any
         self._feed_ops.submit(self.index.attach, config.key, config.storage_domain, config.layout)
+        self._feed_ops.submit(self.index.set_speculative, config.key, config.speculative)
         sources = []
         if config.events:
             sources.append(EventSource(config.key, config.events, config.replay, config.topic))

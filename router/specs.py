@@ -58,7 +58,7 @@ def _parse_dp(value: object) -> int | str | None:
 
 def parse_replica_flag(value: str) -> ReplicaConfig:
     """``http://h:p,events=tcp://h:5557,replay=tcp://h:5558,topic=kv,name=r1[,dp=2]
-    [,role=prefill|decode|both][,zone=Z]``."""
+    [,role=prefill|decode|both][,zone=Z][,speculative=METHOD]``."""
     url, *options = [part.strip() for part in value.split(",")]
     fields: dict[str, str] = {}
     aux: list[str] = []
@@ -78,10 +78,12 @@ def parse_replica_flag(value: str) -> ReplicaConfig:
             "lmcache_instance",
             "role",
             "zone",
+            "speculative",
         ):
             raise ConfigError(
                 f"bad replica option {option!r} in {value!r}: use events=, replay=, topic=, "
-                "name=, aux=, dp=, storage_domain=, layout=, lmcache_instance=, role=, zone="
+                "name=, aux=, dp=, storage_domain=, layout=, lmcache_instance=, role=, zone=, "
+                "speculative="
             )
         if name == "aux":
             aux.append(val)
@@ -127,6 +129,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         "lmcache_instance",
         "role",
         "zone",
+        "speculative",
     }
     if unknown:
         raise ConfigError(f"unknown replica fields {sorted(unknown)} in {item!r}")
@@ -142,6 +145,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         "lmcache_instance",
         "role",
         "zone",
+        "speculative",
     ):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise ConfigError(f"replica field {key!r} must be a string in {item!r}")
@@ -163,6 +167,7 @@ def parse_replica(item: object) -> ReplicaConfig:
         lmcache_instance=item.get("lmcache_instance"),
         role=item.get("role") or "both",
         zone=item.get("zone") or None,
+        speculative=item.get("speculative") or None,
     )
 
 

@@ -323,11 +323,9 @@ class Handlers:
         return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        if not self.r.reset_prefix_cache():
-            return error_response(
-                ApiError("requests are running; the prefix cache was not reset", code=400)
-            )
-        return Response(status_code=200)
+        # vLLM 0.32 (entrypoints/serve/dev/cache): 200 {"success": false} while blocks are
+        # in use; the router reads it (kvroute.router.serving.cache_resets.resets_device)
+        return JSONResponse({"success": bool(self.r.reset_prefix_cache())})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)

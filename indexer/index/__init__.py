@@ -9,7 +9,8 @@ What an event means depends on who published it, and the rules are vLLM's (0.32/
 from its block pool and offloading connector (docs/indexer.md restates them). Each module of
 this package states the rules it keeps (README.md maps them): keys, reference counts and
 partial blocks in confirmed.py, tier-only stores in chunks.py, hybrid models in hybrid.py,
-unconfirmed media in unconfirmed.py, device resets in memory.py, and the store's layout in
+unconfirmed media in unconfirmed.py, EAGLE's dropped block in drafts.py, device resets in
+memory.py, and the store's layout in
 state.py.
 
 This module is the package's API: the names below. indexer/snapshot.py, which copies a
@@ -18,6 +19,7 @@ replica's state whole, reads the store's layout from state.py.
 
 from kvroute.indexer.index.api import (
     DOMAIN_PREFIX,
+    EAGLE_METHODS,
     ApplyResult,
     DomainSummary,
     IndexFigures,
@@ -25,12 +27,14 @@ from kvroute.indexer.index.api import (
     PrefixMatch,
     ReplicaIndexSummary,
     domain_key,
+    drops_block,
     split_domain_key,
 )
 from kvroute.indexer.index.memory import InMemoryPrefixIndex
 
 __all__ = [
     "DOMAIN_PREFIX",
+    "EAGLE_METHODS",
     "ApplyResult",
     "DomainSummary",
     "InMemoryPrefixIndex",
@@ -39,5 +43,6 @@ __all__ = [
     "PrefixMatch",
     "ReplicaIndexSummary",
     "domain_key",
+    "drops_block",
     "split_domain_key",
 ]

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DOMAIN_PREFIX",
+    "EAGLE_METHODS",
     "ApplyResult",
     "DomainSummary",
     "IndexFigures",
@@ -24,8 +25,20 @@ __all__ = [
     "PrefixMatch",
     "ReplicaIndexSummary",
     "domain_key",
+    "drops_block",
     "split_domain_key",
 ]
+
+# vLLM 0.32's SpeculativeConfig.use_eagle(): the speculative methods whose prefix-cache hits
+# lose their last block (drafts.py says what is dropped where).
+EAGLE_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+
+
+def drops_block(method: str | None) -> bool:
+    """Whether a replica drafting with ``method`` (vLLM's ``speculative_config.method``)
+    drops the last block of its prefix-cache hits."""
+    return method is not None and method.lower() in EAGLE_METHODS
+
 
 # The index key of a storage domain: a pseudo-replica whose STORAGE holdings are the domain's
 # (its evictor's stream is applied under this name). A domain's holdings are kept per layout
@@ -176,12 +189,23 @@ class PrefixIndex(ABC):
         """
 
     @abstractmethod
-    def reset_connector(self, replica: str) -> None:
+    def reset_connector(self, replica: str, *, device_cleared: bool = False) -> None:
         """The replica's KV connector was reset without an event (vLLM's
         ``reset_prefix_cache(reset_connector=True)``: ``/reset_prefix_cache?reset_external=
         true``, ``/pause``, ``/sleep``): forget what such a reset empties, its CPU tier
         (confirmed and unconfirmed). Storage tiers outlive it (vLLM keeps its FS/OBJ tiers;
-        kvroute's connector announces what it drops)."""
+        kvroute's connector announces what it drops). ``device_cleared``: the device's prefix
+        cache was reset with it, so its ``AllBlocksCleared`` will mark the reset's place in
+        the stream: the CPU tier is dropped again there (batches published before the reset
+        but applied after this call stored in it)."""
+
+    @abstractmethod
+    def expect_device_reset(self, replica: str) -> None:
+        """The router forwarded a prefix-cache reset of the device alone that the replica
+        accepted: its coming ``AllBlocksCleared`` left the connectors' tiers as they were. A
+        device clear the router was told nothing of may be a connector reset sent to the
+        replica directly: a backend that ages the silent connectors' tiers then keeps them
+        for this one."""
 
     @abstractmethod
     def remove_replica(self, replica: str) -> None:
@@ -239,6 +263,15 @@ class PrefixIndex(ABC):
         domains refuses: a shared prefix would silently count nowhere."""
         if domain is not None:
             raise NotImplementedError(f"{type(self).__name__} has no storage domains")
+
+    def set_speculative(self, replica: str, method: str | None) -> None:
+        """The replica's speculative decoding method, as vLLM's ``speculative_config.method``
+        names it (None: none): the EAGLE-style ones (``eagle``, ``eagle3``, ``mtp``,
+        ``dflash``, ``dspark``) make vLLM drop the last block of every prefix-cache hit,
+        which the events do not say. A backend that cannot apply the drop refuses: it would
+        predict such a replica one block high."""
+        if drops_block(method):
+            raise NotImplementedError(f"{type(self).__name__} cannot drop EAGLE's block")
 
     def domains(self) -> list[DomainSummary]:
         """Every storage domain known (holding blocks, or with replicas attached)."""

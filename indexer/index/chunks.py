@@ -81,7 +81,11 @@ class OffloadedChunks(IndexStore):
         for h in hashes:
             if (cls, h) in state.chunks or self._held_in(state, h, cls):
                 # vLLM's offloading connector never stores a chunk it holds: a re-store after
-                # a reset that published nothing, taken once (confirmed.py)
+                # a reset that published nothing, taken once (confirmed.py); held now
+                if state.doubted:
+                    rec = state.chunks.get((cls, h))
+                    for m in rec[0] if rec is not None else (h,):
+                        state.doubted.pop(m, None)
                 continue
             members = self._chunk_members(state, h, cls, result)
             if not members:

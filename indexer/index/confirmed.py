@@ -17,7 +17,10 @@ from vLLM's block hash to our key, with the parent links, reference counts and f
   from the start of the prompt (no parent) whose blocks vLLM's hit would all have served is
   idempotent instead: that is the shape of vLLM's re-announcement of a prefix-cache hit
   (``kv_cache_report_mode: "full"``), never followed by a removal. One that lists a block the
-  hit could not have served is a computation from token 0 (hybrid.py's ``_recomputed``).
+  hit could not have served is a computation from token 0 (hybrid.py's ``_recomputed``),
+  except after the stream lost history (``device_history`` false, until the next device
+  clear): a block it lists that the index does not hold may be held since before, so its
+  held blocks are not counted twice (a re-announced hit looks the same).
 - A partial block (vLLM's prefix-match unit finer than its block size: the prompt's last unit
   boundary inside a block) is held under a key of its own (kvroute.indexer.keys.partial_key),
   the chain of its block's units up to the boundary; a lookup probes it past the last full
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult
 from kvroute.indexer.index.state import (
     _CONFIRMED,
+    _CPU,
     _GHOST_MAX,
     _GPU,
     _W,
@@ -179,9 +183,18 @@ class ConfirmedHoldings(IndexStore):
         # copy's removal, never keeps one vLLM dropped. Anywhere else it is another copy.
         # On a hybrid model, such a store of blocks its hit could not have served is a new
         # computation from token 0 (hybrid.py): its held blocks are second copies.
-        count_dup = parent is not None or self._recomputed(state, keys, bs)
-        if parent is None and count_dup:
+        computed = parent is not None or self._recomputed(state, keys, bs)
+        if parent is None and computed:
             self._computed.add((state, hashes[-1]))  # the other groups' stores of this step too
+        # After the index lost the device's history (a gap the replay could not fill), a
+        # block of such a store it does not hold may be held since before: the store may be
+        # a re-announced hit, and its held blocks are then not counted twice (at worst the
+        # index loses a second copy at the first removal: a prediction below vLLM's hit).
+        count_dup = computed and (
+            parent is not None
+            or state.device_history
+            or all(self._held_in(state, h, _GPU) for h in hashes)
+        )
         if not count_dup and self._held_in(state, hashes[0], _GPU):
             # Perhaps a second copy the index does not count: keep the hashes it forgets, so
             # the blocks vLLM stores on the copy it still holds resolve (_rehold_parent).
@@ -356,6 +369,8 @@ class ConfirmedHoldings(IndexStore):
         count_dup: bool,
     ) -> None:
         """One more holding of ``key`` (vLLM hash ``h``) in confirmed class ``cls``."""
+        if state.doubted and cls == _CPU:
+            state.doubted.pop(h, None)  # stored again: held after the reset it might have had
         engine_to_key = state.engine_to_key
         old = engine_to_key.get(h)
         if old is None:
@@ -505,8 +520,11 @@ class ConfirmedHoldings(IndexStore):
         state.groups = {}
         state.unplaced = {}
         # As a fresh replica's: what the index does after a clear must not depend on the
-        # history before it (a feed that joins after the clear skips that history).
+        # history before it (a feed that joins after the clear skips that history). A reset
+        # the router still awaits stays awaited: the replay may refill the tiers from batches
+        # published before it, whose stores its clear, replayed after them, drops again.
         state.ghost = None
+        state.doubted = {}
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:
         """Drop one confirmed class from every block of the replica (a tier's clear)."""

@@ -15,7 +15,7 @@ single_type_kv_cache_manager.py, block_pool.py, kv_cache_manager.py):
   hashes than the store's tokens hold blocks), which only that map can place. A group's store
   applied before the keyed group's store of the same step is placed at the end of the batch.
   Lower-tier events of the other groups are ignored.
-- A hit is vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` without EAGLE: capped at
+- A hit is vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``: capped at
   the prompt's length - 1, the keyed group's hit first (its device prefix, then the longest
   partial piece of the next block), then each other group in turn, full-attention kinds first,
   lowers the length to what it can serve at or below it, until no group lowers it:
@@ -40,7 +40,8 @@ single_type_kv_cache_manager.py, block_pool.py, kv_cache_manager.py):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from math import lcm
+from math import gcd, lcm
+from typing import TYPE_CHECKING
 
 from kvroute.indexer.index.api import ApplyResult, PrefixMatch
 from kvroute.indexer.index.state import _GPU, _MAX_UNPLACED, _W, IndexStore, _ReplicaState
@@ -67,6 +68,10 @@ class HybridGroups(IndexStore):
     # of the batch's keyed stores from the prompt's start that were computations
     _starts: list[tuple[_ReplicaState, int, list[int]]]
     _computed: set[tuple[_ReplicaState, int]]
+
+    if TYPE_CHECKING:  # EAGLE-style drafts (drafts.py)
+
+        def _drops(self, state: _ReplicaState) -> str | None: ...
 
     # --- groups -----------------------------------------------------------------------------
 
@@ -201,7 +206,7 @@ class HybridGroups(IndexStore):
             if not self._hybrid(state):
                 continue
             match = out[state.name]
-            unit = state.partial_unit
+            unit = self._fine_unit(state, block_size)
 
             def pieces(b: int, unit: int | None = unit) -> list[tuple[int, int]]:
                 return request.partial_keys(block_size, b, unit) if unit else []
@@ -214,6 +219,25 @@ class HybridGroups(IndexStore):
             match.unconfirmed_by_tier = {}
             match.partial_tokens = partial
             match.partial_unit = unit if partial else None
+
+    @staticmethod
+    def _fine_unit(state: _ReplicaState, block_size: int) -> int | None:
+        """The prefix-match unit when vLLM serves hits at it (``partial_hash_hits_enabled``:
+        a Mamba group in align mode with blocks wider than the unit, every sliding-window
+        group's blocks as wide as it), else None. With EAGLE, vLLM also caches a piece past
+        the aligned boundary on replicas without partial hits: it is never served."""
+        unit = state.partial_unit
+        if unit is None or state.primary is None:
+            return unit
+        specs = state.group_specs
+        sides = (set(specs) | set(state.groups)) - {state.primary}
+        kinds = {g: specs[g][0] if g in specs else None for g in sides}
+        if any(k is None for k in kinds.values()):
+            return unit  # groups that name no kind (vLLM before the field): as before
+        sizes = {g: specs[g][2] or block_size for g in sides}
+        mamba = any(k in _MAMBA and sizes[g] > unit for g, k in kinds.items())
+        windows = all(sizes[g] == unit for g, k in kinds.items() if k in _WINDOW)
+        return unit if mamba and windows else None
 
     @staticmethod
     def _hybrid(state: _ReplicaState) -> bool:
@@ -237,7 +261,11 @@ class HybridGroups(IndexStore):
         if device < len(keys) or not self._hybrid(state):
             return device < len(keys)  # a plain model's hit is its held prefix
         n_tokens = len(keys) * block_size + 1  # at most the whole store could have been a hit
-        hit = self._hybrid_hit(state, keys, n_tokens, block_size, device, lambda _b: [])
+        # Without EAGLE's drop: a hit it re-announces ended a block before a held one, which
+        # this store does not list (a real computation taken for one: counted once, low).
+        hit = self._hybrid_hit(
+            state, keys, n_tokens, block_size, device, lambda _b: [], drafts=False
+        )
         return hit < len(keys) * block_size
 
     def _hybrid_hit(
@@ -248,19 +276,29 @@ class HybridGroups(IndexStore):
         block_size: int,
         device: int,
         pieces: Callable[[int], list[tuple[int, int]]],
+        *,
+        drafts: bool = True,
     ) -> int:
         """vLLM's hit in tokens for a prompt of ``n_tokens`` keyed ``keys`` whose first
         ``device`` blocks the keyed group holds (``pieces(b)``: the partial pieces of block b,
         shortest first): the keyed group's hit, lowered by every other group's rule until none
-        lowers it (``find_longest_cache_hit``'s fixed point)."""
+        lowers it (``find_longest_cache_hit``'s fixed point). With EAGLE-style drafts
+        (drafts.py) every group but Mamba looks one margin past the candidate and drops its
+        last block (or unit, with partial hits) once per candidate, as vLLM's
+        ``eagle_verified`` does."""
         limit = n_tokens - 1  # vLLM recomputes the last prompt token
         if limit <= 0 or state.primary is None:
             return 0
-        unit = state.partial_unit
+        unit = self._fine_unit(state, block_size)
         specs = state.group_specs
         sides = sorted((set(specs) | set(state.groups)) - {state.primary})
         sizes = {g: specs[g][2] if g in specs and specs[g][2] else block_size for g in sides}
         align = unit or lcm(block_size, *sizes.values())
+        eagle = drafts and self._drops(state) is not None
+        # the end of the request's hashes (one per hash_block_size tokens: the prefix-match
+        # unit, else the gcd of the groups' blocks): how far an EAGLE margin may look
+        hashed = n_tokens // (unit or gcd(block_size, *sizes.values()))
+        hashed *= unit or gcd(block_size, *sizes.values())
         found: dict[int, dict[int, int]] = {}
 
         def key_at(pos: int) -> int | None:
@@ -275,33 +313,49 @@ class HybridGroups(IndexStore):
 
         # The keyed group: its device prefix, then the longest partial piece of the next block
         # it holds (FullAttentionManager.find_longest_cache_hit).
-        blocks = min(device, limit // block_size)
+        reach = min(limit + (unit or block_size), hashed) if eagle else limit
+        blocks = min(device, reach // block_size)
         hit = blocks * block_size
         bit = 1 << (_W * state.slot + _GPU)
         get = self._masks.get
         for tokens, key in reversed(pieces(blocks)):
-            if hit + tokens <= limit and get(key, 0) & bit:
+            if hit + tokens <= reach and get(key, 0) & bit:
                 hit += tokens
                 break
+        if eagle and hit > 0:
+            hit -= min(unit or block_size, block_size)
         hit -= hit % align
         kinds = {g: specs[g][0] if g in specs else None for g in sides}
         order = sorted(sides, key=lambda g: (kinds[g] not in _FULL, g))
+        verified: set[int] = set()  # groups whose EAGLE drop holds at the current candidate
+        looked: set[int] = set()  # full-attention groups: looked up once, then only trimmed
         while hit > 0:
             lowered = hit
             for g in order:
+                kind, size = kinds[g], sizes[g]
+                if kind in _FULL and g in looked:
+                    continue  # downward closed: its earlier hit is at least the candidate
                 by_key = state.groups.get(g, ({}, {}))[1]
 
                 def held(key: int | None, by_key: dict[int, int] = by_key) -> bool:
                     return key is not None and key in by_key
 
-                kind, size = kinds[g], sizes[g]
                 window = specs[g][1] if g in specs else None
-                if kind in _MAMBA or kind is None:
-                    lowered = _mamba_hit(held, key_at, size, unit, align, lowered)
+                mamba = kind in _MAMBA or kind is None
+                drop = eagle and g not in verified and not mamba
+                reach = min(lowered + size, hashed) if drop else lowered
+                if mamba:
+                    new = _mamba_hit(held, key_at, size, unit, align, lowered)
                 elif kind in _WINDOW and window:
-                    lowered = _window_hit(held, key_at, size, window, align, lowered)
+                    new = _window_hit(held, key_at, size, window, align, reach, drop)
                 else:
-                    lowered = _full_hit(held, key_at, size, align, lowered)
+                    new = _full_hit(held, key_at, size, align, reach, drop)
+                    looked.add(g)
+                if drop:
+                    verified.add(g)
+                elif new < lowered:
+                    verified.clear()
+                lowered = new
             if lowered >= hit or len(order) == 1:
                 # one pass is the fixed point of full attention and one other group
                 hit = min(hit, lowered)
@@ -343,33 +397,49 @@ def _window_hit(
     window: int,
     align: int,
     limit: int,
+    drop: bool = False,
 ) -> int:
     """SlidingWindowManager.find_longest_cache_hit: the latest run of ``ceil((window - 1) /
     size)`` held blocks ending at or below ``limit`` (on an aligned end), else the blocks held
-    from the prompt's start."""
-    need = -(-(window - 1) // size)
+    from the prompt's start. ``drop`` (EAGLE): one block more in the run, then the last one
+    dropped and the end re-aligned."""
+    need = -(-(window - 1) // size) + (1 if drop else 0)
     run = 0
+    blocks = -1
     for i in range(limit // size - 1, -1, -1):
         if held(key_at((i + 1) * size)):
-            if not run and size != align and (i + 1) * size % align:
+            if not run and size != align and (i + (0 if drop else 1)) * size % align:
                 continue
             run += 1
             if run >= need:
-                return (i + run) * size
+                blocks = i + run
+                break
         else:
             run = 0
-    blocks = run
-    while size != align and blocks * size % align:
+    if blocks < 0:
+        blocks = run
+        while size != align and blocks * size % align:
+            blocks -= 1
+    if drop and blocks > 0:
         blocks -= 1
+        while size != align and blocks * size % align:
+            blocks -= 1
     return blocks * size
 
 
 def _full_hit(
-    held: Held, key_at: Callable[[int], int | None], size: int, align: int, limit: int
+    held: Held,
+    key_at: Callable[[int], int | None],
+    size: int,
+    align: int,
+    limit: int,
+    drop: bool = False,
 ) -> int:
-    """Full attention: every block of the prefix."""
+    """Full attention: every block of the prefix (``drop``, EAGLE: less its last block)."""
     blocks = 0
     while (blocks + 1) * size <= limit and held(key_at((blocks + 1) * size)):
         blocks += 1
     hit = blocks * size
+    if drop and hit > 0:
+        hit -= size
     return hit - hit % align

@@ -5,7 +5,8 @@ The device prefix first, then, from the first block the device lacks, blocks a l
 holds, ending on a whole chunk of that tier (``_walk``, ``_trim``); a partial block past the
 device prefix (``_probe_partials``); a storage domain's holdings as the STORAGE tier of the
 replicas attached to it, and its llm-d shared storage chunks as their unconfirmed STORAGE
-(``_lifted``); and a hybrid model's cap (hybrid.py).
+(``_lifted``); an EAGLE replica's dropped block (drafts.py); and a hybrid model's cap
+(hybrid.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class Lookups(IndexStore):
     if TYPE_CHECKING:  # the replicas (memory.py), hybrid models (hybrid.py)
 
         def block_size(self, replica: str) -> int | None: ...
+
+        def _drop_drafted(
+            self,
+            n_tokens: int,
+            keys: Sequence[int],
+            states: list[_ReplicaState],
+            block_size: int,
+            out: dict[str, PrefixMatch],
+        ) -> None: ...
 
         def _cap_hybrid(
             self,
@@ -98,6 +108,7 @@ class Lookups(IndexStore):
                 partial = [s for s in states if s.partial_unit is not None]
                 if partial:
                     self._probe_partials(request, partial, block_size, out)
+                self._drop_drafted(request.n_tokens, keys, states, block_size, out)
                 # ``_hybrid`` inlined (the same test): it runs for every replica
                 hybrid = [
                     s
@@ -169,15 +180,19 @@ class Lookups(IndexStore):
         states: list[_ReplicaState],
         block_size: int,
         out: dict[str, PrefixMatch],
+        get: Callable[[int, int], int] | None = None,
     ) -> None:
         """What each replica can serve of ``keys``, into ``out``: the walk's counts
-        (``_walk_counts``, or the native core's twin when it runs and the keys are a list),
-        each lower-tier run ended on a whole chunk (``_trim``)."""
+        (``_walk_counts``, or the native core's twin when it runs, the keys are a list and
+        no ``get`` replaces the index's masks), each lower-tier run ended on a whole chunk
+        (``_trim``)."""
         attached = self._attached
         lifting = bool(attached) and any(s.name in attached for s in states)
-        get = self._lifted(states) if lifting else self._masks.get
+        native = self._native is not None and isinstance(keys, list) and get is None
+        if get is None:
+            get = self._lifted(states) if lifting else self._masks.get
         rows: Iterable[tuple[_ReplicaState, list[int], int]]
-        if self._native is not None and isinstance(keys, list):
+        if native:
             native_counts, native_ended = self._native.walk_counts(
                 keys,
                 self._masks,

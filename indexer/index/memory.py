@@ -18,6 +18,7 @@ from kvroute.indexer.index.capacity import Capacity
 from kvroute.indexer.index.chunks import OffloadedChunks
 from kvroute.indexer.index.confirmed import ConfirmedHoldings
 from kvroute.indexer.index.domains import StorageDomains
+from kvroute.indexer.index.drafts import SpeculativeDrafts
 from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.resets import Resets
@@ -46,6 +47,7 @@ class InMemoryPrefixIndex(
     HybridGroups,
     UnconfirmedHoldings,
     StorageDomains,
+    SpeculativeDrafts,
     Resets,
     Capacity,
     Lookups,
@@ -87,6 +89,9 @@ class InMemoryPrefixIndex(
         self._entries = 0
         # replica -> the pseudo-replica of the storage domain it is attached to
         self._attached: dict[str, str] = {}
+        # replica -> its EAGLE-style speculative method (drafts.py): a setting, kept across
+        # clears and restarts as attachments are
+        self._drafts = {}
         self._deferred = []
         self._starts = []
         self._computed = set()
@@ -148,6 +153,7 @@ class InMemoryPrefixIndex(
                 self._clear_class(state, int(tier))
                 return
             self._clear_confirmed(state)
+            state.device_history = False  # its device may still hold what was forgotten
             for source in list(state.held):
                 self._drop_source_holdings(state, source)
             state.forget_configuration()
@@ -166,6 +172,9 @@ class InMemoryPrefixIndex(
             # means removals may have been missed, whatever the evictor itself published.
             if source in state.confirmed_sources or replica.startswith(DOMAIN_PREFIX):
                 self._clear_confirmed(state)
+                # A new process starts with an empty device; after a gap it still holds what
+                # the index forgot (confirmed.py, stores from the prompt's start).
+                state.device_history = restarted
                 if restarted and not replica.startswith(DOMAIN_PREFIX):
                     # A new process may run another configuration: learn it again.
                     state.forget_configuration()
@@ -175,6 +184,7 @@ class InMemoryPrefixIndex(
     def remove_replica(self, replica: str) -> None:
         with self._lock:
             self._attached.pop(replica, None)
+            self._drafts.pop(replica, None)
             state = self._replicas.get(replica)
             if state is None:
                 return

@@ -18,6 +18,14 @@ Read from vLLM 0.32 (``v1/core/sched/scheduler.py``, ``v1/core/block_pool.py``,
   CPU tier (``TieringOffloadingManager.reset_cache``: the FS/OBJ tiers are kept), Mooncake's
   store runs ``remove_all``; the router sees the request (``/reset_prefix_cache?
   reset_external=true``, ``/pause``, ``/sleep``) and calls this when the replica accepted it.
+  ``Scheduler.reset_prefix_cache`` resets the device first, in the same call, when it can
+  (``{"success": true}``; ``/pause`` and ``/sleep`` always): the block pool's
+  ``AllBlocksCleared`` then marks the reset's place in the stream, and the CPU tier is dropped
+  again there (``device_cleared``: stores of batches published before the reset, applied after
+  the router's call). A device-only reset the router forwards is announced too
+  (``expect_device_reset``); a device clear nobody announced may be a connector reset sent
+  directly, so the OffloadingConnector's CPU blocks are held ``unconfirmed_ttl_s`` more only,
+  unless stored again (``_doubt_silent_cpu``).
 - An event of a type the decoder does not know (``UnknownEvent``: vLLM's proposed
   ``TierBlocksCleared``, say) may have changed any tier below the device: the replica's lower
   tiers are dropped (confirmed ones, and the unconfirmed holdings of that stream), and
@@ -30,12 +38,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvroute.indexer.index.api import ApplyResult
-from kvroute.indexer.index.state import _GPU, IndexStore, _cls, _ReplicaState
+from kvroute.indexer.index.state import _GPU, _W, IndexStore, _cls, _ReplicaState
 from kvroute.indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 
 __all__ = ["Resets"]
 
 _LOWER = (int(Medium.CPU), int(Medium.STORAGE))
+# What the router said the replica's next device clear is (``_ReplicaState.reset_pending``):
+# nothing, a connector reset with the device's, or the device's prefix cache alone.
+_NO_RESET, _CONNECTOR_RESET, _DEVICE_RESET = 0, 1, 2
 
 
 class Resets(IndexStore):
@@ -46,6 +57,8 @@ class Resets(IndexStore):
         def _clear_class(self, state: _ReplicaState, cls: int) -> None: ...
 
         def _forget_deferred(self, state: _ReplicaState) -> None: ...  # hybrid.py
+
+        def _forget_if_unheld(self, state: _ReplicaState, h: int, key: int, mask: int) -> None: ...
 
         def _drop_class_holdings(
             self, state: _ReplicaState, cls: int, source: str | None = None
@@ -86,8 +99,14 @@ class Resets(IndexStore):
             # after it skips that history.
             state.ghost = None
             state.groups = {}
+            state.device_history = True  # the device is empty: every block from now on is seen
             self._forget_deferred(state)
             result.device_cleared += 1
+            pending, state.reset_pending = state.reset_pending, _NO_RESET
+            if pending == _CONNECTOR_RESET:  # the connector reset the router forwarded
+                self._drop_cpu(state)
+            elif pending != _DEVICE_RESET:  # perhaps a connector reset the router never saw
+                self._doubt_silent_cpu(state)
         if pool:
             for cls in sorted(state.pool_tiers):
                 if cls < 3:
@@ -106,14 +125,72 @@ class Resets(IndexStore):
             self._drop_class_holdings(state, cls + 3, source)
         result.distrusted += 1
 
-    def reset_connector(self, replica: str) -> None:
+    def reset_connector(self, replica: str, *, device_cleared: bool = False) -> None:
         with self._lock:
             state = self._replicas.get(replica)
             if state is None:
-                return
-            cpu = int(Medium.CPU)
-            self._clear_class(state, cpu)
-            self._drop_class_holdings(state, cpu + 3)
+                if not device_cleared:
+                    return
+                state = self._state(replica)
+            self._drop_cpu(state)
+            # The reset's own AllBlocksCleared is still to come on the replica's stream, after
+            # every batch published before the reset: what those store in CPU, applied after
+            # this call, the clear drops again.
+            state.reset_pending = _CONNECTOR_RESET if device_cleared else _NO_RESET
+
+    def expect_device_reset(self, replica: str) -> None:
+        with self._lock:
+            state = self._replicas.get(replica)
+            if state is not None and state.reset_pending == _NO_RESET:
+                state.reset_pending = _DEVICE_RESET
+
+    def _drop_cpu(self, state: _ReplicaState) -> None:
+        """What a connector's reset empties: the CPU tier, confirmed and unconfirmed."""
+        cpu = int(Medium.CPU)
+        self._clear_class(state, cpu)
+        self._drop_class_holdings(state, cpu + 3)
+        state.doubted = {}
+
+    def _doubt_silent_cpu(self, state: _ReplicaState) -> None:
+        """A device clear the router did not announce: vLLM resets the device's prefix cache
+        with every connector reset it can (``/reset_prefix_cache?reset_external=true``,
+        ``/pause``, ``/sleep``), so this may be one sent to the replica directly, which
+        emptied vLLM's OffloadingConnector's CPU tier without a word. Its CPU blocks are held
+        on, for ``unconfirmed_ttl_s`` only, unless stored again (the connector stores a chunk
+        again only once it lost it) or removed meanwhile: a bounded window instead of none,
+        at the cost of chunks a device-only reset kept aging out (a prediction below vLLM's
+        hit, until they are offloaded again). Connectors that announce their reset
+        (kvroute's, the SimpleCPUOffloadConnector's pool) are left alone."""
+        cpu = int(Medium.CPU)
+        if cpu not in state.whole_loads or cpu in state.pool_tiers or not state.tier_counts[cpu]:
+            return
+        bit = 1 << (_W * state.slot + cpu)
+        expires = self._clock() + self.unconfirmed_ttl_s
+        masks = self._masks
+        doubted = state.doubted
+        for h, key in state.engine_to_key.items():
+            if masks.get(key, 0) & bit:
+                doubted.setdefault(h, expires)
+
+    def _expire_doubted(self, state: _ReplicaState, now: float) -> int:
+        """Drop the doubted CPU blocks whose time is up (``_doubt_silent_cpu``)."""
+        cpu = int(Medium.CPU)
+        bit = 1 << (_W * state.slot + cpu)
+        gone = 0
+        for h, expires in list(state.doubted.items()):
+            if expires > now:
+                continue
+            del state.doubted[h]
+            key = state.engine_to_key.get(h)
+            mask = self._masks.get(key, 0) if key is not None else 0
+            if key is None or not mask & bit:
+                continue
+            self._set_mask(key, mask & ~bit)
+            state.refs.pop((key, cpu), None)
+            state.tier_counts[cpu] -= 1
+            self._forget_if_unheld(state, h, key, mask & ~bit)
+            gone += 1
+        return gone
 
 
 def _is_device_event(event: Event) -> bool:

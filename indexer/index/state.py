@@ -30,6 +30,7 @@ _W = 6  # bits per replica slot
 _SLOT = (1 << _W) - 1
 _CONFIRMED = 0b000111
 _GPU = int(Medium.GPU)
+_CPU = int(Medium.CPU)
 _STORAGE = int(Medium.STORAGE)
 # Walk limits: a chunk is never longer than this many blocks, and learning how long chunks
 # are never walks further back than this.
@@ -68,6 +69,8 @@ class _ReplicaState:
         "chunk_obs",
         "chunks",
         "confirmed_sources",
+        "device_history",
+        "doubted",
         "engine_to_key",
         "ghost",
         "group_specs",
@@ -79,6 +82,7 @@ class _ReplicaState:
         "pool_tiers",
         "primary",
         "refs",
+        "reset_pending",
         "size_confirmed",
         "slot",
         "tier_counts",
@@ -143,6 +147,19 @@ class _ReplicaState:
         # classes a lower-tier block pool stored in (SimpleCPUOffloadConnector): a bare
         # AllBlocksCleared may be its reset (resets.py)
         self.pool_tiers: set[int] = set()
+        # True while the index has applied every device store since the device was last
+        # empty (a device clear, a new process): False after its stream lost history, when a
+        # block the index does not hold may be held since before (confirmed.py)
+        self.device_history = True
+        # what the router said the next device clear is (resets.py): 0 nothing, 1 a connector
+        # reset with the device's (its AllBlocksCleared marks where the reset happened in
+        # the stream), 2 a device-only reset (the connectors keep their tiers)
+        self.reset_pending = 0
+        # vLLM hash -> when its CPU holding ages out: CPU blocks of a connector that resets
+        # without a word (vLLM's OffloadingConnector), held at a device clear the router did
+        # not forward (perhaps a connector reset sent to the replica directly): dropped then
+        # unless stored again (resets.py)
+        self.doubted: dict[int, float] = {}
 
     def forget_configuration(self) -> None:
         """Forget what the replica's events taught of its configuration (block size, prefix-

@@ -34,6 +34,8 @@ class UnconfirmedHoldings(IndexStore):
 
     if TYPE_CHECKING:  # offloaded chunks (chunks.py)
 
+        def _expire_doubted(self, state: _ReplicaState, now: float) -> int: ...  # resets.py
+
         def _chunk_members(
             self, state: _ReplicaState, h: int, cls: int, result: ApplyResult | None = None
         ) -> tuple[int, ...]: ...
@@ -342,4 +344,5 @@ class UnconfirmedHoldings(IndexStore):
                 else [s for s in (self._replicas.get(replica),) if s is not None]
                 + self._layouts(replica)
             )
-            return sum(self._expire_state(s, now) for s in states if s.held)
+            gone = sum(self._expire_doubted(s, now) for s in states if s.doubted)
+            return gone + sum(self._expire_state(s, now) for s in states if s.held)

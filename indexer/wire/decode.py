@@ -205,7 +205,9 @@ def _from_wire(wire: WireEvent) -> Event:
         n = len(wire.block_hashes)
         tokens, bs = wire.token_ids, wire.block_size
         if not n:
-            raise ValueError("BlockStored with no block hashes")
+            # vLLM's block pool still queues the event when a block mask or null blocks
+            # leave nothing to store (a Mamba group with EAGLE's dropped block): no blocks
+            raise _StoresNothing
         if bs < 0:
             raise ValueError("negative block_size")
         if tokens and bs == 0:
@@ -272,6 +274,10 @@ def _from_raw(raw: object) -> Event:
     return _from_wire(wire)
 
 
+class _StoresNothing(Exception):
+    """A ``BlockStored`` without a block: nothing to apply, and not malformed."""
+
+
 def _add_events(batch: EventBatch, items: Sequence[Any], convert: Callable[[Any], Event]) -> None:
     """Append each item as an event, or count why it is none."""
     events, rejected = batch.events, batch.rejected
@@ -280,6 +286,8 @@ def _add_events(batch: EventBatch, items: Sequence[Any], convert: Callable[[Any]
             event = convert(item)
         except UnknownMedium as exc:
             batch.unknown_media[exc.medium] += 1
+        except _StoresNothing:
+            continue
         except (ValueError, TypeError, OverflowError) as exc:
             rejected.append(str(exc))
         else:

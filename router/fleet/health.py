@@ -23,6 +23,7 @@ import httpx
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.fleet.replicas import (
     PD_TRANSPORT_COUNTERS,
+    SPEC_DECODE_COUNTER,
     Replica,
     ReplicaRegistry,
     engine_gauges,
@@ -126,8 +127,24 @@ class HealthChecker:
                 gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
             )
             m.pd_transport = {k: gauges[k] for k in PD_TRANSPORT_COUNTERS if k in gauges}
+            self._note_drafts(m, SPEC_DECODE_COUNTER in gauges)
             if self.on_counters is not None:
                 self.on_counters(m, gauges)
+
+    @staticmethod
+    def _note_drafts(m: Replica, drafting: bool) -> None:
+        """Speculative decoding on a replica whose method the router was not given: warn once
+        (its metrics cannot tell an EAGLE-style method, whose hits vLLM cuts a block short,
+        from ngram, whose it does not)."""
+        unknown = drafting and m.config.speculative is None
+        if unknown and not m.drafts_unknown:
+            log.warning(
+                "replica %s runs speculative decoding (vllm:spec_decode_num_drafts) but its "
+                "method is not configured: with eagle, eagle3, mtp, dflash or dspark vLLM drops "
+                "a block of every prefix-cache hit; set speculative=METHOD on the replica",
+                m.name,
+            )
+        m.drafts_unknown = unknown
 
     async def check_all(self) -> None:
         groups: dict[str, list[Replica]] = {}

@@ -31,6 +31,7 @@ __all__ = [
     "PD_PULL_FAILURES",
     "PD_TRANSPORT_COUNTERS",
     "PREFILL_COUNTERS",
+    "SPEC_DECODE_COUNTER",
     "Replica",
     "ReplicaRegistry",
     "engine_gauges",
@@ -72,6 +73,11 @@ _PD_TRANSPORT = {
     "vllm:kvroute_pd_mismatches_total": "storage_mismatches",
 }
 _COUNTERS.update(_PD_TRANSPORT)
+# vLLM's spec-decode counters exist (at 0) as soon as speculative decoding is configured, for
+# every method, ngram included: they say drafts are on, never which method (indexer/index/
+# drafts.py: only EAGLE-style ones drop a block of every hit).
+SPEC_DECODE_COUNTER = "spec_drafts"
+_COUNTERS["vllm:spec_decode_num_drafts_total"] = SPEC_DECODE_COUNTER
 PD_TRANSPORT_COUNTERS = tuple(_PD_TRANSPORT.values())
 # Of those, the decodes that could not pull (the rest are traffic, or the prefill's side).
 PD_PULL_FAILURES = ("nixl_failed_transfers", "storage_timeouts", "storage_mismatches")
@@ -210,6 +216,9 @@ class Replica:
     # Its P/D transport's counters as its last metrics page had them (PD_TRANSPORT_COUNTERS;
     # empty: no such counters on its page).
     pd_transport: dict[str, float] = field(default_factory=dict)
+    # Its metrics page shows speculative decoding while its config names no method
+    # (``speculative=``): its hits may be a block shorter than predicted (router/fleet/health.py)
+    drafts_unknown: bool = False
 
     @property
     def name(self) -> str:

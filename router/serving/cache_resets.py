@@ -18,14 +18,17 @@ What the connector's reset empties: vLLM's OffloadingConnector its CPU tier
 (``TieringOffloadingManager.reset_cache``; the FS/OBJ tiers are kept), Mooncake's store
 everything (``remove_all``), kvroute's connector both tiers (announced), the
 SimpleCPUOffloadConnector its pool (announced by a bare clear). The device's own reset is
-announced by vLLM's block pool (``AllBlocksCleared``).
+announced by vLLM's block pool (``AllBlocksCleared``), in the same scheduler call, just before
+the connector's: when it succeeded (``resets_device``), that clear marks the connector's reset
+in the replica's stream, after every batch published before it.
 """
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qs
 
-__all__ = ["resets_connector"]
+__all__ = ["resets_connector", "resets_device", "resets_device_only"]
 
 # FastAPI's (pydantic's) bool query values; anything else is a 422 (no reset).
 _TRUE = {"1", "true", "on", "yes", "t", "y"}
@@ -58,3 +61,30 @@ def resets_connector(method: str, path: str, query_string: bytes) -> bool:
         level = query.get("level", ["1"])[-1]
         return level.strip().isdigit() and int(level) >= 1
     return path == "/release_kv_cache_memory"
+
+
+def resets_device(path: str, body: bytes) -> bool:
+    """Whether an accepted connector reset (``resets_connector``) also reset the device's
+    prefix cache, so that vLLM's block pool published ``AllBlocksCleared`` at its place in the
+    stream: ``/reset_prefix_cache`` answers ``{"success": true}`` then (false: blocks still in
+    use, the connector was reset alone); ``/pause``, ``/sleep`` and
+    ``/release_kv_cache_memory`` reset with ``reset_running_requests=True``, which succeeds or
+    fails the request (``EngineCore._reset_caches``)."""
+    path = path.rstrip("/") or "/"
+    if path != "/reset_prefix_cache":
+        return True
+    try:
+        answer = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(answer, dict) and answer.get("success") is True
+
+
+def resets_device_only(method: str, path: str, query_string: bytes) -> bool:
+    """Whether this request resets the device's prefix cache and no connector (plain
+    ``POST /reset_prefix_cache``): the index is told, so that the clear it brings does not
+    look like a connector reset sent to the replica directly."""
+    path = path.rstrip("/") or "/"
+    if method.upper() != "POST" or path != "/reset_prefix_cache":
+        return False
+    return not resets_connector(method, path, query_string)

@@ -41,7 +41,11 @@ from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.accuracy import cached_tokens_from_body, cached_tokens_from_sse
 from kvroute.router.routing.router import Decision
 from kvroute.router.serving.admission import disconnect_watch, ticket_of
-from kvroute.router.serving.cache_resets import resets_connector
+from kvroute.router.serving.cache_resets import (
+    resets_connector,
+    resets_device,
+    resets_device_only,
+)
 from kvroute.router.serving.disagg import has_prefill_pool, serve_disaggregated
 from kvroute.router.serving.proxy import (
     ClientGone,
@@ -386,7 +390,7 @@ class ProxyEndpoint:
                     if self.kind == "other" and 200 <= upstream.status < 300:
                         # Before the client sees the answer: its next request must not be
                         # routed on what the reset emptied.
-                        self._after_reset(scope, upstream.replica)
+                        self._after_reset(scope, upstream.replica, body)
                     await send(
                         {
                             "type": "http.response.start",
@@ -412,15 +416,22 @@ class ProxyEndpoint:
             outcome = "cancelled"
         metrics.request(self.label, outcome)
 
-    def _after_reset(self, scope: Scope, replica: Replica) -> None:
+    def _after_reset(self, scope: Scope, replica: Replica, body: bytes) -> None:
         """A request that resets the replica's KV connector, accepted: no event will say what
-        it emptied, so the index forgets it now, for every rank of the replica's server
-        (kvroute.router.serving.cache_resets)."""
-        if not resets_connector(scope["method"], scope["path"], scope.get("query_string") or b""):
-            return
+        it emptied, so the index forgets it now, for every rank of the replica's server, and
+        again at the device's clear that came with it (kvroute.router.serving.cache_resets)."""
+        query = scope.get("query_string") or b""
         service = self.service
+        if resets_device_only(scope["method"], scope["path"], query):
+            if resets_device(scope["path"], body):
+                for member in service.registry.group(replica.group) or [replica]:
+                    service.index.expect_device_reset(member.name)
+            return
+        if not resets_connector(scope["method"], scope["path"], query):
+            return
+        device = resets_device(scope["path"], body)
         for member in service.registry.group(replica.group) or [replica]:
-            service.index.reset_connector(member.name)
+            service.index.reset_connector(member.name, device_cleared=device)
         log.info(
             "%s reset its KV connector (%s): its CPU tier is forgotten", replica.name, scope["path"]
         )

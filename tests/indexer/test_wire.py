@@ -184,7 +184,6 @@ def test_llmd_fs_backend_nested_positional_events() -> None:
     [
         (stored_map(token_ids=[1, 2, 3]), "tokens for 2 blocks"),
         (stored_map(block_hashes="nope"), "block_hashes"),
-        (stored_map(block_hashes=[]), "no block hashes"),
         (stored_map(block_hashes=[1.5, 2]), "block hash"),
         (stored_map(block_size=-2), "negative"),
         (stored_map(block_size=0), "block_size 0"),
@@ -200,6 +199,15 @@ def test_malformed_events_rejected_with_reason_rest_of_batch_kept(bad: object, r
     batch = decode_batch(enc([0.0, [good, bad, good]]))
     assert batch.events == [BlockRemoved([3]), BlockRemoved([3])]
     assert len(batch.rejected) == 1 and reason in batch.rejected[0]
+
+
+def test_a_store_of_no_block_is_skipped_not_rejected() -> None:
+    """vLLM 0.32's block pool queues a BlockStored even when a block mask leaves no block to
+    store (a Mamba group with EAGLE's dropped block, tests/indexer/index/test_hybrid_vllm.py):
+    nothing to apply, and nothing malformed."""
+    good = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    batch = decode_batch(enc([0.0, [good, stored_map(block_hashes=[], token_ids=[]), good]]))
+    assert batch.events == [BlockRemoved([3]), BlockRemoved([3])] and batch.rejected == []
 
 
 @pytest.mark.parametrize(

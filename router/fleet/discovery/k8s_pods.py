@@ -24,6 +24,8 @@ llm-d pool's pods: events on 5556, no replay; topic "": every topic):
 * ``kvroute.io/role`` (a label or an annotation; the annotation wins): ``prefill``,
   ``decode`` or ``both`` (the default), its pool under prefill/decode disaggregation; a label
   lets one Deployment's selector and the router read the same fact.
+* ``kvroute.io/speculative``: vLLM's ``speculative_config.method`` when it drafts with one
+  (``eagle``, ``mtp``...: vLLM drops a block of every prefix-cache hit; docs/indexer.md).
 * ``kvroute.io/zone``: where it runs, for preferring a prefill replica near the decode one;
   default the pod's node (``spec.nodeName``).
 
@@ -62,6 +64,7 @@ ANNOTATIONS = (
     "dp",
     "storage-domain",
     "layout",
+    "speculative",
     "router-port",
 )
 DEFAULT_HTTP_PORT = 8000
@@ -216,6 +219,7 @@ def pod_replicas(
                     dp=dp,
                     storage_domain=annotations.get(PREFIX + "storage-domain") or None,
                     layout=annotations.get(PREFIX + "layout") or None,
+                    speculative=annotations.get(PREFIX + "speculative") or None,
                     incarnation=meta.get("uid"),
                     role=role,
                     zone=str(zone) if zone else None,

@@ -13,7 +13,10 @@ its streams, in any order, and with what real fleets do to streams:
   hashes, no extra keys, medium ``cpu``), vLLM's FS tier (``STORAGE`` without extra keys) and
   llm-d's FS backend on a stream of its own, into a PVC whose evictor publishes removals on a
   third stream (or deletes silently);
-- resets that publish nothing but pass through the router (``reset_external``), events of an
+- resets that publish nothing but pass through the router (``reset_external``), or are sent
+  to the replica directly (``reset_direct``: with the device's clear, the offloading
+  connector's CPU blocks are excused for ``TTL`` after it; without, until CPU is next
+  dropped), events of an
   unknown type that may be resets, a gap the replay cannot fill (the stream is cleared), and a
   batch lost at its source (vLLM's publisher consumed the sequence number, nothing buffered).
 
@@ -88,6 +91,10 @@ class MixedReplica(ModelReplica):
         self.lose_next = False
         self.gap_next = False
         self.router_reset = False
+        self.router_reset_device = False
+        # CPU hashes a connector reset sent directly emptied, excused until then (docs/
+        # indexer.md: ``unconfirmed_ttl_s`` after the device clear that came with it)
+        self.doubted: dict[int, float] = {}
         self.prev = self.confirmed_sets()  # what the index was last told of confirmed tiers
 
     # --- the lower tier: SimpleCPUOffloadConnector's pool instead of chunks ------------------
@@ -118,16 +125,45 @@ class MixedReplica(ModelReplica):
             self.pool.clear()
             self.main.append(AllBlocksCleared())
 
-    def reset_external(self) -> None:
-        """``reset_external``/``/pause``: vLLM's offloading connector empties its CPU tier and
-        says nothing; kvroute's announces it (reset_lower). The router forwarded the request
-        and tells the index (``reset_connector``)."""
+    def reset_external(self, device: bool = True) -> None:
+        """``reset_external``/``/pause``: vLLM resets the device's prefix cache (its block pool
+        publishes ``AllBlocksCleared``), unless blocks are still in use (``device`` false:
+        ``{"success": false}``), then the connector: vLLM's offloading connector empties its
+        CPU tier and says nothing; kvroute's announces it (reset_lower). The router forwarded
+        the request and tells the index (``reset_connector``)."""
+        if device:
+            self.gpu.clear()
+            self.gpu_lru.clear()
+            self.main.append(AllBlocksCleared())
+        self.router_reset_device = device
         if self.lower == "connector" and not self.simple:
             self.reset_lower()
         else:
             self.cpu.clear()
             self.pool.clear()
         self.router_reset = True
+
+    def reset_direct(self, device: bool) -> None:
+        """A connector reset sent to the replica directly: the router never hears of it.
+        vLLM's offloading connector empties its CPU tier without a word; the index, seeing a
+        device clear it was not told of, holds those chunks for ``TTL`` only. Without the
+        device's reset (``{"success": false}``) nothing in the stream says anything: they stay
+        until the index next drops CPU. kvroute's connector announces its reset, the
+        SimpleCPUOffloadConnector's pool with a bare clear."""
+        silent = self.lower in ("native_sd", "native_ph")
+        gone = {h for members in self.cpu.values() for h in members} if silent else set()
+        self.reset_external(device)
+        self.router_reset = False
+        if self.simple:
+            self.main.append(AllBlocksCleared())  # the pool's own reset, announced
+        if device:
+            self._doubt(gone)
+        else:
+            self.lost |= {(CPU, h) for h in gone}
+
+    def _doubt(self, gone: set[int]) -> None:
+        """The index applies the reset's device clear in this step: ``TTL`` from now."""
+        self.doubted.update(dict.fromkeys(gone, self.now + TTL))
 
     # --- publishers that never remove --------------------------------------------------------
 
@@ -277,6 +313,8 @@ class MixedReplica(ModelReplica):
             for cls in (GPU, CPU):
                 if (cls, b.hash) in self.lost:
                     classes.add(cls)
+            if self.now <= self.doubted.get(b.hash, -1.0):
+                classes.add(CPU)
             for cls in UNCONFIRMED:
                 if self.now - self.announced[cls].get(b.hash, -1e9) <= TTL:
                     classes.add(cls)
@@ -311,7 +349,8 @@ op_st = st.one_of(
     st.tuples(st.just("fs_store"), doc_st, variant_st),
     st.tuples(st.just("delete_behind"), st.integers(0, 3)),
     st.tuples(st.just("reset")),
-    st.tuples(st.just("reset_external")),
+    st.tuples(st.just("reset_external"), st.booleans()),
+    st.tuples(st.just("reset_direct"), st.booleans()),
     st.tuples(st.just("tier_cleared")),
     st.tuples(st.just("lose")),
     st.tuples(st.just("gap")),
@@ -358,7 +397,7 @@ class Router:
             m.main.clear()
             m.unknown.clear()
         if m.router_reset:
-            self.index.reset_connector("r")
+            self.index.reset_connector("r", device_cleared=m.router_reset_device)
             m.lost = {x for x in m.lost if x[0] != CPU}
             m.router_reset = False
         for events, source, replica in (
@@ -389,6 +428,7 @@ class Router:
 # One of each fault, so that every run checks them whatever hypothesis draws.
 @example("native_sd", 14, 4, True, [("serve", 0, 0), ("fs_store", 0, 0), ("delete_behind", 2)])
 @example("native_ph", 14, 4, False, [("serve", 0, 1), ("reset_external",)])
+@example("native_sd", 14, 4, False, [("serve", 0, 0), ("reset_direct", True), ("tick", 61)])
 @example("connector", 14, 4, False, [("serve", 0, 2), ("mooncake_store", 0, 2), ("tier_cleared",)])
 @example("simple_cpu", 14, 4, False, [("serve", 1, 0), ("lose",), ("evict", 6), ("reset",)])
 @example("native_sd", 14, 4, False, [("serve", 2, 0), ("gap",), ("evict", 6), ("serve", 2, 0)])

@@ -25,6 +25,7 @@ MIXINS = [
     "hybrid",
     "unconfirmed",
     "domains",
+    "drafts",
     "resets",
     "capacity",
     "lookup",
@@ -37,6 +38,7 @@ def test_public_names_are_the_packages() -> None:
     package, each the object of the one module that defines it."""
     imported_elsewhere = {
         "DOMAIN_PREFIX",
+        "EAGLE_METHODS",
         "ApplyResult",
         "DomainSummary",
         "InMemoryPrefixIndex",
@@ -45,6 +47,7 @@ def test_public_names_are_the_packages() -> None:
         "PrefixMatch",
         "ReplicaIndexSummary",
         "domain_key",
+        "drops_block",
         "split_domain_key",
     }
     assert imported_elsewhere == set(index_pkg.__all__)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvroute.indexer.index import InMemoryPrefixIndex, domain_key
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.stats import collect_stats
-from kvroute.indexer.wire import BlockStored, Event, Medium, decode_batch
+from kvroute.indexer.wire import AllBlocksCleared, BlockStored, Event, Medium, decode_batch
 from tests.indexer.builders import BS, DOC, hashes_of, removed, stored, tier_only
 
 N_BLOCKS = len(DOC) // BS
@@ -310,6 +310,86 @@ def test_reset_connector_drops_cpu_keeps_device_and_storage() -> None:
     assert _tiers(index, "r", DOC) == {"GPU": 2, "STORAGE": N_BLOCKS - 2}
     assert index.block_tiers("r", DOC)[5] == {"STORAGE"}
     index.reset_connector("nobody")  # unknown replica: nothing happens
+
+
+def test_a_reset_with_the_devices_drops_cpu_again_at_its_clear() -> None:
+    """The router learns of a reset (``device_cleared``: vLLM reset the device's prefix cache
+    with it) while the replica's stream is behind: batches published before the reset store
+    CPU chunks after the router dropped CPU. The reset's own ``AllBlocksCleared`` comes after
+    them in the stream and drops them; what is stored after it stays, and a later clear (no
+    reset pending) keeps CPU."""
+    index = InMemoryPrefixIndex()
+    index.apply("r", [stored(DOC, 0, N_BLOCKS), stored(DOC, 0, 2, Medium.CPU)])
+    index.reset_connector("r", device_cleared=True)
+    assert _tiers(index, "r", DOC) == {"GPU": N_BLOCKS}
+    # the backlog: a CPU store published before the reset, applied now
+    index.apply("r", [stored(DOC, 0, 4, Medium.CPU)])
+    assert _tiers(index, "r", DOC) == {"GPU": N_BLOCKS}
+    assert index.block_tiers("r", DOC)[3] == {"GPU", "CPU"}
+    # the reset's batch: the device's clear, then what the connector stored after it
+    index.apply("r", [AllBlocksCleared(), stored(DOC, 0, 2, Medium.CPU)])
+    assert [t for t in index.block_tiers("r", DOC)[:4]] == [{"CPU"}, {"CPU"}, set(), set()]
+    index.apply("r", [AllBlocksCleared()])  # a device-only reset later: CPU is kept
+    assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
+
+
+def _offloaded_chunks(index: InMemoryPrefixIndex) -> None:
+    """vLLM's OffloadingConnector (tier-only stores, 2-block chunks) holds DOC's first four
+    blocks in CPU; the device keeps block 0."""
+    index.apply("r", [stored(DOC, 0, N_BLOCKS)])
+    index.apply("r", [tier_only(DOC, [1], Medium.CPU), tier_only(DOC, [3], Medium.CPU)])
+    index.apply("r", [removed(DOC, list(range(1, N_BLOCKS)))])
+
+
+def test_a_device_clear_nobody_announced_bounds_the_silent_cpu_tier() -> None:
+    """A device clear the router was not told of may be a connector reset sent to the
+    replica directly (vLLM resets the device with it when it can), which emptied vLLM's
+    OffloadingConnector's CPU tier without a word: its chunks are held for
+    ``unconfirmed_ttl_s`` only, unless stored again meanwhile."""
+    now = [0.0]
+    index = InMemoryPrefixIndex(unconfirmed_ttl_s=60.0, clock=lambda: now[0])
+    _offloaded_chunks(index)
+    assert index.block_tiers("r", DOC)[:4] == [{"GPU", "CPU"}, {"CPU"}, {"CPU"}, {"CPU"}]
+    index.apply("r", [AllBlocksCleared()])
+    now[0] = 30.0
+    index.apply("r", [tier_only(DOC, [3], Medium.CPU)])  # the connector stored it again
+    index.expire()
+    assert index.block_tiers("r", DOC)[:4] == [{"CPU"}, {"CPU"}, {"CPU"}, {"CPU"}]
+    now[0] = 60.0
+    assert index.expire() == 2
+    assert index.block_tiers("r", DOC)[:4] == [set(), set(), {"CPU"}, {"CPU"}]
+
+
+def test_a_device_reset_the_router_forwarded_keeps_the_cpu_tier() -> None:
+    """``/reset_prefix_cache`` without ``reset_external`` through the router: the device
+    alone; the CPU tier stays confirmed, without an age."""
+    now = [0.0]
+    index = InMemoryPrefixIndex(unconfirmed_ttl_s=60.0, clock=lambda: now[0])
+    _offloaded_chunks(index)
+    index.expect_device_reset("r")
+    index.apply("r", [AllBlocksCleared()])
+    now[0] = 600.0
+    assert index.expire() == 0
+    assert index.block_tiers("r", DOC)[:4] == [{"CPU"}, {"CPU"}, {"CPU"}, {"CPU"}]
+    index.apply("r", [AllBlocksCleared()])  # the next one, unannounced: aged again
+    now[0] = 660.0
+    assert index.expire() == 4
+
+
+def test_a_reset_alone_marks_nothing_and_a_cleared_stream_keeps_the_mark() -> None:
+    """Without the device's reset (``{"success": false}``) nothing marks the reset in the
+    stream: a later device clear keeps CPU. A stream cleared after a gap keeps the mark: the
+    replay refills it from batches that may predate the reset, and the reset's clear, replayed
+    after them, drops their CPU stores."""
+    index = InMemoryPrefixIndex()
+    index.apply("r", [stored(DOC, 0, 2)])
+    index.reset_connector("r")
+    index.apply("r", [stored(DOC, 0, 2, Medium.CPU), AllBlocksCleared()])
+    assert index.block_tiers("r", DOC)[:2] == [{"CPU"}, {"CPU"}]
+    index.reset_connector("r", device_cleared=True)
+    index.clear_source("r", "", restarted=False)
+    index.apply("r", [stored(DOC, 0, 2), stored(DOC, 0, 2, Medium.CPU), AllBlocksCleared()])
+    assert index.block_tiers("r", DOC)[:2] == [set(), set()]
 
 
 # --- events of a type the decoder does not know ---------------------------------------------

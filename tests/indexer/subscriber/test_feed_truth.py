@@ -29,16 +29,23 @@ replica (``block_tiers``) and for every prediction (``lookup``):
     for a batch lost at its source, what the replica's confirmed tiers held while the stream
     was behind stays excused until the index next drops that tier (a device clear it
     applies, a connector reset, an unknown event's clear, a clear of the stream);
-  - a connector reset forwarded by the router while the replica's stream is behind: the
-    chunks the not-yet-applied batches stored stay excused until the index next drops CPU;
+  - a connector reset forwarded by the router while the replica's stream is behind, when
+    vLLM could not reset the device with it (``{"success": false}``): the chunks the
+    not-yet-applied batches stored stay excused until the index next drops CPU; with the
+    device's reset, none: its ``AllBlocksCleared`` marks the reset in the stream, after
+    those batches, and the index drops CPU again there;
+  - a connector reset sent to the replica directly, with the device's (vLLM's offloading
+    connector empties CPU silently): its CPU blocks, ``TTL`` after the feed applied the
+    device clear (the index holds blocks a clear nobody announced may have emptied for
+    ``unconfirmed_ttl_s``);
   - a storage domain's chunk stored on a stream that was behind and removed meanwhile by the
     domain's evictor (streams are not ordered with each other, docs/indexer.md): held until
-    its next removal;
-  - after a clear of the stream (a gap the replay could not fill, a restart), a device block
-    held since before it and then stored from the prompt's start (a re-announced hit,
-    ``kv_cache_report_mode: "full"``, or a copy) may be counted twice: it stays until the
-    next device clear (the index cannot tell such a store from a computation without the
-    history it lost);
+    its next removal, for every replica attached to the domain;
+  - none after a clear of the stream (a gap the replay could not fill, a restart): a device
+    block held since before it and then stored from the prompt's start (a re-announced hit,
+    ``kv_cache_report_mode: "full"``, or a copy) is never counted twice, so its removal
+    takes it out (the index lost the device's history: until the next device clear such
+    stores are taken once);
   - unconfirmed tiers (LMCache, Mooncake, vLLM's FS tier, llm-d's FS backend): a block
     deleted without a word, at most ``TTL`` after it was last announced.
   A prediction never covers a block that no tier of the replica may hold.
@@ -107,7 +114,13 @@ class Replica(MixedReplica):
         super().__init__(lower, gpu, cpu, pvc=domain)
         self.domain = domain
         self.drop_next = 0  # batches to miss on the wire
+        self.pending_doubt: set[int] = set()  # a direct reset's CPU blocks, clear not applied
         self.restarted = False
+
+    def _doubt(self, gone: set[int]) -> None:
+        """The feed applies the reset's device clear when the stream is caught up: the index's
+        ``TTL`` starts then (``Router.step``); until then the stream's span excuses them."""
+        self.pending_doubt |= gone
 
     def disk_store(self, doc: int, variant: int) -> None:
         """kvroute's connector writes the prompt's chunks to disk, in order."""
@@ -182,7 +195,6 @@ class Feed:
         self.vouched: set[int] = set()  # device blocks whose store was applied in order
         self.dups: set[int] = set()
         self.prev: set[Pair] = set()  # the confirmed pairs at the end of the last step
-        self.unseen: set[int] = set()
 
     def note_behind(self) -> None:
         """The stream is behind: the index may hold what the replica held when the stream
@@ -212,6 +224,10 @@ class Feed:
             assert stats.clears == clears, (stats.reason, self.pub.lost, held, frame.seq)
         if stats.clears > clears:  # the stream was cleared: nothing of the past is believed
             self.on_cleared()
+            if self.reset_while_behind:
+                # ... but the replayed batches after the lost ones may predate a reset that
+                # nothing marks in the stream (the device's failed): their CPU stores stay
+                self.excused |= {x for x in self.span if x[0] == CPU}
         else:
             if stats.lost_batches > lost:
                 self.excused |= self.span
@@ -235,8 +251,6 @@ class Feed:
         keep = {x for x in self.excused | self.span if x[0] == STORAGE and self.model.domain}
         self.excused = keep
         self.vouched = set()
-        # device blocks the cleared index no longer knows are held (see ``unseen_restore``)
-        self.unseen = {h for cls, h in self.prev | self.span if cls == GPU}
 
     def restart(self) -> None:
         """The engine restarted: the connection drops and comes back, the feed asks the
@@ -253,17 +267,6 @@ class Feed:
         self.applied_seq = -1
         self.prev = set()
         self.model.restarted = False
-
-    def unseen_restore(self, events: list[Any]) -> None:
-        """After a clear, a store from the prompt's start naming a block held since before it
-        (a re-announced hit, or a copy) cannot be told from a computation by what the index
-        knows: the block may be counted twice, and outlive its removal until a device clear."""
-        for e in events:
-            if isinstance(e, BlockStored) and e.medium == Medium.GPU:
-                if e.parent_block_hash is None:
-                    self.excused |= {(GPU, h) for h in e.block_hashes if h in self.unseen}
-            elif isinstance(e, AllBlocksCleared):
-                self.unseen = set()
 
     def vouch(self, events: list[Any], gpu: set[int]) -> None:
         """Device stores applied live and in order, chained on vouched blocks."""
@@ -317,7 +320,9 @@ class Router:
                 else:
                     was_behind = f.behind
                     f.deliver(f.pub.publish(payload), live=True)
-                    f.unseen_restore(m.main)
+                    # a direct reset's device clear is applied now (replayed, if it was missed)
+                    m.doubted.update(dict.fromkeys(m.pending_doubt, self.now + TTL))
+                    m.pending_doubt.clear()
                     if not was_behind:
                         f.vouch(m.main, set(m.gpu))
                     if m.unknown:
@@ -329,9 +334,10 @@ class Router:
                 f.note_behind()
             f.vouched &= set(m.gpu)
             if m.router_reset:
-                self.index.reset_connector(f.name)
+                self.index.reset_connector(f.name, device_cleared=m.router_reset_device)
                 if f.behind:
-                    f.reset_while_behind = True
+                    # with the device's reset, its clear drops the backlog's CPU stores
+                    f.reset_while_behind = not m.router_reset_device
                 else:
                     f.drop_excuses(CPU)
                 m.router_reset = False
@@ -357,6 +363,12 @@ class Router:
         allowed = m.allowed(doc, variant)
         chain = blocks_of(doc, variant)
         excused = f.excused | f.span
+        if m.domain:
+            # the domain's files are every attached replica's: a chunk one feed's late store
+            # put back after the evictor removed it is held for all of them (the window of
+            # "a storage domain's chunk whose store reaches the router after the removal")
+            for g in self.feeds:
+                excused |= {x for x in g.excused | g.span if x[0] == STORAGE}
         got = self.index.block_tiers(f.name, request)
         if not got:  # nothing learned yet: no block size
             got = [frozenset()] * len(chain)
@@ -391,7 +403,8 @@ model_op = st.one_of(
     st.tuples(st.just("fs_store"), doc_st, variant_st),
     st.tuples(st.just("delete_behind"), st.integers(0, 3)),
     st.tuples(st.just("reset")),
-    st.tuples(st.just("reset_external")),
+    st.tuples(st.just("reset_external"), st.booleans()),
+    st.tuples(st.just("reset_direct"), st.just(True)),
     st.tuples(st.just("tier_cleared")),
     st.tuples(st.just("lose")),
     st.tuples(st.just("drop"), st.sampled_from([1, 1, 2, BUFFER + 1])),
@@ -469,6 +482,75 @@ lower_st = st.sampled_from(["connector", "native_sd", "native_ph", "simple_cpu"]
     4,
     True,
     [(1, ("serve", 2, 1)), (1, ("restart",)), (1, ("compute", 0, 0, 3))],
+)
+@example(  # a gap the replay cannot fill, then a hit re-announced past what the index knows
+    ("connector", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", BUFFER + 1)),
+        *[(0, ("reannounce", 0, 0, 1))] * (BUFFER + 1),
+        (0, ("reannounce", 0, 0, 2)),
+        (0, ("reannounce", 0, 0, 4)),
+        (0, ("evict", 6)),
+    ],
+)
+@example(  # a reset the router forwards while the stream is behind a CPU store
+    ("native_sd", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", 2)),
+        (0, ("serve", 1, 0)),
+        (0, ("reset_external", True)),
+        (0, ("serve", 2, 0)),
+    ],
+)
+@example(  # a domain chunk put back by a late store is every attached replica's
+    ("connector", "connector"),
+    6,
+    1,
+    True,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", 1)),
+        (0, ("disk_store", 0, 0)),
+        (0, ("disk_evict",)),
+        (0, ("reset",)),
+    ],
+)
+@example(  # a connector reset sent directly, its batch applied late: TTL from then
+    ("native_sd", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("drop", 1)),
+        (0, ("reset_direct", True)),
+        (0, ("tick", 61)),
+        (0, ("serve", 1, 0)),
+        (0, ("tick", 61)),
+    ],
+)
+@example(  # a reset the device's failed, behind a gap the replay cannot fill: a LoRA chunk
+    ("native_sd", "connector"),
+    6,
+    1,
+    False,
+    [
+        (0, ("drop", 4)),
+        (0, ("reset",)),
+        (0, ("serve", 0, 0)),
+        (0, ("serve", 0, 0)),
+        (0, ("serve", 0, 1)),
+        (0, ("reset_external", False)),
+        (0, ("serve", 0, 0)),
+    ],
 )
 def test_every_stream_through_the_feeds_stays_within_the_stated_window(
     lowers: tuple[str, str], gpu: int, cpu: int, domain: bool, ops: list[tuple[int, Any]]

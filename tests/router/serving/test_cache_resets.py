@@ -12,8 +12,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvroute.indexer.wire import Medium
-from kvroute.router.serving.cache_resets import resets_connector
+from kvroute.indexer.wire import AllBlocksCleared, Medium
+from kvroute.router.serving.cache_resets import (
+    resets_connector,
+    resets_device,
+    resets_device_only,
+)
 from kvroute.router.tokens.tokenization import LocalTokenizer
 from tests.indexer.builders import BS, DOC, removed, stored
 from tests.router.sim_fleet import Fleet, make_fleet
@@ -91,3 +95,66 @@ def test_which_requests_reset_the_connector(method: str, target: str, resets: bo
     """vLLM 0.32's API server: the query flags and their defaults."""
     path, _, query = target.partition("?")
     assert resets_connector(method, path, query.encode()) is resets
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "device"),
+    [
+        ("/reset_prefix_cache", b'{"success": true}', True),
+        ("/reset_prefix_cache", b'{"success": false}', False),  # blocks in use: connector only
+        ("/reset_prefix_cache", b"not json", False),
+        ("/reset_prefix_cache/", b'{"success": 1}', False),
+        ("/pause", b"", True),  # reset_running_requests=True: succeeds or fails the request
+        ("/sleep", b"{}", True),
+        ("/release_kv_cache_memory", b"", True),
+    ],
+)
+def test_which_accepted_resets_reset_the_device_too(path: str, body: bytes, device: bool) -> None:
+    """Whether vLLM's block pool published the ``AllBlocksCleared`` that marks the reset in
+    the replica's stream (indexer/index/resets.py drops CPU again there)."""
+    assert resets_device(path, body) is device
+
+
+def test_a_forwarded_reset_drops_cpu_again_at_the_replicas_clear(fleet: Fleet) -> None:
+    """The simulator answers ``{"success": true}``: the router forgets the CPU tier now, and
+    again at the device clear still to come on the replica's stream (after a CPU store
+    published before the reset)."""
+    _offloaded(fleet)
+    r = httpx.post(f"{fleet.url}/reset_prefix_cache?reset_external=true", timeout=10)
+    assert r.status_code == 200 and r.json().get("success") is True
+    answered = r.headers["x-kvroute-replica"]
+    index = fleet.service.index
+    index.apply(answered, [stored(DOC, 1, N - 1, Medium.CPU)])
+    # the backlog's store, applied after the reset
+    assert all("CPU" in t for t in index.block_tiers(answered, DOC)[1:])
+    index.apply(answered, [AllBlocksCleared()])
+    assert not any(index.block_tiers(answered, DOC))
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "device_only"),
+    [
+        ("POST", "/reset_prefix_cache", True),
+        ("POST", "/reset_prefix_cache?reset_external=false", True),
+        ("POST", "/reset_prefix_cache?reset_external=true", False),
+        ("GET", "/reset_prefix_cache", False),
+        ("POST", "/pause", False),
+    ],
+)
+def test_which_requests_reset_the_device_alone(method: str, target: str, device_only: bool) -> None:
+    path, _, query = target.partition("?")
+    assert resets_device_only(method, path, query.encode()) is device_only
+
+
+def test_a_forwarded_device_reset_is_not_taken_for_a_connector_reset(fleet: Fleet) -> None:
+    """A plain ``/reset_prefix_cache`` through the router: the clear it brings keeps the CPU
+    tier for good (a clear nobody announced would age it: a direct connector reset)."""
+    _offloaded(fleet)
+    r = httpx.post(f"{fleet.url}/reset_prefix_cache", timeout=10)
+    assert r.status_code == 200 and r.json().get("success") is True
+    answered = r.headers["x-kvroute-replica"]
+    index = fleet.service.index
+    index.apply(answered, [AllBlocksCleared()])
+    assert _cpu(fleet)[answered] == N  # block 0 now from CPU too
+    # nothing set to age (the index's clock is the real one: its state says it)
+    assert index._replicas[answered].doubted == {}  # type: ignore[attr-defined]
