@@ -314,9 +314,9 @@ def decode_batch(payload: bytes) -> EventBatch:
         return _decode_tolerant(payload)
     try:
         # Every event well formed (the rule): converted in one pass. ``_from_wire`` writes
-        # nothing, so a batch with a bad event is simply converted again, event by event.
+        # nothing, so a batch with a bad or an empty event is converted again, event by event.
         return EventBatch(wire.ts, [_from_wire(e) for e in wire.events], wire.data_parallel_rank)
-    except (ValueError, TypeError, OverflowError):
+    except (ValueError, TypeError, OverflowError, _StoresNothing):
         batch = EventBatch(wire.ts, [], wire.data_parallel_rank)
         _add_events(batch, wire.events, _from_wire)
         return batch
