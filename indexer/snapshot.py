@@ -29,6 +29,7 @@ from kvroute.indexer.index.state import (
     _SLOT,
     _W,
     _Held,
+    _LossWindow,
     _ReplicaState,
 )
 
@@ -66,6 +67,7 @@ _KNOWN_FIELDS = frozenset(
         "groups",
         "held",
         "landing",
+        "loss",
         "name",
         "partial_unit",
         "pool_tiers",
@@ -137,6 +139,10 @@ class ReplicaState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Absent from a record of a router before them: group 0 keyed, kinds unknown.
     primary: int | None = None
     group_specs: list[tuple[int, str | None, int | None, int]] = []
+    # Batches lost at their source (indexer/index/losses.py): seconds since each open window
+    # opened, the first first. What they proved held is not carried: the importer keeps, at a
+    # window's end, only what it sees stored after the import.
+    loss_ages_s: list[float] = []
 
     @property
     def entries(self) -> int:
@@ -203,7 +209,16 @@ def export_state(index: InMemoryPrefixIndex, replica: str) -> ReplicaState | Non
         pool_tiers=sorted(state.pool_tiers),
         primary=state.primary,
         group_specs=[(g, *spec) for g, spec in state.group_specs.items()],
+        loss_ages_s=_loss_ages(state, now),
     )
+
+
+def _loss_ages(state: _ReplicaState, now: float) -> list[float]:
+    window, ages = state.loss, []
+    while window is not None:
+        ages.append(max(0.0, now - window.opened))
+        window = window.next
+    return ages
 
 
 def _counts(bit_values: Iterable[int]) -> list[int]:
@@ -248,6 +263,8 @@ def validate(rec: ReplicaState) -> None:
         raise SnapshotError("a chunk length out of range")
     if any(c not in classes or n < 1 for _k, c, n in rec.refs):
         raise SnapshotError("a reference count out of range")
+    if len(rec.loss_ages_s) > 2 or not all(0 <= a < float("inf") for a in rec.loss_ages_s):
+        raise SnapshotError("lost batches' windows malformed")
 
 
 def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) -> int:
@@ -299,6 +316,10 @@ def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) ->
     state.pool_tiers = set(rec.pool_tiers)
     state.primary = rec.primary
     state.group_specs = {g: (kind, window, size) for g, kind, window, size in rec.group_specs}
+    if rec.loss_ages_s:
+        first, *later = (_LossWindow(now - min(age, ttl)) for age in rec.loss_ages_s)
+        first.next = later[0] if later else None
+        state.loss = first
     index._entries += rec.entries
     if index._entries > index.max_entries:
         index._evict(index._entries - index.max_entries)

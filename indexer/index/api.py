@@ -208,6 +208,12 @@ class PrefixIndex(ABC):
         for this one."""
 
     @abstractmethod
+    def note_lost(self, replica: str, source: str = "", batches: int = 1) -> None:
+        """``batches`` of the replica's ``source`` stream were lost at their source (numbered,
+        never buffered: no replay will hold them). What they removed is unknowable: a backend
+        bounds how long it may still believe it (losses.py: ``2 x unconfirmed_ttl_s``)."""
+
+    @abstractmethod
     def remove_replica(self, replica: str) -> None:
         """Forget the replica entirely."""
 
@@ -231,7 +237,8 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     def expire(self, replica: str | None = None) -> int:
-        """Drop unconfirmed holdings past their time; returns how many blocks went."""
+        """Drop unconfirmed holdings past their time, and what a lost batch's window did not
+        prove held once it ends; returns how many blocks (entries) went."""
 
     @abstractmethod
     def summary(self) -> list[ReplicaIndexSummary]:

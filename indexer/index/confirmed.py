@@ -331,6 +331,8 @@ class ConfirmedHoldings(IndexStore):
         count_dup: bool,
     ) -> None:
         """``_hold`` for a run of blocks; the device's common path, kept tight."""
+        if state.loss is not None:
+            count_dup = False  # losses.py: a lost batch may have removed the first copy
         engine_to_key = state.engine_to_key
         masks = self._masks
         interned = self._interned
@@ -369,6 +371,8 @@ class ConfirmedHoldings(IndexStore):
         count_dup: bool,
     ) -> None:
         """One more holding of ``key`` (vLLM hash ``h``) in confirmed class ``cls``."""
+        if state.loss is not None:
+            count_dup = False  # losses.py: a lost batch may have removed the first copy
         if state.doubted and cls == _CPU:
             state.doubted.pop(h, None)  # stored again: held after the reset it might have had
         engine_to_key = state.engine_to_key
@@ -525,6 +529,7 @@ class ConfirmedHoldings(IndexStore):
         # published before it, whose stores its clear, replayed after them, drops again.
         state.ghost = None
         state.doubted = {}
+        state.loss = None  # nothing is left that a lost batch could have removed
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:
         """Drop one confirmed class from every block of the replica (a tier's clear)."""

@@ -21,6 +21,7 @@ from kvroute.indexer.index.domains import StorageDomains
 from kvroute.indexer.index.drafts import SpeculativeDrafts
 from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
+from kvroute.indexer.index.losses import SourceLosses
 from kvroute.indexer.index.resets import Resets
 from kvroute.indexer.index.state import _ReplicaState
 from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
@@ -49,6 +50,7 @@ class InMemoryPrefixIndex(
     StorageDomains,
     SpeculativeDrafts,
     Resets,
+    SourceLosses,
     Capacity,
     Lookups,
     PrefixIndex,
@@ -208,6 +210,8 @@ class InMemoryPrefixIndex(
             if domain is not None and domain.held:
                 self._expire_state(domain, now)
             events = list(events)
+            if state.loss is not None:
+                self._note_kept(state, events)
             state.landing = self._landing(events)
             self._last_full = None
             skip_to = 0

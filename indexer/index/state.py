@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.indexer.wire import Medium
@@ -61,6 +61,18 @@ class _Held:
     expires: float
 
 
+@dataclass(slots=True)
+class _LossWindow:
+    """Since a batch of the replica's stream was lost at its source (losses.py): when the
+    window opened, what the events since proved held ((class, group) -> vLLM hashes stored;
+    group -> parents of device stores), and the window a later loss opened meanwhile."""
+
+    opened: float
+    kept: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    parents: dict[int, set[int]] = field(default_factory=dict)
+    next: _LossWindow | None = None
+
+
 class _ReplicaState:
     __slots__ = (
         "block_size",
@@ -77,6 +89,7 @@ class _ReplicaState:
         "groups",
         "held",
         "landing",
+        "loss",
         "name",
         "partial_unit",
         "pool_tiers",
@@ -160,6 +173,8 @@ class _ReplicaState:
         # not forward (perhaps a connector reset sent to the replica directly): dropped then
         # unless stored again (resets.py)
         self.doubted: dict[int, float] = {}
+        # open while what a batch lost at its source removed may still be believed (losses.py)
+        self.loss: _LossWindow | None = None
 
     def forget_configuration(self) -> None:
         """Forget what the replica's events taught of its configuration (block size, prefix-

@@ -36,6 +36,8 @@ class UnconfirmedHoldings(IndexStore):
 
         def _expire_doubted(self, state: _ReplicaState, now: float) -> int: ...  # resets.py
 
+        def _sweep_losses(self, state: _ReplicaState, now: float) -> int: ...  # losses.py
+
         def _chunk_members(
             self, state: _ReplicaState, h: int, cls: int, result: ApplyResult | None = None
         ) -> tuple[int, ...]: ...
@@ -345,4 +347,5 @@ class UnconfirmedHoldings(IndexStore):
                 + self._layouts(replica)
             )
             gone = sum(self._expire_doubted(s, now) for s in states if s.doubted)
+            gone += sum(self._sweep_losses(s, now) for s in states if s.loss is not None)
             return gone + sum(self._expire_state(s, now) for s in states if s.held)

@@ -346,15 +346,18 @@ class FeedRecovery:
         replay will ever hold it, and clearing would not bring it back: the stream keeps what
         it holds, counts the loss (``lost_batches``) and stays live. What the lost batch held
         is unknowable: its stores are missing (their successors are counted unresolved), and
-        a removal in it leaves that block held until it is stored and removed again, the
-        replica's device cache is reset, or the replica restarts (docs/indexer.md)."""
+        a removal in it may leave a block believed: the index is told where in the stream the
+        loss fell (``note_lost``) and keeps, a window later, only what the batches after it
+        prove held (indexer/index/losses.py; docs/indexer.md)."""
         by_seq = {f.seq: f for f in frames if f.seq >= start}
         by_seq[frame.seq] = frame
         seqs = sorted(by_seq)
         lost = 0
         expect = start
         for seq in seqs:
-            lost += seq - expect
+            if seq > expect:
+                lost += seq - expect
+                self.index.note_lost(self.source.replica, self.source.stream, seq - expect)
             self._apply(by_seq[seq])
             expect = seq + 1
         self.stats.lost_batches += lost

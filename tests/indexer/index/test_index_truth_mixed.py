@@ -25,10 +25,13 @@ periodic task runs it):
 - confirmed tiers: none. What the index holds in GPU or CPU, the replica holds.
 - unconfirmed tiers (publishers that never remove): a block deleted without a word stays at
   most ``unconfirmed_ttl_s`` after it was last announced.
-- a batch lost at its source: a block it removed (or a clear it held) stays believed until the
-  index next drops that tier (a device reset it sees, a connector reset, a gap's clear). That
-  window has no time bound: the events are gone, and no replay will ever hold them; the feed
-  counts them (``lost_batches``) and /index/stats shows it.
+- a batch lost at its source: a block it removed (or a clear it held) stays believed at most
+  ``unconfirmed_ttl_s`` after the index is told of the loss (``note_lost``; the index keeps,
+  when that window ends, only what the stream's later stores proved held), or until the index
+  next drops that tier (a device reset it sees, a connector reset, a gap's clear), whichever
+  comes first.
+- a connector reset sent directly whose device reset failed: its CPU blocks stay believed
+  until the index next drops CPU (nothing in the stream marks it).
 """
 
 from __future__ import annotations
@@ -84,8 +87,12 @@ class MixedReplica(ModelReplica):
         self.announced: dict[str, dict[int, float]] = {CPU_U: {}, STORAGE_U: {}}
         self.lm_announced: dict[tuple[int, ...], float] = {}  # LMCache: by token prefix
         self.llmd_announced: dict[int, float] = {}  # llm-d's FS backend
-        # (class, hash) the index may still believe after a lost batch, until it drops the class
-        self.lost: set[tuple[str, int]] = set()
+        # (class, hash) the index may still believe after a lost batch -> until when (the
+        # window the loss opened), unless the index drops the class first
+        self.lost: dict[tuple[str, int], float] = {}
+        # CPU hashes a direct connector reset emptied whose device reset failed: nothing marks
+        # it, believed until the index next drops CPU
+        self.silent: set[tuple[str, int]] = set()
         self.evictor: list[Event] = []  # llm-d's PVC evictor's stream
         self.unknown: list[dict[str, Any]] = []
         self.lose_next = False
@@ -159,7 +166,12 @@ class MixedReplica(ModelReplica):
         if device:
             self._doubt(gone)
         else:
-            self.lost |= {(CPU, h) for h in gone}
+            self.silent |= {(CPU, h) for h in gone}
+
+    def drop_excuses(self, cls: str) -> None:
+        """The index dropped ``cls``: nothing a lost batch or a silent reset left is excused."""
+        self.lost = {x: t for x, t in self.lost.items() if x[0] != cls}
+        self.silent = {x for x in self.silent if x[0] != cls}
 
     def _doubt(self, gone: set[int]) -> None:
         """The index applies the reset's device clear in this step: ``TTL`` from now."""
@@ -311,7 +323,7 @@ class MixedReplica(ModelReplica):
         tokens = DOCS[doc]
         for b, classes in zip(blocks_of(doc, variant), out, strict=True):
             for cls in (GPU, CPU):
-                if (cls, b.hash) in self.lost:
+                if self.now < self.lost.get((cls, b.hash), -1.0) or (cls, b.hash) in self.silent:
                     classes.add(cls)
             if self.now <= self.doubted.get(b.hash, -1.0):
                 classes.add(CPU)
@@ -381,24 +393,26 @@ class Router:
             if m.lose_next or m.gap_next:
                 if m.gap_next:  # the subscriber clears what the stream vouched for
                     self.index.clear_source("r", "", restarted=False)
-                    m.lost = set()
-                else:  # lost at the source: counted, nothing cleared
-                    m.lost |= self._gone(m.prev, before)
+                    m.lost = {}
+                    m.silent = set()
+                else:  # lost at the source: counted, the index told (its window opens now)
+                    self.index.note_lost("r")
+                    m.lost.update(dict.fromkeys(self._gone(m.prev, before), m.now + TTL))
                 m.lose_next = m.gap_next = False
             else:
                 batch = decode_batch(_payload(m.main, m.unknown))
                 assert not batch.rejected and not batch.unknown_media, batch.rejected
                 result = self.index.apply("r", batch.events)
                 if any(isinstance(e, AllBlocksCleared) for e in m.main):
-                    m.lost = {x for x in m.lost if x[0] != GPU}
+                    m.drop_excuses(GPU)
                 if m.unknown:
                     assert result.distrusted
-                    m.lost = {x for x in m.lost if x[0] != CPU}
+                    m.drop_excuses(CPU)
             m.main.clear()
             m.unknown.clear()
         if m.router_reset:
             self.index.reset_connector("r", device_cleared=m.router_reset_device)
-            m.lost = {x for x in m.lost if x[0] != CPU}
+            m.drop_excuses(CPU)
             m.router_reset = False
         for events, source, replica in (
             (m.aux, "fs", "r"),
@@ -431,6 +445,7 @@ class Router:
 @example("native_sd", 14, 4, False, [("serve", 0, 0), ("reset_direct", True), ("tick", 61)])
 @example("connector", 14, 4, False, [("serve", 0, 2), ("mooncake_store", 0, 2), ("tier_cleared",)])
 @example("simple_cpu", 14, 4, False, [("serve", 1, 0), ("lose",), ("evict", 6), ("reset",)])
+@example("native_ph", 8, 2, False, [("serve", 1, 0), ("lose",), ("evict", 6), ("tick", 61)])
 @example("native_sd", 14, 4, False, [("serve", 2, 0), ("gap",), ("evict", 6), ("serve", 2, 0)])
 @example("simple_cpu", 14, 4, False, [("serve", 1, 0), ("vllm_fs_store", 1, 0), ("tick", 61)])
 def test_every_publisher_mixed_with_faults_stays_within_the_stated_windows(
@@ -470,7 +485,7 @@ def test_the_mixed_model_reaches_every_class_and_every_fault() -> None:
     model.evict(40)
     router.step()
     assert all(GPU in t for t in index.block_tiers("r", DOCS[1]))
-    assert {(GPU, b.hash) for b in blocks_of(1, 0)} <= model.lost
+    assert {(GPU, b.hash) for b in blocks_of(1, 0)} <= set(model.lost)
     # the device reset is seen: the window closes
     model.reset()
     router.step()

@@ -27,6 +27,7 @@ MIXINS = [
     "domains",
     "drafts",
     "resets",
+    "losses",
     "capacity",
     "lookup",
 ]
@@ -57,7 +58,7 @@ def test_public_names_are_the_packages() -> None:
         assert len(homes) == 1, (name, homes)
         assert getattr(index_pkg, name) is getattr(homes[0], name)
     # indexer/snapshot.py copies the store's layout from state.py, not through the package.
-    for name in ("_MAX_CHUNK_BLOCKS", "_SLOT", "_W", "_Held", "_ReplicaState"):
+    for name in ("_MAX_CHUNK_BLOCKS", "_SLOT", "_W", "_Held", "_LossWindow", "_ReplicaState"):
         assert not hasattr(index_pkg, name), name
 
 

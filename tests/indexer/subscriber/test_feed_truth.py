@@ -27,8 +27,10 @@ replica (``block_tiers``) and for every prediction (``lookup``):
     the replay, finds a new process, and clears);
   - once caught up: none, if the replay held every missing batch or the stream was cleared;
     for a batch lost at its source, what the replica's confirmed tiers held while the stream
-    was behind stays excused until the index next drops that tier (a device clear it
-    applies, a connector reset, an unknown event's clear, a clear of the stream);
+    was behind stays excused ``TTL`` after the feed applied the batch that showed the loss
+    (the index's window: it then keeps only what later stores proved held), or until the
+    index next drops that tier (a device clear it applies, a connector reset, an unknown
+    event's clear, a clear of the stream);
   - a connector reset forwarded by the router while the replica's stream is behind, when
     vLLM could not reset the device with it (``{"success": false}``): the chunks the
     not-yet-applied batches stored stay excused until the index next drops CPU; with the
@@ -181,15 +183,19 @@ def _pairs(sets: dict[str, set[int]], classes: tuple[str, ...] = (GPU, CPU, STOR
 class Feed:
     """One replica's main stream as the router consumes it, and the window bookkeeping."""
 
-    def __init__(self, name: str, model: Replica, index: InMemoryPrefixIndex) -> None:
+    def __init__(
+        self, name: str, model: Replica, index: InMemoryPrefixIndex, clock: Any = None
+    ) -> None:
         self.name = name
+        self.clock = clock or (lambda: 0.0)
         self.model = model
         self.index = index
         self.pub = Publisher()
         self.feed = ReplicaFeed(EventSource(name, "inproc://x"), index, replay=self.pub.replay)
         self.behind = False  # a batch missed, or a restart, not yet seen by the feed
         self.span: set[Pair] = set()  # confirmed pairs held while behind
-        self.excused: set[Pair] = set()  # the lost-at-source window
+        self.excused: set[Pair] = set()  # windows that end when the index drops the class
+        self.lost: dict[Pair, float] = {}  # the lost-at-source window: pair -> until when
         self.reset_while_behind = False
         self.applied_seq = -1  # the last seq the feed applied (its anchor)
         self.vouched: set[int] = set()  # device blocks whose store was applied in order
@@ -229,8 +235,8 @@ class Feed:
                 # nothing marks in the stream (the device's failed): their CPU stores stay
                 self.excused |= {x for x in self.span if x[0] == CPU}
         else:
-            if stats.lost_batches > lost:
-                self.excused |= self.span
+            if stats.lost_batches > lost:  # the index's window opened in this handle
+                self.lost.update(dict.fromkeys(self.span, self.clock() + TTL))
             if self.reset_while_behind:
                 self.excused |= {x for x in self.span if x[0] == CPU}
             if self.model.domain:  # the evictor's removal may have overtaken the store
@@ -244,12 +250,14 @@ class Feed:
 
     def drop_excuses(self, cls: str) -> None:
         self.excused = {x for x in self.excused if x[0] != cls}
+        self.lost = {x: t for x, t in self.lost.items() if x[0] != cls}
 
     def on_cleared(self) -> None:
         """The feed cleared the stream: its confirmed tiers hold only what it applies from
         now on (a domain's files are not the stream's to clear)."""
         keep = {x for x in self.excused | self.span if x[0] == STORAGE and self.model.domain}
         self.excused = keep
+        self.lost = {}
         self.vouched = set()
 
     def restart(self) -> None:
@@ -284,7 +292,7 @@ class Router:
         self.now = 0.0
         self.index = InMemoryPrefixIndex(unconfirmed_ttl_s=TTL, clock=lambda: self.now)
         self.models = models
-        self.feeds = [Feed(f"r{i}", m, self.index) for i, m in enumerate(models)]
+        self.feeds = [Feed(f"r{i}", m, self.index, lambda: self.now) for i, m in enumerate(models)]
         # llm-d's FS backend per replica: stream "fs"
         self.aux: list[tuple[Publisher, ReplicaFeed]] = []
         for f in self.feeds:
@@ -362,7 +370,7 @@ class Router:
     def _check(self, f: Feed, m: Replica, doc: int, variant: int, request: RequestKeys) -> None:
         allowed = m.allowed(doc, variant)
         chain = blocks_of(doc, variant)
-        excused = f.excused | f.span
+        excused = f.excused | f.span | {x for x, until in f.lost.items() if self.now < until}
         if m.domain:
             # the domain's files are every attached replica's: a chunk one feed's late store
             # put back after the evictor removed it is held for all of them (the window of
@@ -523,6 +531,22 @@ lower_st = st.sampled_from(["connector", "native_sd", "native_ph", "simple_cpu"]
         (0, ("reset",)),
     ],
 )
+@example(  # a removal lost at the source: gone TTL after the loss shows, what follows kept
+    ("native_sd", "connector"),
+    14,
+    4,
+    False,
+    [
+        (0, ("serve", 0, 0)),
+        (0, ("lose",)),
+        (0, ("evict", 6)),
+        (0, ("serve", 1, 0)),
+        (0, ("evict", 6)),
+        (0, ("tick", 20)),
+        (0, ("serve", 2, 0)),
+        (0, ("tick", 61)),
+    ],
+)
 @example(  # a connector reset sent directly, its batch applied late: TTL from then
     ("native_sd", "connector"),
     14,
@@ -574,10 +598,10 @@ def test_the_model_reaches_every_feed_path_and_checks_both_ways() -> None:
     feed = run(("connector", "native_sd"), 14, 4, True, ops).feeds[0]
     stats = feed.feed.stats
     assert (stats.gaps, stats.clears, stats.lost_batches) == (2, 0, 1)
-    assert any(cls == GPU for cls, _ in feed.excused)  # the lost removals' window is open
+    assert any(cls == GPU for cls, _ in feed.lost)  # the lost removals' window is open
     ops += [(0, ("reset",)), (0, ("serve", 0, 0))]
     feed = run(("connector", "native_sd"), 14, 4, True, ops).feeds[0]
-    assert not any(cls == GPU for cls, _ in feed.excused)  # closed by the device clear
+    assert not any(cls == GPU for cls, _ in feed.lost)  # closed by the device clear
     assert feed.vouched and feed.vouched <= set(feed.model.gpu)
     ops += [(0, ("drop", BUFFER + 1))] + [(0, ("evict", 1))] * (BUFFER + 2)
     feed = run(("connector", "native_sd"), 14, 4, True, ops).feeds[0]
