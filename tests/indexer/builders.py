@@ -116,7 +116,11 @@ lower_st = st.sampled_from([Medium.CPU, Medium.STORAGE])
 
 @st.composite
 def operation(
-    draw: st.DrawFn, *, chunk_grid: int = 0, tier_only_medium: Medium | None = None
+    draw: st.DrawFn,
+    *,
+    chunk_grid: int = 0,
+    tier_only_medium: Medium | None = None,
+    sized_kind: str | None = None,
 ) -> tuple[str, Event]:
     """One event of a replica's stream, of any kind a vLLM publisher sends.
 
@@ -124,11 +128,14 @@ def operation(
     ``chunk_grid`` and ``tier_only_medium`` the stream is one real publisher's: vLLM's
     offloading connector cuts a prompt into chunks of ``chunk_grid`` blocks from its first
     block and names the last block of each chunk of the prompt, from the first chunk on, in a
-    tier of its own (sized lower stores then use the other lower tier)."""
+    tier of its own (sized lower stores then use the other lower tier). ``sized_kind``
+    (``"lower"``: kvroute's connector, with extra keys; ``"lower_by_hash"``: vLLM's offloading
+    connector, self-describing) makes every sized lower store one publisher's."""
     replica = draw(replica_st)
     doc = DOCS[draw(doc_st)]
     n_blocks = len(doc) // BS
-    kinds = ["device", "device", "device", "lower", "lower_by_hash", "tier_only", "remove"]
+    sized = ["lower", "lower_by_hash"] if sized_kind is None else [sized_kind, sized_kind]
+    kinds = ["device", "device", "device", *sized, "tier_only", "remove"]
     kind = draw(st.sampled_from([*kinds, "clear", "clear_tier"]))
     start = draw(st.integers(0, n_blocks - 1))
     n = draw(st.integers(1, n_blocks - start))

@@ -148,6 +148,38 @@ def _prompt(root: int, length: int, tail: int) -> list[int]:
         (0, 46, 1, 20, "plain"),
     ],
 )
+# A re-announced hit ("report full") after second copies the index lost (a request that
+# skipped the cache, then the first copies' eviction): the keyed group's store looks computed,
+# and the Mamba group's listing of every block was taken as states it does not hold (found by
+# this test: the index predicted 16 tokens where vLLM served none; with its last state
+# taken again, 48 where vLLM served 32 after that state's removal).
+@example(
+    layout="full+mamba",
+    steps=[
+        (0, 8, 0, 1, "plain"),
+        (0, 8, 0, 1, "plain"),
+        (2, 64, 0, 1, "plain"),
+        (2, 77, 0, 20, "logprobs"),
+        (0, 8, 0, 1, "plain"),
+        (0, 62, 0, 20, "plain"),
+        (2, 49, 0, 16, "report full"),
+        (0, 34, 2, 20, "report full"),
+        (2, 23, 2, 20, "report full"),
+        (2, 61, 2, 20, "report full"),
+    ],
+)
+@example(
+    layout="full+mamba",
+    steps=[
+        (0, 8, 0, 1, "plain"),
+        (0, 8, 0, 1, "plain"),
+        (2, 64, 0, 1, "plain"),
+        (0, 77, 0, 20, "plain"),
+        (2, 77, 0, 20, "logprobs"),
+        (0, 8, 0, 1, "plain"),
+        (2, 49, 0, 1, "report full"),
+    ],
+)
 def test_the_index_predicts_vllms_hybrid_hit(
     model_dir: Path, layout: str, steps: list[tuple[int, int, int, int, str]]
 ) -> None:

@@ -515,11 +515,13 @@ event_batches = st.lists(
 @st.composite
 def one_publisher_batches(draw: st.DrawFn) -> tuple[int, Medium, list[list[Event]]]:
     """A stream as one replica's publishers write it: tier-only stores come from one
-    offloading connector with one chunk size, in a tier of its own (``operation``). Returns
+    offloading connector with one chunk size, in a tier of its own, and sized lower stores
+    from one publisher, with extra keys or without (``operation``). Returns
     (that chunk size in blocks, its tier, the batches)."""
     grid = draw(st.sampled_from([1, 2, 3]))
     medium = draw(st.sampled_from([Medium.CPU, Medium.STORAGE]))
-    op = operation(chunk_grid=grid, tier_only_medium=medium).map(lambda o: o[1])
+    sized = draw(st.sampled_from(["lower", "lower_by_hash"]))
+    op = operation(chunk_grid=grid, tier_only_medium=medium, sized_kind=sized).map(lambda o: o[1])
     batches = draw(st.lists(st.lists(op, min_size=1, max_size=4), min_size=1, max_size=12))
     return grid, medium, batches
 
