@@ -78,6 +78,7 @@ _KNOWN_FIELDS = frozenset(
         "slot",
         "tier_counts",
         "unconfirmed_blocks",
+        "uncounted",
         "unplaced",
         "unsized",
         "warm_chain",

@@ -199,6 +199,17 @@ class ConfirmedHoldings(IndexStore):
             # Perhaps a second copy the index does not count: keep the hashes it forgets, so
             # the blocks vLLM stores on the copy it still holds resolve (_rehold_parent).
             self._want_ghost(state)
+        if parent is None and not count_dup:
+            # Its held blocks may now have copies the index does not count: once the index
+            # loses one, a store naming it is no proof of a computation (_recomputed).
+            uncounted = state.uncounted
+            engine_to_key = state.engine_to_key
+            for h in hashes:
+                key = engine_to_key.get(h)
+                if key is not None:
+                    uncounted[key] = None
+            while len(uncounted) > _GHOST_MAX:
+                del uncounted[next(iter(uncounted))]
         self._hold_run(state, hashes, keys, _GPU, result, count_dup=count_dup)
 
     def _rehold_parent(
@@ -529,6 +540,7 @@ class ConfirmedHoldings(IndexStore):
         # published before it, whose stores its clear, replayed after them, drops again.
         state.ghost = None
         state.doubted = {}
+        state.uncounted = {}
         state.loss = None  # nothing is left that a lost batch could have removed
 
     def _clear_class(self, state: _ReplicaState, cls: int) -> None:

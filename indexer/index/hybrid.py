@@ -264,8 +264,11 @@ class HybridGroups(IndexStore):
             return False
         bit = 1 << (_W * state.slot + _GPU)
         get = self._masks.get
+        uncounted = state.uncounted
         device = 0
-        while device < len(keys) and get(keys[device], 0) & bit:
+        # a block the index lost may still be held as a copy it never counted (``uncounted``):
+        # a re-announced hit then names it, which is no computation
+        while device < len(keys) and (get(keys[device], 0) & bit or keys[device] in uncounted):
             device += 1
         if device < len(keys) or not self._hybrid(state):
             return device < len(keys)  # a plain model's hit is its held prefix

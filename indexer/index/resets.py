@@ -99,6 +99,7 @@ class Resets(IndexStore):
             # after it skips that history.
             state.ghost = None
             state.groups = {}
+            state.uncounted = {}  # no copy is left that the index did not count
             state.device_history = True  # the device is empty: every block from now on is seen
             self._forget_deferred(state)
             result.device_cleared += 1

@@ -100,6 +100,7 @@ class _ReplicaState:
         "slot",
         "tier_counts",
         "unconfirmed_blocks",
+        "uncounted",
         "unplaced",
         "unsized",
         "warm_chain",
@@ -175,6 +176,10 @@ class _ReplicaState:
         self.doubted: dict[int, float] = {}
         # open while what a batch lost at its source removed may still be believed (losses.py)
         self.loss: _LossWindow | None = None
+        # keys of device blocks a store from the prompt's start named while held, taken once:
+        # vLLM may hold a second copy the index does not count (confirmed.py), so their absence
+        # from the index is no proof a later store of them is a computation (hybrid.py)
+        self.uncounted: dict[int, None] = {}
 
     def forget_configuration(self) -> None:
         """Forget what the replica's events taught of its configuration (block size, prefix-

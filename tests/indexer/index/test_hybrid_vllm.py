@@ -152,7 +152,25 @@ def _prompt(root: int, length: int, tail: int) -> list[int]:
 # skipped the cache, then the first copies' eviction): the keyed group's store looks computed,
 # and the Mamba group's listing of every block was taken as states it does not hold (found by
 # this test: the index predicted 16 tokens where vLLM served none; with its last state
-# taken again, 48 where vLLM served 32 after that state's removal).
+# taken again, 48 where vLLM served 32 after that state's removal). And the keyed group's
+# own: a re-announced hit naming a block whose counted copy went (the skipped-cache request's
+# copy held on) was taken for a computation, its held blocks counted twice (80 where vLLM
+# served 0 after their removal).
+@example(
+    layout="full+mamba",
+    steps=[
+        (0, 8, 0, 1, "plain"),
+        (0, 8, 0, 1, "plain"),
+        (0, 8, 0, 1, "plain"),
+        (2, 64, 0, 1, "plain"),
+        (2, 80, 0, 17, "logprobs"),
+        (0, 73, 0, 20, "plain"),
+        (2, 96, 0, 1, "report full"),
+        (0, 13, 0, 20, "plain"),
+        (0, 13, 0, 20, "plain"),
+        (0, 60, 1, 6, "plain"),
+    ],
+)
 @example(
     layout="full+mamba",
     steps=[
