@@ -222,16 +222,19 @@ class Disaggregation:
         rank_prefill: Any,
         *,
         record: bool = True,
+        on_prefill: bool = True,
     ) -> PdPlan:
         """The plan for ``req``, whose decode ranking is ``decode``. ``rank_prefill`` is the
         router's ``decide`` over a pool (``await rank_prefill(pool) -> Decision``), called
         only when the prefill leg is still in question. ``record=False`` (``/debug/route``)
-        leaves the counters alone."""
+        leaves the counters alone; ``on_prefill=False`` withholds the whole-on-prefill
+        choice from a caller that cannot send the request there (the endpoint picker, whose
+        destination is its decode pick)."""
         counters = self.counters
         if not record:
             self.counters = PdCounters()
         try:
-            return await self._decide(decode, req, prefill_pool, rank_prefill)
+            return await self._decide(decode, req, prefill_pool, rank_prefill, on_prefill)
         finally:
             self.counters = counters
 
@@ -241,8 +244,10 @@ class Disaggregation:
         req: ParsedRequest,
         prefill_pool: list[Replica],
         rank_prefill: Any,
+        on_prefill: bool,
     ) -> PdPlan:
         s = self.settings
+        whole = s.whole_on_prefill and on_prefill
         if s.mode == "never":
             return self.decode_only(decode, "mode_never")
         if not prefill_pool or not decode.ranked:
@@ -263,7 +268,7 @@ class Disaggregation:
                 small = "small_fraction"
         # Too small to split; but not to serve whole on a prefill replica while prefills
         # are queued ahead of it on the decode replica (nothing to gain otherwise).
-        queued = s.whole_on_prefill and view is not None and self.backlog.wait_s(view.name) > 0
+        queued = whole and view is not None and self.backlog.wait_s(view.name) > 0
         if small is not None and not queued:
             return self.decode_only(decode, small, uncached_on_decode=uncached)
         prefill = await rank_prefill(prefill_pool)
@@ -318,7 +323,7 @@ class Disaggregation:
             return plan
         # Whole on the cheapest prefill replica: no pull, no second leg; its wait, work and
         # stall are the cost above (decode legs land on decode replicas: none delayed).
-        cheapest = min(ranked, key=lambda r: costs[r.name]) if s.whole_on_prefill else None
+        cheapest = min(ranked, key=lambda r: costs[r.name]) if whole else None
         if cheapest is not None:
             plan.on_prefill_s = costs[cheapest.name]
         # A small one is never split: decode only or whole on a prefill replica.

@@ -447,3 +447,26 @@ def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_re
         _disagg(backlog, skip_tokens=256, **TWO_WAY), _decision(200, [(d, 0)]), [(p, 0)]
     )
     assert (plan.reason, calls) == ("small_uncached", [])
+
+
+def test_a_caller_that_cannot_send_it_there_is_not_offered_whole_on_prefill() -> None:
+    """The endpoint picker's destination is its decode pick (router/epp/disagg.py): the
+    request the proxy would serve whole on the prefill replica is split there instead."""
+    disagg = _disagg(skip_tokens=64)
+    d = _replica("d0", "decode", pending=6)
+    p = _replica("p0", "prefill")
+
+    async def rank(pool: list[Replica]) -> Decision:
+        return _decision(4000, [(p, 0)])
+
+    plan = asyncio.run(disagg.decide(_decision(4000, [(d, 0)]), _request(), [p], rank))
+    assert plan.reason == "whole_on_prefill"
+    plan = asyncio.run(
+        disagg.decide(_decision(4000, [(d, 0)]), _request(), [p], rank, on_prefill=False)
+    )
+    assert (plan.split, plan.on_prefill, plan.reason, plan.on_prefill_s) == (
+        True,
+        False,
+        "split",
+        None,
+    )
