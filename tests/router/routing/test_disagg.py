@@ -74,6 +74,8 @@ def _sent(backlog: PrefillBacklog, replica: Replica, *works: float) -> None:
 WORK_4000 = 0.4
 # The decider choosing between decode only and a split, as before whole_on_prefill.
 TWO_WAY: dict[str, Any] = {"whole_on_prefill": False}
+# The third choice on: the whole request on a prefill replica.
+THREE_WAY: dict[str, Any] = {"whole_on_prefill": True}
 
 
 def test_running_decodes_are_no_queue_for_a_new_prompt_on_a_decode_replica() -> None:
@@ -323,7 +325,7 @@ def test_a_long_prompt_is_served_whole_on_an_idle_prefill_replica() -> None:
     costs the idle prefill replica's 0.4 s plus the pull and the second leg; the same
     replica serving the whole request costs 0.4 s, and vLLM serves it as an ordinary
     request: the cheapest of the three."""
-    disagg = _disagg(skip_tokens=64)
+    disagg = _disagg(skip_tokens=64, **THREE_WAY)
     d = _replica("d0", "decode", pending=6)
     p = _replica("p0", "prefill")
     plan, calls = _plan(disagg, _decision(4000, [(d, 0)]), [(p, 0)])
@@ -354,14 +356,14 @@ def test_the_choice_off_or_mode_always_never_serves_whole_on_prefill() -> None:
         "split",
         None,
     )
-    plan, _ = _plan(_disagg(mode="always"), _decision(4000, [(d, 0)]), [(p, 0)])
+    plan, _ = _plan(_disagg(mode="always", **THREE_WAY), _decision(4000, [(d, 0)]), [(p, 0)])
     assert (plan.split, plan.on_prefill, plan.reason) == (True, False, "split_always")
 
 
 def test_an_idle_decode_replica_still_computes_the_prompt_itself() -> None:
     """Decode only and whole on an idle prefill replica cost the same 0.4 s: the tie stays
     on the decode replica, where the conversation's KV lives."""
-    disagg = _disagg(skip_tokens=64)
+    disagg = _disagg(skip_tokens=64, **THREE_WAY)
     plan, _ = _plan(
         disagg, _decision(4000, [(_replica("d0", "decode"), 0)]), [(_replica("p0", "prefill"), 0)]
     )
@@ -379,7 +381,7 @@ def test_whole_requests_decoding_on_a_prefill_replica_are_stalled_by_each_prefil
     _serving_whole(backlog, p0, 3)
     _sent(backlog, p1, 0.5)
     assert (backlog.decoding("p0"), backlog.decoding("p1")) == (3, 0)
-    disagg = _disagg(backlog, skip_tokens=64)
+    disagg = _disagg(backlog, skip_tokens=64, **THREE_WAY)
     d = _replica("d0", "decode", pending=6)
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(p0, 0), (p1, 0)])
     assert [r.name for r in plan.prefill] == ["p1"]
@@ -387,14 +389,18 @@ def test_whole_requests_decoding_on_a_prefill_replica_are_stalled_by_each_prefil
     assert plan.on_prefill_s == pytest.approx(0.5 + WORK_4000, rel=1e-2)
     assert plan.decoding_on_prefill == {"p0": 3}
     # Only p0 left: both of its choices carry the stall of its 3 decodes.
-    plan, _ = _plan(_disagg(backlog, skip_tokens=64), _decision(4000, [(d, 0)]), [(p0, 0)])
+    plan, _ = _plan(
+        _disagg(backlog, skip_tokens=64, **THREE_WAY), _decision(4000, [(d, 0)]), [(p0, 0)]
+    )
     assert plan.on_prefill_s == pytest.approx(WORK_4000 * 4)
     assert plan.split_s == pytest.approx(WORK_4000 * 4 + 4000 * 1e-5 + 0.005)
     # d0's 6 decodes cost 2.8 s decode only: p0 still wins, at 1.6 s.
     assert plan.reason == "whole_on_prefill"
     # With 6 decoding on p0, decode only (2.8 s) is cheaper than p0's 0.4 + 2.4 s.
     _serving_whole(backlog, p0, 3)
-    plan, _ = _plan(_disagg(backlog, skip_tokens=64), _decision(4000, [(d, 0)]), [(p0, 0)])
+    plan, _ = _plan(
+        _disagg(backlog, skip_tokens=64, **THREE_WAY), _decision(4000, [(d, 0)]), [(p0, 0)]
+    )
     assert (plan.reason, plan.decoding_on_prefill) == ("cheaper_on_decode", {"p0": 6})
     backlog.ended("p0", ("p0", "whole", 0))
     assert backlog.decoding("p0") == 5
@@ -423,7 +429,9 @@ def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_re
     d = _replica("d0", "decode")
     _sent(backlog, d, 1.0)
     p = _replica("p0", "prefill")
-    plan, calls = _plan(_disagg(backlog, skip_tokens=256), _decision(200, [(d, 0)]), [(p, 0)])
+    plan, calls = _plan(
+        _disagg(backlog, skip_tokens=256, **THREE_WAY), _decision(200, [(d, 0)]), [(p, 0)]
+    )
     assert (plan.split, plan.on_prefill, plan.reason, calls) == (
         False,
         True,
@@ -435,7 +443,7 @@ def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_re
     busy = PrefillBacklog()
     _sent(busy, d, 1.0)
     _sent(busy, p, 2.0)
-    plan, _ = _plan(_disagg(busy, skip_tokens=256), _decision(200, [(d, 0)]), [(p, 0)])
+    plan, _ = _plan(_disagg(busy, skip_tokens=256, **THREE_WAY), _decision(200, [(d, 0)]), [(p, 0)])
     assert (plan.split, plan.on_prefill, plan.reason, plan.prefill) == (
         False,
         False,
@@ -452,7 +460,7 @@ def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_re
 def test_a_caller_that_cannot_send_it_there_is_not_offered_whole_on_prefill() -> None:
     """The endpoint picker's destination is its decode pick (router/epp/disagg.py): the
     request the proxy would serve whole on the prefill replica is split there instead."""
-    disagg = _disagg(skip_tokens=64)
+    disagg = _disagg(skip_tokens=64, **THREE_WAY)
     d = _replica("d0", "decode", pending=6)
     p = _replica("p0", "prefill")
 
