@@ -305,6 +305,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd.add_argument("--pd-prefill-attempts", type=int, default=p.prefill_attempts)
     pd.add_argument("--pd-prefill-timeout-s", type=float, default=p.prefill_timeout_s)
     pd.add_argument("--pd-decode-stall-weight", type=float, default=p.decode_stall_weight)
+    pd.add_argument(
+        "--pd-whole-on-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=p.whole_on_prefill,
+        help="let the decider serve a whole request on a prefill replica when it prices it "
+        "cheapest (vLLM's P/D instances serve ordinary requests too)",
+    )
     proxy = parser.add_argument_group("proxy")
     proxy.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
     proxy.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
@@ -530,6 +537,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
             prefill_attempts=args.pd_prefill_attempts,
             prefill_timeout_s=args.pd_prefill_timeout_s,
             decode_stall_weight=args.pd_decode_stall_weight,
+            whole_on_prefill=args.pd_whole_on_prefill,
         ),
     )
 

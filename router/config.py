@@ -144,8 +144,7 @@ class CostSettings:
     q is learned per replica from streamed first bytes (``learn_queue_delay``), starting
     from and relaxing back to ``queue_s_per_request``; the three rates likewise
     (``learn_rates``, router/routing/calibration.py), from the configured ones. See
-    docs/router.md for what each term models and how to set it.
-    """
+    docs/router.md for what each term models and how to set it."""
 
     prefill_s_per_token: float = 1e-4
     load_s_per_token_cpu: float = 2e-5
@@ -244,13 +243,13 @@ class DisaggSettings:
     ``mode``: ``auto`` (the decider: decode replica first, the prefill leg only where it
     pays), ``always`` (every eligible request split, as smg and vllm-router do), ``never``
     (aggregated on the decode pool). The prefill leg is skipped when what the decode replica
-    must compute is small: at most ``skip_tokens`` tokens, or at most ``skip_fraction`` of
-    the prompt (a returning user whose history the decode replica holds); or when the cost
-    model says recomputing on the decode replica, its stall of the decodes running there
-    priced at ``decode_stall_weight`` TTFT-seconds per second per decode, is no dearer than
-    prefill elsewhere plus the pull (``transfer_s_per_token`` per token pulled,
-    ``split_overhead_s`` per request). A prefill replica in the decode replica's zone is
-    preferred while it costs at most ``1 + zone_slack`` times the cheapest;
+    must compute is small (at most ``skip_tokens``, or ``skip_fraction`` of the prompt: a
+    returning user whose history it holds), or when the cost model prices the request whole
+    on the decode replica or, with ``whole_on_prefill``, on a prefill replica (the stall of
+    the decodes running there at ``decode_stall_weight`` TTFT-seconds per second per decode)
+    no dearer than prefill elsewhere plus the pull (``transfer_s_per_token`` per token
+    pulled, ``split_overhead_s`` per request). A prefill replica in the decode replica's
+    zone is preferred while it costs at most ``1 + zone_slack`` times the cheapest;
     ``prefill_attempts`` prefill replicas are tried before the request is served
     decode-only, each given ``prefill_timeout_s`` to answer."""
 
@@ -263,6 +262,7 @@ class DisaggSettings:
     prefill_attempts: int = 2
     prefill_timeout_s: float = 60.0
     decode_stall_weight: float = 1.0
+    whole_on_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_timeout_s <= 0 or self.prefill_attempts < 1:

@@ -20,6 +20,10 @@ prefill replica's decision (blocks in progress, no home) and its answer's cached
 the prefill's (vLLM's decode replica reports them as its own): accuracy compares them with
 the prefill replica's prediction, as the proxy does.
 
+The picker commits its decode pick before the decider is asked, and the destination is
+that pick: the decider's third choice, the whole request on a prefill replica, is not
+offered here (``on_prefill=False``); such a request is served whole on the decode pick.
+
 A client's own ``x-prefiller-host-port`` never reaches the sidecar: the picker removes it
 from every request it does not split (it would name any host to send the prompt to).
 """
@@ -67,7 +71,7 @@ async def plan_prefill(
     async def rank(replicas: list[Replica]) -> Decision:
         return await service.router.decide(parsed, replicas, session)
 
-    plan = await service.disagg.decide(decision, parsed, pool, rank)
+    plan = await service.disagg.decide(decision, parsed, pool, rank, on_prefill=False)
     if plan.split and plan.prefill_decision is not None:
         service.router.commit(plan.prefill_decision, plan.prefill[0], home=False)
         decision.remote_prefill = True  # its first byte timed the pull, not its own work

@@ -207,6 +207,8 @@ def _disaggregation(
         "decode_legs",
         "prefill_failures",
         "prefill_fallbacks",
+        "on_prefill",
+        "on_prefill_fallbacks",
         "missing_transfer_params",
         "transfer_failures",
         "pull_failures",

@@ -147,7 +147,8 @@ def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
         return
     decisions = CounterMetricFamily(
         "kvroute_pd_decisions",
-        "P/D decisions by reason (split*: two legs; the others: decode only)",
+        "P/D decisions by reason (split*: two legs; whole_on_prefill: whole on a prefill "
+        "replica; the others: decode only)",
         labels=["reason"],
     )
     for reason, n in pd["decisions"].items():
@@ -161,13 +162,15 @@ def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
         "kvroute_pd_failures",
         "P/D failures: prefill leg failed, served decode-only after them, prefill answer "
         "without kv_transfer_params, decode failed after a split (transfer), decode that "
-        "could not pull and recomputed (pull: the replicas' own counters)",
+        "could not pull and recomputed (pull: the replicas' own counters), a whole request "
+        "its prefill replica did not serve (on_prefill_fallback)",
         labels=["kind"],
     )
     for kind in ("prefill_failures", "prefill_fallbacks", "missing_transfer_params"):
         failures.add_metric([kind.removesuffix("s")], pd[kind])
     failures.add_metric(["transfer_failure"], pd["transfer_failures"])
     failures.add_metric(["pull_failure"], pd.get("pull_failures", 0))
+    failures.add_metric(["on_prefill_fallback"], pd.get("on_prefill_fallbacks", 0))
     yield failures
     if pd.get("bypass_rate") is not None:
         yield GaugeMetricFamily(

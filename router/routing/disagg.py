@@ -15,7 +15,9 @@ its load): that is where the conversation's KV will live. Then:
    only.
 2. ``auto``: decode only when what the decode replica must compute is at most
    ``skip_tokens`` or at most ``skip_fraction`` of the prompt (``small_uncached``,
-   ``small_fraction``).
+   ``small_fraction``): too little to pay for a split. With ``whole_on_prefill``, such a
+   request whose decode replica has prefills queued (``PrefillBacklog.wait_s``) is still
+   priced against the whole request on a prefill replica (5.), never against a split.
 3. The prefill pool is ranked by its time to answer: the prefill work this router sent each
    replica and has not seen done (``PrefillBacklog``: vLLM prefills in order, so the wait
    is the work ahead, seconds behind a long prompt, not a count of requests), its gauges'
@@ -30,7 +32,23 @@ its load): that is where the conversation's KV will live. Then:
    decode leg lands there while the prompt computes (its prefill leg in flight: not yet in
    the replica's pending), one for one. Split: the prefill replica's time to answer plus the pull
    (``transfer_s_per_token`` per uncached token) and ``split_overhead_s``. Running decodes
-   are no queue for a new prompt, and a prefill replica has none to stall.
+   are no queue for a new prompt.
+5. ``auto`` with ``whole_on_prefill``: the whole request on a prefill replica when that is
+   cheaper than both (``whole_on_prefill``). vLLM's P/D instances serve a request without
+   ``kv_transfer_params`` as an ordinary one, so a long prompt can use the prefill pool's
+   engines without a pull, a second leg and the decode leg's own step. Priced as decode-only
+   is: that replica's prefill backlog and untracked queue, the prompt's work there (its
+   cached prefix counts), and the stall it gives the whole requests decoding there
+   (``PrefillBacklog.decoding``). Such requests make the prefill replica decode, and each
+   prefill leg sent there stalls them too: a split's prefill replica carries the same
+   stall price, and the pool is ranked by time to answer plus it. On any prefill replica
+   the whole request costs less than a split through it (no pull, no second leg, the same
+   wait, work and stall), so with the choice on ``auto`` never splits: it picks the
+   cheaper of whole on decode and whole on prefill, and the decode pool keeps its shorter
+   time per output token only while the prefill pool's queue or decodes price it dearer.
+   What this does not price is the request's own decodes being stalled by the prefills
+   sent to that replica later (each is priced when it comes): docs/benchmarks.md measures
+   the time per output token it costs.
 
 Counters (``PdCounters``) are the P/D section of ``/index/stats`` and the ``kvroute_pd_*``
 metrics; the two-leg driver (router/serving/disagg.py) counts failures into them.
@@ -58,6 +76,7 @@ PD_REASONS = (
     "small_uncached",  # decode must compute at most skip_tokens
     "small_fraction",  # decode must compute at most skip_fraction of the prompt
     "cheaper_on_decode",  # the cost model: recomputing on decode is no slower
+    "whole_on_prefill",  # the cost model: the whole request on a prefill replica is cheapest
     "mode_never",
     "no_prefill_pool",
     "single_replica_request",  # n > 1, prompt logprobs, echo, a batch, client's own params
@@ -95,12 +114,16 @@ def decode_only_reason(req: ParsedRequest) -> str | None:
 @dataclass(slots=True)
 class PdPlan:
     """One request's P/D decision: the decode ranking (also the decode-only fallback), the
-    prefill ranking (empty when the prefill leg is skipped), why, and the figures compared."""
+    prefill ranking (empty when the prefill leg is skipped; with ``on_prefill``, the
+    replica that serves the whole request first), why, and the figures compared."""
 
     decode: Decision
     split: bool
     reason: str
     prefill: list[Replica] = field(default_factory=list)
+    on_prefill: bool = False  # the whole request on prefill[0]: one ordinary leg
+    on_prefill_s: float | None = None  # its estimate (None: not priced)
+    decoding_on_prefill: dict[str, int] = field(default_factory=dict)
     prefill_decision: Decision | None = None
     uncached_on_decode: int | None = None
     decode_only_s: float | None = None
@@ -114,6 +137,7 @@ class PdPlan:
         """What ``/debug/route`` shows under ``disaggregation``."""
         return {
             "split": self.split,
+            "on_prefill": self.on_prefill,
             "reason": self.reason,
             "decode": self.decode.ranked[0].name if self.decode.ranked else None,
             "prefill": self.prefill[0].name if self.prefill else None,
@@ -121,6 +145,8 @@ class PdPlan:
             "uncached_on_decode": self.uncached_on_decode,
             "decode_only_s": _round(self.decode_only_s),
             "split_s": _round(self.split_s),
+            "on_prefill_s": _round(self.on_prefill_s),
+            "decoding_on_prefill": dict(self.decoding_on_prefill),
             "decoding_on_decode": self.decoding,
             "decode_stall_s": _round(self.decode_stall_s),
             "incoming_decode_legs": self.incoming_legs,
@@ -137,6 +163,7 @@ class PdCounters:
     decode_legs: int = 0  # decode requests that carried transfer parameters
     prefill_failures: int = 0  # a prefill leg that failed (then the next, or decode only)
     prefill_fallbacks: int = 0  # split requests served decode-only after prefill failed
+    on_prefill_fallbacks: int = 0  # whole_on_prefill requests its replica did not serve
     missing_transfer_params: int = 0  # prefill answered without kv_transfer_params
     transfer_failures: int = 0  # decode answered an error after a split (pull failed)
     loopback_hosts_replaced: int = 0
@@ -147,15 +174,19 @@ class PdCounters:
     def to_dict(self) -> dict[str, Any]:
         split = sum(n for r, n in self.decisions.items() if r.startswith("split"))
         total = sum(self.decisions.values())
+        # Decode only: neither split nor whole on a prefill replica.
+        bypassed = total - split - self.decisions.get("whole_on_prefill", 0)
         return {
             "decisions": dict(self.decisions),
             "split": split,
-            "bypassed": total - split,
-            "bypass_rate": round((total - split) / total, 4) if total else None,
+            "bypassed": bypassed,
+            "bypass_rate": round(bypassed / total, 4) if total else None,
             "prefill_legs": self.prefill_legs,
             "decode_legs": self.decode_legs,
             "prefill_failures": self.prefill_failures,
             "prefill_fallbacks": self.prefill_fallbacks,
+            "on_prefill": self.decisions.get("whole_on_prefill", 0),
+            "on_prefill_fallbacks": self.on_prefill_fallbacks,
             "missing_transfer_params": self.missing_transfer_params,
             "transfer_failures": self.transfer_failures,
             "loopback_hosts_replaced": self.loopback_hosts_replaced,
@@ -191,16 +222,19 @@ class Disaggregation:
         rank_prefill: Any,
         *,
         record: bool = True,
+        on_prefill: bool = True,
     ) -> PdPlan:
         """The plan for ``req``, whose decode ranking is ``decode``. ``rank_prefill`` is the
         router's ``decide`` over a pool (``await rank_prefill(pool) -> Decision``), called
         only when the prefill leg is still in question. ``record=False`` (``/debug/route``)
-        leaves the counters alone."""
+        leaves the counters alone; ``on_prefill=False`` withholds the whole-on-prefill
+        choice from a caller that cannot send the request there (the endpoint picker, whose
+        destination is its decode pick)."""
         counters = self.counters
         if not record:
             self.counters = PdCounters()
         try:
-            return await self._decide(decode, req, prefill_pool, rank_prefill)
+            return await self._decide(decode, req, prefill_pool, rank_prefill, on_prefill)
         finally:
             self.counters = counters
 
@@ -210,8 +244,10 @@ class Disaggregation:
         req: ParsedRequest,
         prefill_pool: list[Replica],
         rank_prefill: Any,
+        on_prefill: bool,
     ) -> PdPlan:
         s = self.settings
+        whole = s.whole_on_prefill and on_prefill
         if s.mode == "never":
             return self.decode_only(decode, "mode_never")
         if not prefill_pool or not decode.ranked:
@@ -224,14 +260,28 @@ class Disaggregation:
         uncached = None
         if prompt is not None and view is not None:
             uncached = max(0, prompt - view.predicted_cached_tokens)
+        small = None
         if s.mode == "auto" and uncached is not None and prompt is not None:
             if uncached <= s.skip_tokens:
-                return self.decode_only(decode, "small_uncached", uncached_on_decode=uncached)
-            if uncached <= s.skip_fraction * prompt:
-                return self.decode_only(decode, "small_fraction", uncached_on_decode=uncached)
+                small = "small_uncached"
+            elif uncached <= s.skip_fraction * prompt:
+                small = "small_fraction"
+        # Too small to split; but not to serve whole on a prefill replica while prefills
+        # are queued ahead of it on the decode replica (nothing to gain otherwise).
+        queued = whole and view is not None and self.backlog.wait_s(view.name) > 0
+        if small is not None and not queued:
+            return self.decode_only(decode, small, uncached_on_decode=uncached)
         prefill = await rank_prefill(prefill_pool)
         prompt_n = prompt or 0
-        costs = {v.name: self._prefill_ttft(v, prompt_n) for v in prefill.views}
+        ttfts = {v.name: self._prefill_ttft(v, prompt_n) for v in prefill.views}
+        decoding_p = {v.name: self.backlog.decoding(v.name) for v in prefill.views}
+        # A prefill there (a split's leg or a whole request) stalls the whole requests
+        # decoding there, priced as on a decode replica.
+        costs = {
+            v.name: ttfts[v.name]
+            + s.decode_stall_weight * self._work(v, prompt_n) * decoding_p[v.name]
+            for v in prefill.views
+        }
         ranked = self._rank_prefill(prefill, costs, chosen)
         plan = PdPlan(
             decode,
@@ -241,6 +291,7 @@ class Disaggregation:
             prefill_decision=prefill,
             uncached_on_decode=uncached,
             prefill_views=prefill.views,
+            decoding_on_prefill={k: n for k, n in decoding_p.items() if n},
         )
         if uncached is None or prompt is None or view is None:
             if s.mode == "auto":
@@ -261,11 +312,29 @@ class Disaggregation:
         plan.incoming_legs = len(incoming)
         delayed_s = sum(max(0.0, decode_wait + work - due) for due in incoming)
         plan.decode_only_s = decode_wait + work + plan.decode_stall_s + delayed_s
-        prefill_ttft = costs[ranked[0].name] + s.transfer_s_per_token * uncached
+        first = ranked[0].name
+        answer = ttfts[first] + s.transfer_s_per_token * uncached
         # The decode leg's few tokens wait for the decode replica's prefills ahead, which
         # drain while the prefill leg runs; its pull runs beside the engine.
-        plan.split_s = prefill_ttft + s.split_overhead_s + max(0.0, decode_wait - prefill_ttft)
-        if s.mode == "auto" and plan.decode_only_s <= plan.split_s:
+        stall = costs[first] - ttfts[first]
+        plan.split_s = answer + stall + s.split_overhead_s + max(0.0, decode_wait - answer)
+        if s.mode != "auto":
+            self.counters.decided(plan.reason)
+            return plan
+        # Whole on the cheapest prefill replica: no pull, no second leg; its wait, work and
+        # stall are the cost above (decode legs land on decode replicas: none delayed).
+        cheapest = min(ranked, key=lambda r: costs[r.name]) if whole else None
+        if cheapest is not None:
+            plan.on_prefill_s = costs[cheapest.name]
+        # A small one is never split: decode only or whole on a prefill replica.
+        rivals = (plan.decode_only_s,) if small else (plan.decode_only_s, plan.split_s)
+        if plan.on_prefill_s is not None and plan.on_prefill_s < min(rivals):
+            assert cheapest is not None
+            plan.split, plan.on_prefill, plan.reason = False, True, "whole_on_prefill"
+            plan.prefill = [cheapest]
+        elif small is not None:
+            plan.split, plan.reason, plan.prefill = False, small, []
+        elif plan.decode_only_s <= plan.split_s:
             plan.split, plan.reason, plan.prefill = False, "cheaper_on_decode", []
         self.counters.decided(plan.reason)
         return plan
@@ -282,11 +351,13 @@ class Disaggregation:
 
     def _prefill_ttft(self, view: ReplicaView, prompt: int) -> float:
         """A prefill replica's time to answer: the prefill work this router sent it and has
-        not seen done (``PrefillBacklog``), the requests its gauges count beyond those (a
-        peer router's) at the cost model's seconds per request, then this prompt's work.
-        Not the policy's ``delay_to_others_s``: a prefill replica runs no decodes to stall,
-        and the prefills ahead of this one in vLLM's order are not delayed by it."""
-        untracked = max(0.0, view.pending - self.backlog.count(view.name))
+        not seen done (``PrefillBacklog``), the requests its gauges count beyond those and
+        beyond the whole requests decoding there (a peer router's) at the cost model's
+        seconds per request, then this prompt's work. Not the policy's
+        ``delay_to_others_s``: the prefills ahead of this one in vLLM's order are not
+        delayed by it, and the decodes it stalls are priced by the caller."""
+        known = self.backlog.count(view.name) + self.backlog.decoding(view.name)
+        untracked = max(0.0, view.pending - known)
         queue = self.cost.queue_delay(replace(view, pending=untracked))
         return self.backlog.wait_s(view.name) + queue + self._work(view, prompt)
 

@@ -18,6 +18,11 @@ work, and a request's first byte (or its prefill leg's answer: ``done``) says ev
 committed before it is done too and re-bases the rest on now. A request never reported
 done is dropped ``stale_after_s`` after its predicted end. What it does not see: other
 routers' requests (their counts are in the replica's gauges, priced by the caller).
+
+A prefill replica may also serve whole requests (the decider's ``whole_on_prefill``): each
+decodes there after its prefill, and every prefill sent there later stalls it. ``serving``
+and ``ended`` bracket such a request; ``decoding`` counts those past their prefill (reported
+done, or their predicted end passed: an unstreamed answer reports no first byte).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class _Replica:
     busy_until: float = 0.0
     entries: OrderedDict[Hashable, _Entry] = field(default_factory=OrderedDict)
     incoming: dict[Hashable, float] = field(default_factory=dict)  # decode legs: when due
+    whole: dict[Hashable, float] = field(default_factory=dict)  # whole requests: prefill end
 
 
 class PrefillBacklog:
@@ -107,6 +113,27 @@ class PrefillBacklog:
         for key in [k for k, at in r.incoming.items() if at + self.stale_after_s * 6 < now]:
             del r.incoming[key]  # a leg never reported (its request ended unseen)
         return [max(0.0, at - now) for at in r.incoming.values()]
+
+    def serving(self, replica: str, key: Hashable) -> None:
+        """``key``, committed to ``replica`` (``add``), is served whole there: once its
+        prefill is done it decodes there until ``ended``."""
+        r = self._by_replica.setdefault(replica, _Replica())
+        entry = r.entries.get(key)
+        r.whole[key] = self._clock() if entry is None else entry.ends_at
+
+    def ended(self, replica: str, key: Hashable) -> None:
+        """The whole request ``key`` on ``replica`` ended (answered, failed or cancelled)."""
+        r = self._by_replica.get(replica)
+        if r is not None:
+            r.whole.pop(key, None)
+
+    def decoding(self, replica: str) -> int:
+        """Whole requests decoding on ``replica``: served there, past their prefill."""
+        r = self._by_replica.get(replica)
+        if r is None or not r.whole:
+            return 0
+        now = self._clock()
+        return sum(1 for k, end in r.whole.items() if k not in r.entries or end <= now)
 
     def wait_s(self, replica: str) -> float:
         """Seconds before a prefill sent now would start on ``replica``."""

@@ -20,6 +20,16 @@ The decider (router/routing/disagg.py) says whether a request splits. A split ru
 Both legs carry the client's request id. The answer names both replicas:
 ``x-kvroute-replica`` (decode) and ``x-kvroute-prefill-replica``.
 
+A plan ``on_prefill`` (the decider's ``whole_on_prefill``) is one ordinary leg: the
+client's own bytes to that prefill replica, which vLLM serves as an aggregated request (no
+``kv_transfer_params``), named by ``x-kvroute-replica``; the decode ranking follows it, so
+a refusal, a 5xx the forwarder retries, a dead engine, or a failure before the answer's
+first bytes (nothing relayed yet) moves the request to the decode replica the decider would
+have used (``on_prefill_fallbacks``). A prefill replica that dies after its first bytes
+fails the request mid-answer, as any replica serving whole requests does.
+While it runs, the router's backlog counts it decoding there (``PrefillBacklog.serving``):
+the decider prices the stall each later prefill there gives it.
+
 Failures never reach the client while a healthy replica can serve: a prefill leg that fails
 before the client saw anything (refused, 5xx, a broken or unreadable answer) moves to the next
 prefill replica, ``prefill_attempts`` in all, then the request is served decode-only (vLLM
@@ -187,6 +197,9 @@ async def serve_disaggregated(
             prefill_pool,
             lambda pool: service.router.decide(parsed, pool, session),
         )
+    if plan.on_prefill:
+        await _on_prefill(endpoint, scope, receive, send, raw, request_id, parsed, plan, target)
+        return
     if not plan.split:
         await endpoint._forward(
             scope, receive, send, raw, request_id, decision.ranked, parsed.stream, decision
@@ -281,6 +294,90 @@ async def _split(
         None,
         opened=upstream,
     )
+
+
+async def _on_prefill(
+    endpoint: ProxyEndpoint,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    raw: bytes,
+    request_id: str,
+    parsed: ParsedRequest,
+    plan: PdPlan,
+    target: str,
+) -> None:
+    """The whole request on ``plan.prefill[0]`` (module docstring), the decode ranking
+    behind it. Each attempt is committed with its own ranking's decision: the prefill
+    replica's is no home (the conversation's home stays in the decode pool, where its next
+    turn is ranked), a decode replica's is an ordinary request's. Nothing is relayed before
+    the prefill replica's first bytes: one that fails before them (killed while it queued
+    or computed the prompt) is given up and the request goes to the decode ranking, as a
+    split's failed prefill leg does."""
+    service = endpoint.service
+    router = service.router
+    forwarder = service.forwarder
+    assert forwarder is not None, "the app's lifespan has not started"
+    counters = service.disagg.counters
+    on_prefill, decode = plan.prefill_decision, plan.decode
+    assert on_prefill is not None and plan.prefill
+    replica = plan.prefill[0]
+    ranked = [replica, *[r for r in decode.ranked if r is not replica]]
+
+    def commit(attempt: Replica) -> None:
+        if attempt is replica:
+            router.commit(on_prefill, attempt, home=False)
+        else:
+            router.commit(decode, attempt)
+
+    headers = upstream_headers(scope, request_id)
+    key = id(on_prefill)
+    upstream: Upstream | None = None
+    try:
+        async with DisconnectWatch(receive) as watch:
+            upstream = await forwarder.open(ranked, target, raw, headers, commit)
+            if upstream.replica is replica:
+                router.backlog.serving(replica.name, key)
+                try:
+                    await upstream.response.wait_body()
+                except UpstreamError as exc:
+                    service.registry.record_failure(replica, f"proxy: {exc!r}")
+                    router.backlog.drop(replica.name, key)
+                    router.backlog.ended(replica.name, key)
+                    forwarder.close(upstream, complete=False)
+                    upstream = None
+                    log.warning(
+                        "request %s: %s failed before answering (%s); sending it to the "
+                        "decode pool",
+                        request_id,
+                        replica.name,
+                        exc,
+                    )
+                    upstream = await forwarder.open(
+                        decode.ranked, target, raw, headers, partial(router.commit, decode)
+                    )
+        if watch.disconnected:
+            if upstream is not None:
+                forwarder.close(upstream, complete=False)
+            service.metrics.request(endpoint.label, "cancelled")
+            return
+        assert upstream is not None
+        served_by = upstream.replica
+        if served_by is not replica:
+            counters.on_prefill_fallbacks += 1
+        await endpoint._forward(
+            scope,
+            receive,
+            send,
+            raw,
+            request_id,
+            ranked,
+            parsed.stream,
+            on_prefill if served_by is replica else decode,
+            opened=upstream,
+        )
+    finally:
+        router.backlog.ended(replica.name, key)
 
 
 async def _prefill_leg(

@@ -221,6 +221,15 @@ class Response:
             self._conn.transport.resume_reading()
         return chunk
 
+    async def wait_body(self) -> None:
+        """Until the body's first bytes arrived (left for ``chunks``) or it ended; raises
+        what it failed with before that. What a caller that can still send the request
+        elsewhere waits for: nothing of the answer has been relayed yet."""
+        while not self._chunks and not self.complete:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (decoded from chunked transfer encoding)."""
         while True:

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from kvroute.router.cli import add_arguments, main, settings_from_args
+from kvroute.router.config import DisaggSettings
 from kvroute.router.routing.policies import POLICIES
 
 
@@ -55,3 +56,16 @@ def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "http(s)://" in capsys.readouterr().err
     assert main(_parse()) == 2
     assert "--replica" in capsys.readouterr().err
+
+
+def test_the_whole_on_prefill_choice_is_a_flag_both_ways() -> None:
+    argv = ("--replica", "http://127.0.0.1:8001")
+    default = settings_from_args(_parse(*argv)).disagg.whole_on_prefill
+    assert (
+        settings_from_args(_parse(*argv, "--no-pd-whole-on-prefill")).disagg.whole_on_prefill
+        is False
+    )
+    assert (
+        settings_from_args(_parse(*argv, "--pd-whole-on-prefill")).disagg.whole_on_prefill is True
+    )
+    assert default is DisaggSettings().whole_on_prefill

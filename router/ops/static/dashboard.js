@@ -82,6 +82,8 @@ function renderPd(pd) {
   setText("pd-split", fmt(pd.split));
   setText("pd-bypassed", fmt(pd.bypassed));
   setText("pd-bypass-rate", pct(pd.bypass_rate));
+  setText("pd-on-prefill", fmt(pd.on_prefill));
+  setText("pd-on-prefill-fallbacks", fmt(pd.on_prefill_fallbacks));
   setText("pd-prefill-legs", fmt(pd.prefill_legs));
   setText("pd-decode-legs", fmt(pd.decode_legs));
   setText("pd-prefill-failures", fmt(pd.prefill_failures));

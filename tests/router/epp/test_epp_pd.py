@@ -93,7 +93,9 @@ def test_a_split_names_the_prefill_replica_holding_the_prompt_in_llm_ds_header(
     body = _chat("You are the P/D picker's assistant. " + "Answer in one line. " * 60)
     _hold(fleet, 1, body)
     wait_until(lambda: _route(fleet, body).get("prefill") == "r1")  # r1's prefix indexed
-    assert _route(fleet, body)["split"] is True
+    # The proxy would serve it whole on r1 (/debug/route shows the proxy's plan); the
+    # picker, whose destination is its decode pick, is not offered that choice: it splits.
+    assert _route(fleet, body)["reason"] in ("split", "whole_on_prefill")
     endpoint, headers, removed = _pick(epp, body)
     assert endpoint == _endpoint(fleet, 2)  # the decode replica is the destination
     assert headers[PREFILL_HEADER] == _endpoint(fleet, 1)

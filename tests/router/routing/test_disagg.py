@@ -72,6 +72,10 @@ def _sent(backlog: PrefillBacklog, replica: Replica, *works: float) -> None:
 
 # The cost model's default prefill rate (1e-4 s/token): a 4,000-token prompt is 0.4 s.
 WORK_4000 = 0.4
+# The decider choosing between decode only and a split, as before whole_on_prefill.
+TWO_WAY: dict[str, Any] = {"whole_on_prefill": False}
+# The third choice on: the whole request on a prefill replica.
+THREE_WAY: dict[str, Any] = {"whole_on_prefill": True}
 
 
 def test_running_decodes_are_no_queue_for_a_new_prompt_on_a_decode_replica() -> None:
@@ -92,7 +96,7 @@ def test_the_stall_of_each_decoding_request_is_priced_at_the_configured_weight()
         backlog = PrefillBacklog()
         p = _replica("p0", "prefill")
         _sent(backlog, p, 0.6)
-        disagg = _disagg(backlog, skip_tokens=64, decode_stall_weight=weight)
+        disagg = _disagg(backlog, skip_tokens=64, decode_stall_weight=weight, **TWO_WAY)
         d = _replica("d0", "decode", pending=2)
         plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(p, 0)])
         assert plan.decode_stall_s == pytest.approx(weight * WORK_4000 * 2)
@@ -105,7 +109,7 @@ def test_a_decode_replicas_own_prefills_are_its_wait() -> None:
     backlog = PrefillBacklog()
     d = _replica("d0", "decode")
     _sent(backlog, d, 1.0)  # a long prompt computing there: nothing decoding yet
-    disagg = _disagg(backlog, skip_tokens=64)
+    disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
     assert plan.decoding == 0.0
     assert plan.decode_only_s == pytest.approx(1.0 + WORK_4000, rel=1e-3)
@@ -122,7 +126,7 @@ def test_the_prefill_replica_with_less_work_ahead_wins_not_the_one_with_fewer_re
     long_ahead, short_ahead = _replica("p0", "prefill"), _replica("p1", "prefill")
     _sent(backlog, long_ahead, 0.75)
     _sent(backlog, short_ahead, 0.01, 0.01, 0.01)
-    disagg = _disagg(backlog, skip_tokens=64)
+    disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
     d = _replica("d0", "decode", pending=6)
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(long_ahead, 0), (short_ahead, 0)])
     assert [r.name for r in plan.prefill] == ["p1", "p0"]
@@ -150,7 +154,7 @@ def test_a_returning_user_whose_history_decode_holds_skips_the_prefill() -> None
 
 
 def test_a_long_new_prompt_on_a_busy_decode_replica_splits_to_the_cheapest_prefill() -> None:
-    disagg = _disagg(skip_tokens=64)
+    disagg = _disagg(skip_tokens=64, **TWO_WAY)
     d = _replica("d0", "decode", pending=6)
     busy, idle = _replica("p0", "prefill", pending=12), _replica("p1", "prefill")
     plan, calls = _plan(disagg, _decision(4000, [(d, 0)]), [(busy, 0), (idle, 0)])
@@ -184,7 +188,7 @@ def test_an_idle_decode_replica_or_a_loaded_prefill_pool_recomputes_on_decode() 
 
 
 def test_a_prefill_replica_in_the_decode_replicas_zone_is_preferred_within_the_slack() -> None:
-    disagg = _disagg(skip_tokens=64, zone_slack=0.25)
+    disagg = _disagg(skip_tokens=64, zone_slack=0.25, **TWO_WAY)
     d = _replica("d0", "decode", zone="z1", pending=6)
     far, near = _replica("p0", "prefill", zone="z2"), _replica("p1", "prefill", zone="z1")
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(far, 0), (near, 0)])
@@ -274,7 +278,7 @@ def test_a_decode_leg_on_its_way_is_delayed_by_a_prompt_computed_before_it_lands
     the prompt is done is not delayed."""
     backlog = PrefillBacklog()
     d = _replica("d0", "decode")
-    disagg = _disagg(backlog, skip_tokens=64)
+    disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
     assert (plan.split, plan.incoming_legs) == (False, 0)
     backlog.expect("d0", "late", 1.0)  # its prefill answers in 1 s: the prompt is done
@@ -302,3 +306,175 @@ def test_decodes_that_ended_since_the_last_scrape_are_not_stalled() -> None:
     plan, _ = _plan(disagg, decode, [(_replica("p0", "prefill"), 0)])
     assert plan.decoding == 1.0
     assert plan.decode_stall_s == pytest.approx(WORK_4000)
+
+
+def _serving_whole(backlog: PrefillBacklog, replica: Replica, n: int) -> None:
+    """This router sent ``replica`` ``n`` whole requests, each past its prefill (reported
+    done), now decoding there."""
+    first = backlog.decoding(replica.name)
+    for i in range(first, first + n):
+        key = (replica.name, "whole", i)
+        backlog.add(replica.name, key, 0.1)
+        backlog.serving(replica.name, key)
+        backlog.done(replica.name, key)
+    replica.running += n
+
+
+def test_a_long_prompt_is_served_whole_on_an_idle_prefill_replica() -> None:
+    """The decode replica has 6 decodes to stall (0.4 s each: 2.8 s decode only); a split
+    costs the idle prefill replica's 0.4 s plus the pull and the second leg; the same
+    replica serving the whole request costs 0.4 s, and vLLM serves it as an ordinary
+    request: the cheapest of the three."""
+    disagg = _disagg(skip_tokens=64, **THREE_WAY)
+    d = _replica("d0", "decode", pending=6)
+    p = _replica("p0", "prefill")
+    plan, calls = _plan(disagg, _decision(4000, [(d, 0)]), [(p, 0)])
+    assert (plan.split, plan.on_prefill, plan.reason) == (False, True, "whole_on_prefill")
+    assert [r.name for r in plan.prefill] == ["p0"] and calls == [1]
+    assert plan.on_prefill_s == pytest.approx(WORK_4000)
+    assert plan.decode_only_s == pytest.approx(WORK_4000 * 7)
+    assert plan.split_s == pytest.approx(WORK_4000 + 4000 * 1e-5 + 0.005)
+    assert disagg.counters.decisions["whole_on_prefill"] == 1
+    stats = disagg.counters.to_dict()
+    assert (stats["on_prefill"], stats["split"], stats["bypassed"]) == (1, 0, 0)
+    shown = plan.to_dict()
+    assert (shown["on_prefill"], shown["reason"], shown["prefill"]) == (
+        True,
+        "whole_on_prefill",
+        "p0",
+    )
+    assert shown["on_prefill_s"] == pytest.approx(WORK_4000)
+
+
+def test_the_choice_off_or_mode_always_never_serves_whole_on_prefill() -> None:
+    d = _replica("d0", "decode", pending=6)
+    p = _replica("p0", "prefill")
+    plan, _ = _plan(_disagg(skip_tokens=64, **TWO_WAY), _decision(4000, [(d, 0)]), [(p, 0)])
+    assert (plan.split, plan.on_prefill, plan.reason, plan.on_prefill_s) == (
+        True,
+        False,
+        "split",
+        None,
+    )
+    plan, _ = _plan(_disagg(mode="always", **THREE_WAY), _decision(4000, [(d, 0)]), [(p, 0)])
+    assert (plan.split, plan.on_prefill, plan.reason) == (True, False, "split_always")
+
+
+def test_an_idle_decode_replica_still_computes_the_prompt_itself() -> None:
+    """Decode only and whole on an idle prefill replica cost the same 0.4 s: the tie stays
+    on the decode replica, where the conversation's KV lives."""
+    disagg = _disagg(skip_tokens=64, **THREE_WAY)
+    plan, _ = _plan(
+        disagg, _decision(4000, [(_replica("d0", "decode"), 0)]), [(_replica("p0", "prefill"), 0)]
+    )
+    assert plan.on_prefill_s == pytest.approx(plan.decode_only_s)
+    assert (plan.split, plan.on_prefill, plan.reason) == (False, False, "cheaper_on_decode")
+
+
+def test_whole_requests_decoding_on_a_prefill_replica_are_stalled_by_each_prefill_there() -> None:
+    """p0 decodes 3 whole requests and has no prefill queued; p1 has 0.5 s of prefill
+    queued. A prefill on p0 (a split's leg or a whole request) stalls its 3 decodes: 0.4 s
+    + 3 x 0.4 s = 1.6 s, dearer than p1's 0.5 + 0.4 s. Its decodes are no queue either:
+    its gauges' 3 requests are not priced as a peer router's prefills."""
+    backlog = PrefillBacklog()
+    p0, p1 = _replica("p0", "prefill"), _replica("p1", "prefill")
+    _serving_whole(backlog, p0, 3)
+    _sent(backlog, p1, 0.5)
+    assert (backlog.decoding("p0"), backlog.decoding("p1")) == (3, 0)
+    disagg = _disagg(backlog, skip_tokens=64, **THREE_WAY)
+    d = _replica("d0", "decode", pending=6)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(p0, 0), (p1, 0)])
+    assert [r.name for r in plan.prefill] == ["p1"]
+    assert plan.reason == "whole_on_prefill"
+    assert plan.on_prefill_s == pytest.approx(0.5 + WORK_4000, rel=1e-2)
+    assert plan.decoding_on_prefill == {"p0": 3}
+    # Only p0 left: both of its choices carry the stall of its 3 decodes.
+    plan, _ = _plan(
+        _disagg(backlog, skip_tokens=64, **THREE_WAY), _decision(4000, [(d, 0)]), [(p0, 0)]
+    )
+    assert plan.on_prefill_s == pytest.approx(WORK_4000 * 4)
+    assert plan.split_s == pytest.approx(WORK_4000 * 4 + 4000 * 1e-5 + 0.005)
+    # d0's 6 decodes cost 2.8 s decode only: p0 still wins, at 1.6 s.
+    assert plan.reason == "whole_on_prefill"
+    # With 6 decoding on p0, decode only (2.8 s) is cheaper than p0's 0.4 + 2.4 s.
+    _serving_whole(backlog, p0, 3)
+    plan, _ = _plan(
+        _disagg(backlog, skip_tokens=64, **THREE_WAY), _decision(4000, [(d, 0)]), [(p0, 0)]
+    )
+    assert (plan.reason, plan.decoding_on_prefill) == ("cheaper_on_decode", {"p0": 6})
+    backlog.ended("p0", ("p0", "whole", 0))
+    assert backlog.decoding("p0") == 5
+
+
+def test_a_split_leg_on_a_prefill_replica_decoding_whole_requests_prices_their_stall() -> None:
+    """With the third choice off the split to p0 still carries the stall of the 2 whole
+    requests decoding there (the old split estimate priced a prefill replica as never
+    decoding): 0.4 + 2 x 0.4 s, then the pull and the second leg."""
+    backlog = PrefillBacklog()
+    p0 = _replica("p0", "prefill")
+    _serving_whole(backlog, p0, 2)
+    disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
+    d = _replica("d0", "decode", pending=6)
+    plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(p0, 0)])
+    assert plan.split_s == pytest.approx(WORK_4000 * 3 + 4000 * 1e-5 + 0.005)
+    assert plan.split and plan.reason == "split"
+
+
+def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_replica() -> None:
+    """200 uncached tokens are too few to split (skip_tokens), but not to move: the decode
+    replica has a 1 s prompt queued ahead (0.02 + 1 s decode only), the prefill replica
+    none (0.02 s whole there). Never split, whichever is cheaper; with no queue on the
+    decode replica the prefill pool is not even asked."""
+    backlog = PrefillBacklog()
+    d = _replica("d0", "decode")
+    _sent(backlog, d, 1.0)
+    p = _replica("p0", "prefill")
+    plan, calls = _plan(
+        _disagg(backlog, skip_tokens=256, **THREE_WAY), _decision(200, [(d, 0)]), [(p, 0)]
+    )
+    assert (plan.split, plan.on_prefill, plan.reason, calls) == (
+        False,
+        True,
+        "whole_on_prefill",
+        [1],
+    )
+    assert plan.on_prefill_s == pytest.approx(0.02)
+    # The prefill replica's queue is longer: decode only, for the same reason as before.
+    busy = PrefillBacklog()
+    _sent(busy, d, 1.0)
+    _sent(busy, p, 2.0)
+    plan, _ = _plan(_disagg(busy, skip_tokens=256, **THREE_WAY), _decision(200, [(d, 0)]), [(p, 0)])
+    assert (plan.split, plan.on_prefill, plan.reason, plan.prefill) == (
+        False,
+        False,
+        "small_uncached",
+        [],
+    )
+    # The third choice off: decode only, the prefill pool not asked.
+    plan, calls = _plan(
+        _disagg(backlog, skip_tokens=256, **TWO_WAY), _decision(200, [(d, 0)]), [(p, 0)]
+    )
+    assert (plan.reason, calls) == ("small_uncached", [])
+
+
+def test_a_caller_that_cannot_send_it_there_is_not_offered_whole_on_prefill() -> None:
+    """The endpoint picker's destination is its decode pick (router/epp/disagg.py): the
+    request the proxy would serve whole on the prefill replica is split there instead."""
+    disagg = _disagg(skip_tokens=64, **THREE_WAY)
+    d = _replica("d0", "decode", pending=6)
+    p = _replica("p0", "prefill")
+
+    async def rank(pool: list[Replica]) -> Decision:
+        return _decision(4000, [(p, 0)])
+
+    plan = asyncio.run(disagg.decide(_decision(4000, [(d, 0)]), _request(), [p], rank))
+    assert plan.reason == "whole_on_prefill"
+    plan = asyncio.run(
+        disagg.decide(_decision(4000, [(d, 0)]), _request(), [p], rank, on_prefill=False)
+    )
+    assert (plan.split, plan.on_prefill, plan.reason, plan.on_prefill_s) == (
+        True,
+        False,
+        "split",
+        None,
+    )

@@ -97,3 +97,25 @@ def test_the_router_feeds_the_deciders_backlog_from_what_it_sends() -> None:
     assert backlog.count("d0") == 1
     service.router.first_byte(whole, d0, 0.41)
     assert (backlog.count("d0"), backlog.wait_s("d0")) == (0, 0.0)
+
+
+def test_a_whole_request_decodes_once_its_prefill_is_done_or_due_and_stops_when_ended() -> None:
+    """A whole request on a prefill replica: prefilling while its work is ahead, decoding
+    once reported done (a streamed first byte) or once its predicted end has passed (an
+    unstreamed answer reports no first byte), and nothing once ended."""
+    clock = Clock()
+    b = PrefillBacklog(clock=clock)
+    b.add("p0", "streamed", 0.5)
+    b.add("p0", "unstreamed", 0.5)
+    b.serving("p0", "streamed")
+    b.serving("p0", "unstreamed")
+    assert b.decoding("p0") == 0
+    clock.now += 0.3
+    b.done("p0", "streamed")
+    assert b.decoding("p0") == 1
+    clock.now += 0.8  # past the second one's predicted end (1.0 s after it was sent)
+    assert b.decoding("p0") == 2
+    b.ended("p0", "streamed")
+    b.ended("p0", "unstreamed")
+    b.ended("p1", "never-sent")
+    assert b.decoding("p0") == 0 and b.decoding("p1") == 0

@@ -338,3 +338,110 @@ def test_the_storage_transports_parameters_reach_the_decode_leg_whole() -> None:
     assert out["kv_transfer_params"] == {**params, "prompt_token_ids": [1, 2, 3]}
     assert out["kv_transfer_params"]["kvroute_storage"] == named
     assert {k: v for k, v in out.items() if k != "kv_transfer_params"} == body
+
+
+def _decode_replica_busy(fleet: Fleet, seconds: float = 30.0) -> None:
+    """The router has ``seconds`` of prefill queued on the decode replica r1: decode only
+    and a split's decode leg both wait for it, the whole request on r0 does not."""
+    fleet.service.router.backlog.add("r1", "queued ahead", seconds)
+
+
+def test_a_whole_request_is_served_on_the_prefill_replica_as_one_ordinary_leg(
+    local_tokenizer: Any,
+) -> None:
+    auto = DisaggSettings(mode="auto", skip_tokens=8, whole_on_prefill=True)
+    with make_fleet(local_tokenizer, 2, roles=["prefill", "decode"], disagg=auto) as fleet:
+        _decode_replica_busy(fleet)
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 3}
+        route = httpx.post(f"{fleet.url}/debug/route", json=body, timeout=5).json()
+        shown = route["disaggregation"]
+        assert (shown["reason"], shown["on_prefill"], shown["prefill"]) == (
+            "whole_on_prefill",
+            True,
+            "r0",
+        )
+        assert shown["on_prefill_s"] < min(shown["decode_only_s"], shown["split_s"])
+        raw = _client(fleet).completions.with_raw_response.create(
+            model="tiny", prompt=LONG, max_tokens=3, extra_body={"min_tokens": 2}
+        )
+        assert raw.parse().choices[0].text == "".join(
+            fleet.fakes[0].generated_text({"prompt": LONG})
+        )
+        assert raw.headers["x-kvroute-replica"] == "r0"
+        assert "x-kvroute-prefill-replica" not in raw.headers
+        (served,) = [s for s in fleet.fakes[0].seen if s.path == "/v1/completions"]
+        assert "kv_transfer_params" not in served.body
+        assert (served.body["max_tokens"], served.body["min_tokens"]) == (3, 2)
+        assert not any(s.path == "/v1/completions" for s in fleet.fakes[1].seen)
+        stats = _stats(fleet)
+        assert stats["decisions"]["whole_on_prefill"] == stats["on_prefill"] == 1
+        assert (stats["prefill_legs"], stats["decode_legs"], stats["split"]) == (0, 0, 0)
+        assert stats["on_prefill_fallbacks"] == 0
+        # Ended: no longer counted decoding there.
+        assert fleet.service.router.backlog.decoding("r0") == 0
+        text = httpx.get(f"{fleet.url}/metrics", timeout=5).text
+        assert 'kvroute_pd_decisions_total{reason="whole_on_prefill"} 1.0' in text
+
+
+def test_a_whole_request_its_prefill_replica_refuses_goes_to_the_decode_replica(
+    local_tokenizer: Any,
+) -> None:
+    auto = DisaggSettings(mode="auto", skip_tokens=8, whole_on_prefill=True)
+    with make_fleet(local_tokenizer, 2, roles=["prefill", "decode"], disagg=auto) as fleet:
+        _decode_replica_busy(fleet)
+        fleet.fakes[0].stop()  # refuses connections; the health checker has not noticed yet
+        with _client(fleet).chat.completions.with_streaming_response.create(
+            model="tiny", messages=[{"role": "user", "content": LONG}], max_tokens=3, stream=True
+        ) as response:
+            assert response.headers["x-kvroute-replica"] == "r1"
+            chunks = list(response.parse())
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        stats = _stats(fleet)
+        assert stats["decisions"]["whole_on_prefill"] == 1
+        assert stats["on_prefill_fallbacks"] == 1
+        (served,) = [s for s in fleet.fakes[1].seen if s.path == "/v1/chat/completions"]
+        assert "kv_transfer_params" not in served.body
+
+
+def test_a_prefill_replica_killed_while_computing_a_whole_request_leaves_no_client_error(
+    local_tokenizer: Any,
+) -> None:
+    """Killed like a crashed process (connections dropped) while the prompt computes:
+    nothing was relayed yet, so the request goes to the decode replica."""
+    import threading
+
+    auto = DisaggSettings(mode="auto", skip_tokens=8, whole_on_prefill=True)
+    slow = ReplicaFaults(prefill_delay_s=30.0)
+    with make_fleet(
+        local_tokenizer,
+        2,
+        roles=["prefill", "decode"],
+        faults=[slow, ReplicaFaults()],
+        disagg=auto,
+    ) as fleet:
+        _decode_replica_busy(fleet)
+        prefill = fleet.fakes[0]
+        answers: list[Any] = []
+
+        def ask() -> None:
+            with _client(fleet).chat.completions.with_streaming_response.create(
+                model="tiny",
+                messages=[{"role": "user", "content": LONG}],
+                max_tokens=3,
+                stream=True,
+            ) as response:
+                chunks = list(response.parse())
+                answers.append((response.headers["x-kvroute-replica"], chunks))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until(lambda: any(s.path == "/v1/chat/completions" for s in prefill.seen), 10)
+        prefill._run(prefill.replica.kill())
+        asker.join(timeout=20)
+        ((replica, chunks),) = answers
+        assert replica == "r1"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        stats = _stats(fleet)
+        assert stats["decisions"]["whole_on_prefill"] == 1
+        assert stats["on_prefill_fallbacks"] == 1
+        assert fleet.service.router.backlog.decoding("r0") == 0

@@ -130,3 +130,46 @@ def test_truncated_non_streaming_answer_is_a_502(local_tokenizer) -> None:
         resp = asyncio.run(go())
         assert resp.status_code == 502
         assert "failed mid-response" in resp.json()["error"]["message"]
+
+
+def test_wait_body_returns_at_the_first_bytes_and_raises_a_death_before_them() -> None:
+    """``Response.wait_body``: a replica that answered its headers and died before any
+    body (vLLM's streamed answer starts before the first token) raises, so a caller that
+    relayed nothing can send the request elsewhere; the first bytes are left for
+    ``chunks``."""
+
+    async def died(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()
+
+    async def answered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def go() -> None:
+        s1, url1 = await _raw_server(died)
+        s2, url2 = await _raw_server(answered)
+        client = UpstreamClient(read_timeout_s=2.0)
+        resp = await client.request(url1, "/v1/completions", b"{}", [])
+        assert resp.status == 200
+        with pytest.raises(UpstreamStreamError):
+            await resp.wait_body()
+        resp.close()
+        resp = await client.request(url2, "/v1/completions", b"{}", [])
+        await resp.wait_body()
+        assert b"".join([c async for c in resp.chunks()]) == b"hello"
+        resp.close()
+        for s in (s1, s2):
+            s.close()
+            await s.wait_closed()
+        client.close()
+
+    asyncio.run(go())
