@@ -59,6 +59,8 @@ class IndexStats:
     unresolved_blocks: int = 0
     # batches publishers numbered but never sent or buffered (see FeedStats.lost_batches)
     lost_batches: int = 0
+    # CPU blocks a replica's answer proved gone (a connector reset nothing announced)
+    refuted_cpu_blocks: int = 0
     # storage domain -> blocks held, replicas attached, its evictor feed
     storage_domains: dict[str, dict[str, Any]] = field(default_factory=dict)
     # "native" (C++) or "python": which index core runs (docs/indexer.md, "Native core")
@@ -84,6 +86,9 @@ class IndexStats:
                 # Gaps no replay can fill, because the publisher never buffered the batch:
                 # kept, not cleared (docs/indexer.md, "Batches lost at the source").
                 "lost_batches": self.lost_batches,
+                # CPU blocks a replica's answer proved its connector no longer holds (a
+                # reset sent to it directly: docs/indexer.md, "How wrong the index may be")
+                "refuted_cpu_blocks": self.refuted_cpu_blocks,
                 "replays": self.replays,
                 "replay_failures": self.replay_failures,
                 "resets": self.resets,
@@ -219,6 +224,7 @@ def collect_stats(index: PrefixIndex, subscriber: EventSubscriber | None = None)
         distrust_clears=sum(f.distrust_clears for f in every_feed),
         unresolved_blocks=sum(f.unresolved_blocks for f in every_feed),
         lost_batches=sum(f.lost_batches for f in every_feed),
+        refuted_cpu_blocks=figures.refuted_cpu_blocks,
         storage_domains=domains,
         index_core=figures.index_core,
     )

@@ -164,6 +164,8 @@ class IndexFigures:
     expired_unconfirmed_blocks: int
     # which core answers lookups: "native" (C++, indexer/native_core.py) or "python"
     index_core: str = "python"
+    # CPU blocks an answer proved gone (``refute_cpu``: a connector reset nothing announced)
+    refuted_cpu_blocks: int = 0
 
 
 class PrefixIndex(ABC):
@@ -206,6 +208,13 @@ class PrefixIndex(ABC):
         device clear the router was told nothing of may be a connector reset sent to the
         replica directly: a backend that ages the silent connectors' tiers then keeps them
         for this one."""
+
+    @abstractmethod
+    def refute_cpu(self, replica: str, keys: Sequence[int]) -> int:
+        """The replica's answer proved its CPU tier lacks these blocks (keys as ``lookup``
+        walks them): a connector that resets without a word was reset (vLLM's
+        OffloadingConnector; router/routing/cpu_audit.py). Returns the blocks dropped; other
+        connectors' CPU tiers are left to their own events (0)."""
 
     @abstractmethod
     def note_lost(self, replica: str, source: str = "", batches: int = 1) -> None:

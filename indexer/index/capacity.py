@@ -102,6 +102,7 @@ class Capacity(IndexStore):
             unconfirmed_max_blocks=self.unconfirmed_max_blocks,
             expired_unconfirmed_blocks=self.expired_blocks,
             index_core="python" if self._native is None else "native",
+            refuted_cpu_blocks=self.refuted_blocks,
         )
 
     @property

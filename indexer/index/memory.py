@@ -83,6 +83,7 @@ class InMemoryPrefixIndex(
         self._clock = clock
         self.evicted_entries = 0
         self.expired_blocks = 0
+        self.refuted_blocks = 0
         self._masks: dict[int, int] = {}
         self._interned: dict[int, int] = {}
         self._replicas: dict[str, _ReplicaState] = {}

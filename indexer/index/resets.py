@@ -26,6 +26,13 @@ Read from vLLM 0.32 (``v1/core/sched/scheduler.py``, ``v1/core/block_pool.py``,
   (``expect_device_reset``); a device clear nobody announced may be a connector reset sent
   directly, so the OffloadingConnector's CPU blocks are held ``unconfirmed_ttl_s`` more only,
   unless stored again (``_doubt_silent_cpu``).
+- A connector reset sent to the replica directly whose device reset failed (``{"success":
+  false}``: blocks in use) publishes nothing at all; the replica's own answer tells, later:
+  a request the router sent predicting a load from CPU whose reported cached tokens stop at
+  the device's part (``usage.prompt_tokens_details.cached_tokens``, local and connector hits
+  together) proves the CPU tier lacks the chunks it predicted, and the router drops them
+  (``refute_cpu``, router/routing/cpu_audit.py). Each stale chunk misleads one request per
+  router at most.
 - An event of a type the decoder does not know (``UnknownEvent``: vLLM's proposed
   ``TierBlocksCleared``, say) may have changed any tier below the device: the replica's lower
   tiers are dropped (confirmed ones, and the unconfirmed holdings of that stream), and
@@ -35,6 +42,7 @@ Read from vLLM 0.32 (``v1/core/sched/scheduler.py``, ``v1/core/block_pool.py``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvroute.indexer.index.api import ApplyResult
@@ -144,6 +152,32 @@ class Resets(IndexStore):
             state = self._replicas.get(replica)
             if state is not None and state.reset_pending == _NO_RESET:
                 state.reset_pending = _DEVICE_RESET
+
+    def refute_cpu(self, replica: str, keys: Sequence[int]) -> int:
+        with self._lock:
+            state = self._replicas.get(replica)
+            cpu = int(Medium.CPU)
+            if state is None or cpu not in state.whole_loads or cpu in state.pool_tiers:
+                return 0  # only a connector that resets without a word can be this wrong
+            bit = 1 << (_W * state.slot + cpu)
+            masks = self._masks
+            wanted = {k for k in keys if masks.get(k, 0) & bit}
+            if not wanted:
+                return 0
+            gone = 0
+            for h, key in list(state.engine_to_key.items()):
+                if key not in wanted:
+                    continue
+                mask = masks.get(key, 0) & ~bit
+                self._set_mask(key, mask)
+                state.refs.pop((key, cpu), None)
+                state.chunks.pop((cpu, h), None)
+                state.doubted.pop(h, None)
+                state.tier_counts[cpu] -= 1
+                self._forget_if_unheld(state, h, key, mask)
+                gone += 1
+            self.refuted_blocks += gone
+            return gone
 
     def _drop_cpu(self, state: _ReplicaState) -> None:
         """What a connector's reset empties: the CPU tier, confirmed and unconfirmed."""

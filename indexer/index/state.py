@@ -205,6 +205,7 @@ class IndexStore:
     unconfirmed_max_blocks: int
     evicted_entries: int
     expired_blocks: int
+    refuted_blocks: int
     _clock: Callable[[], float]
     _masks: dict[int, int]
     _interned: dict[int, int]

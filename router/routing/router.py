@@ -21,6 +21,7 @@ from kvroute.router.config import RouterSettings
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.approx import RoutingHistory
 from kvroute.router.routing.calibration import CalibrationSample, LearnedRates, Rates
+from kvroute.router.routing.cpu_audit import audit_cpu, skips_prefix_cache
 from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.hints import BurstHints
 from kvroute.router.routing.lmcache import LMCacheController
@@ -129,6 +130,8 @@ class Decision:
     # Its KV came from a prefill replica (a P/D split): its first byte timed the pull, not
     # the replica's own work, and teaches the rates nothing.
     remote_prefill: bool = False
+    # vLLM computes the prompt without reading the prefix cache (prompt logprobs)
+    skips_cache: bool = False
     # The one prompt's token ids (None for a batch or without a tokenizer): what the
     # decode leg of a split request is given when the prefill leg reports none.
     tokens: list[int] | None = None
@@ -300,6 +303,7 @@ class Router:
         total = None if prompts is None else sum(len(p) for p in prompts)
         decision = Decision(self.policy.name, "", [], [], total)
         decision.lora_name = lora
+        decision.skips_cache = skips_prefix_cache(req.body)
         if prompts is not None and len(prompts) == 1:
             decision.tokens = prompts[0]
         affinity = req.model.encode()
@@ -478,7 +482,10 @@ class Router:
         """A streamed answer ended, reporting ``delivered`` cached tokens (None: not
         reported): with its first byte's time, one sample of the replica's prefill and load
         rates (router/routing/calibration.py). Only the replica chosen first, priced by the
-        kvroute cost model, and a single prompt (a batch's time is its prompts' together)."""
+        kvroute cost model, and a single prompt (a batch's time is its prompts' together).
+        Any answer may also prove the replica's CPU tier lacks chunks the index holds
+        (router/routing/cpu_audit.py)."""
+        audit_cpu(self.index, decision, replica.name, delivered)
         view = decision.view(replica.name)
         seconds = decision.first_byte_s
         if self.rates is None or view is None or seconds is None or view.queue_s is None:

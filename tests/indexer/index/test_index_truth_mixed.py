@@ -31,7 +31,8 @@ periodic task runs it):
   next drops that tier (a device reset it sees, a connector reset, a gap's clear), whichever
   comes first.
 - a connector reset sent directly whose device reset failed: its CPU blocks stay believed
-  until the index next drops CPU (nothing in the stream marks it).
+  until the index next drops CPU (nothing in the stream marks it), or until an answer proves
+  them gone (the router's audit, tests/router/routing/test_cpu_audit.py: not modelled here).
 """
 
 from __future__ import annotations

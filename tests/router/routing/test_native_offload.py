@@ -92,6 +92,93 @@ def test_router_predicts_the_cpu_tier_of_vllms_native_offloading(
         publisher.shutdown()
 
 
+def test_an_answer_that_proves_the_cpu_tier_reset_drops_its_chunks(
+    local_tokenizer: Any, tmp_path: Path
+) -> None:
+    """A connector reset sent to the replica directly, whose device reset failed, publishes
+    nothing: vLLM's OffloadingConnector empties its CPU tier without a word. The replica's
+    next answer on those chunks tells: its cached tokens (``usage.prompt_tokens_details``)
+    stop where the device's part ends, and the router drops the chunks it predicted from CPU.
+    The events are vLLM's own classes, published by vLLM's own publisher as its scheduler
+    orders them (a prompt computed, offloaded as one self-describing chunk of four blocks,
+    then evicted from the device); the replica answering is the simulated one, whose empty
+    cache is what the reset replica holds (mock: vLLM's OffloadingConnector cannot run on
+    CPU). The official ``openai`` client sends the requests."""
+    import openai
+    from vllm.distributed.kv_events import (
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+        ZmqEventPublisher,
+    )
+
+    events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    publisher = ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=events, replay_endpoint=replay, topic="kv@native@tiny"
+    )
+    server = SimServer("native", local_tokenizer.name).start()
+    settings = RouterSettings(
+        replicas=[ReplicaConfig(url=server.url, events=events, replay=replay, name="native")],
+        health_interval_s=0.2,
+        tokenizer_check_on_start=False,
+    )
+    router = ServerThread(create_app(settings, tokenizer=local_tokenizer)).start()
+    prompt = list(range(10, 80))  # 70 tokens: one chunk of four 16-token blocks, and more
+    hashes = [0x5EED0 + i for i in range(4)]
+    try:
+        service = router.app.state.service
+        wait_until(lambda: len(service.registry.healthy()) == 1, timeout_s=10)
+        time.sleep(0.5)  # the router's subscriber joins before the first batch goes out
+        stored = {"parent_block_hash": None, "token_ids": prompt[:64], "block_size": 16}
+        for batch in (
+            [
+                BlockStored(
+                    hashes,
+                    **stored,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    extra_keys=[None] * 4,
+                )
+            ],
+            [BlockStored(hashes, **stored, lora_id=None, medium="CPU", lora_name=None)],
+            [BlockRemoved(hashes, medium="GPU")],
+        ):
+            publisher.publish(KVEventBatch(ts=time.time(), events=batch))
+
+        def stats() -> dict[str, Any]:
+            return httpx.get(f"{router.url}/index/stats", timeout=5).json()
+
+        wait_until(lambda: stats()["replicas"]["native"]["feed"]["batches"] == 3)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+
+        def route() -> dict[str, Any]:
+            decision = httpx.post(f"{router.url}/debug/route", json=body, timeout=10).json()
+            return decision["replicas"][0]
+
+        assert route()["tokens_by_tier"] == {"CPU": 64}
+        assert stats()["fleet"]["refuted_cpu_blocks"] == 0
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+        # prompt logprobs make vLLM skip the prefix cache: its zero proves nothing
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0}
+        )
+        assert route()["tokens_by_tier"] == {"CPU": 64}
+        # ... and cached the prompt on the simulated device: the reset, sent to it directly
+        reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=5)
+        assert reset.json() == {"success": True}
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0
+        assert stats()["fleet"]["refuted_cpu_blocks"] == 4  # the one chunk of four blocks
+        view = route()
+        assert "CPU" not in view["tokens_by_tier"], view
+    finally:
+        router.stop()
+        server.close()
+        publisher.shutdown()
+
+
 def test_the_documented_native_offloading_flags_parse_in_vllm() -> None:
     """docs/deploy.md's flags, through vLLM's own argument parser and EngineArgs."""
     from vllm.engine.arg_utils import EngineArgs
