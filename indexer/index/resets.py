@@ -30,7 +30,8 @@ Read from vLLM 0.32 (``v1/core/sched/scheduler.py``, ``v1/core/block_pool.py``,
   false}``: blocks in use) publishes nothing at all; the replica's own answer tells, later:
   a request the router sent predicting a load from CPU whose reported cached tokens stop at
   the device's part (``usage.prompt_tokens_details.cached_tokens``, local and connector hits
-  together) proves the CPU tier lacks the chunks it predicted, and the router drops them
+  together) proves the CPU tier lacks the first chunk it predicted, and the router drops the
+  run it predicted
   (``refute_cpu``, router/routing/cpu_audit.py). Each stale chunk misleads one request per
   router at most.
 - An event of a type the decoder does not know (``UnknownEvent``: vLLM's proposed

@@ -12,9 +12,11 @@ request's cached tokens (``usage.prompt_tokens_details.cached_tokens``, with
 ``--enable-prompt-tokens-details``): the device's hit and the connector's load together
 (``PrefillStats.num_cached_tokens``). A request the router sent predicting the device's part
 and then a load from CPU, whose cached tokens stop at or before the device's part, proves the
-connector did not have the chunks predicted after it: they are dropped from the index's CPU
-tier of that replica (``PrefixIndex.refute_cpu``). So each stale chunk misleads at most one
-request per router.
+connector did not have the first chunk predicted after it (it loads chunks in order from the
+device's end and stops at the first it lacks). The whole run of CPU blocks the router
+predicted is dropped from the index's CPU tier of that replica (``PrefixIndex.refute_cpu``):
+after a reset nothing of it is left, and a wrong drop costs predictions, never a false hit.
+So each stale chunk misleads at most one request per router.
 
 Only when the answer can prove it: a single prompt that read the prefix cache (prompt
 logprobs make vLLM skip it), priced from the index alone (a router-local hint may have

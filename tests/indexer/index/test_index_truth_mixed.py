@@ -31,8 +31,9 @@ periodic task runs it):
   next drops that tier (a device reset it sees, a connector reset, a gap's clear), whichever
   comes first.
 - a connector reset sent directly whose device reset failed: its CPU blocks stay believed
-  until the index next drops CPU (nothing in the stream marks it), or until an answer proves
-  them gone (the router's audit, tests/router/routing/test_cpu_audit.py: not modelled here).
+  until the index next drops CPU (nothing in the stream marks it), or until the replica's
+  answer to a request routed on them proves them gone (``answer``: the router's audit,
+  router/routing/cpu_audit.py, with the cached tokens vLLM would report).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ from kvroute.indexer.wire import (
     Medium,
     decode_batch,
     encode_batch,
+)
+from kvroute.router.routing.cpu_audit import audit_cpu
+from kvroute.router.routing.policies import ReplicaView
+from kvroute.router.routing.router import (
+    _TIER_DROP_ORDER,
+    Decision,
+    match_tiers,
+    predicted_cached_tokens,
 )
 from tests.indexer.index.test_index_truth import (
     BS,
@@ -103,6 +112,7 @@ class MixedReplica(ModelReplica):
         # CPU hashes a connector reset sent directly emptied, excused until then (docs/
         # indexer.md: ``unconfirmed_ttl_s`` after the device clear that came with it)
         self.doubted: dict[int, float] = {}
+        self.asked: tuple[int, int] | None = None  # a request to answer (``answer``)
         self.prev = self.confirmed_sets()  # what the index was last told of confirmed tiers
 
     # --- the lower tier: SimpleCPUOffloadConnector's pool instead of chunks ------------------
@@ -287,6 +297,23 @@ class MixedReplica(ModelReplica):
         """The next step's batch is missed and the replay no longer holds it."""
         self.gap_next = True
 
+    def answer(self, doc: int, variant: int) -> None:
+        """A request for the prompt, answered without computing anything (the router's part
+        is in ``Router.step``): what the replica would report as cached tokens."""
+        self.asked = (doc, variant)
+
+    def cached_tokens(self, doc: int, variant: int) -> int:
+        """vLLM's reported cached tokens for the prompt: the device's hit (whole blocks, at
+        most the prompt less its last token), then, if the CPU tier holds the next block,
+        something more (the audit only asks whether it went past the device's part)."""
+        chain = blocks_of(doc, variant)
+        device = 0
+        while device < len(chain) and chain[device].hash in self.gpu:
+            device += 1
+        device = min(device, (len(DOCS[doc]) - 1) // BS)
+        more = device < len(chain) and chain[device].hash in self.confirmed_sets()[CPU]
+        return device * BS + (BS if more else 0)
+
     def serve(self, doc: int, variant: int) -> None:
         """A whole prompt computed, then offloaded (the connector's usual order)."""
         self.compute(doc, variant, 6)
@@ -368,6 +395,7 @@ op_st = st.one_of(
     st.tuples(st.just("lose")),
     st.tuples(st.just("gap")),
     st.tuples(st.just("tick"), st.sampled_from([1, 20, 61])),
+    st.tuples(st.just("answer"), doc_st, variant_st),
 )
 
 
@@ -424,8 +452,39 @@ class Router:
                 assert not batch.rejected and not batch.unknown_media
                 self.index.apply(replica, batch.events, source=source)
                 events.clear()
+        if m.asked is not None:
+            self._answer(*m.asked)
+            m.asked = None
         self.index.expire()
         m.prev = m.confirmed_sets()
+
+    def _answer(self, doc: int, variant: int) -> None:
+        """The router routes the prompt here as it would (the index's match, trimmed by vLLM's
+        last-token rule: Router._match) and audits the answer's cached tokens; the silent
+        reset's excuse ends for the CPU blocks the audit refuted."""
+        m = self.model
+        lora, salt = VARIANTS[variant]
+        request = RequestKeys(DOCS[doc], lora_name=lora, cache_salt=salt)
+        match = self.index.lookup(request).get("r")
+        if match is None or not match.tokens:
+            return
+        view = ReplicaView(name="r", block_size=BS)
+        view.match_tokens = predicted_cached_tokens(match.tokens, len(DOCS[doc]), BS)
+        tiers = match_tiers(match)
+        excess = match.tokens - view.match_tokens
+        for tier in _TIER_DROP_ORDER:
+            take = min(max(excess, 0), tiers.get(tier, 0))
+            tiers[tier] = tiers.get(tier, 0) - take
+            excess -= take
+        view.tokens_by_tier = {t: n for t, n in tiers.items() if n}
+        decision = Decision("kvroute", "", [], [view], len(DOCS[doc]))
+        decision.keys = {BS: request.keys(BS)}
+        if audit_cpu(self.index, decision, "r", m.cached_tokens(doc, variant)):
+            gpu, cpu = tiers.get(GPU, 0) // BS, tiers.get(CPU, 0) // BS
+            refuted = {(CPU, b.hash) for b in blocks_of(doc, variant)[gpu : gpu + cpu]}
+            m.silent -= refuted
+            got = self.index.block_tiers("r", request)
+            assert not any(CPU in got[i] for i in range(gpu, gpu + cpu)), (got, gpu, cpu)
 
     @staticmethod
     def _gone(prev: dict[str, set[int]], now: dict[str, set[int]]) -> set[tuple[str, int]]:
@@ -447,6 +506,13 @@ class Router:
 @example("connector", 14, 4, False, [("serve", 0, 2), ("mooncake_store", 0, 2), ("tier_cleared",)])
 @example("simple_cpu", 14, 4, False, [("serve", 1, 0), ("lose",), ("evict", 6), ("reset",)])
 @example("native_ph", 8, 2, False, [("serve", 1, 0), ("lose",), ("evict", 6), ("tick", 61)])
+@example(
+    "native_sd",
+    14,
+    4,
+    False,
+    [("serve", 0, 0), ("evict", 6), ("reset_direct", False), ("answer", 0, 0)],
+)
 @example("native_sd", 14, 4, False, [("serve", 2, 0), ("gap",), ("evict", 6), ("serve", 2, 0)])
 @example("simple_cpu", 14, 4, False, [("serve", 1, 0), ("vllm_fs_store", 1, 0), ("tick", 61)])
 def test_every_publisher_mixed_with_faults_stays_within_the_stated_windows(
@@ -496,3 +562,26 @@ def test_the_mixed_model_reaches_every_class_and_every_fault() -> None:
     model.tick(61)
     router.step()
     assert all(STORAGE_U not in t for t in index.block_tiers("r", DOCS[0]))
+
+
+def test_an_answer_ends_the_window_of_a_silent_reset() -> None:
+    """A connector reset sent directly, the device's reset failed: nothing in the stream says
+    so, and the index believes the offloaded chunks; the next answer on them (device part
+    only) is the proof, and the excuse ends there."""
+    model = MixedReplica("native_sd", 14, 4, pvc=False)
+    router = Router(model)
+    for op in (("serve", 0, 0), ("evict", 6), ("reset_direct", False)):
+        getattr(model, op[0])(*op[1:])
+        router.step()
+    assert model.silent and any(CPU in t for t in router.index.block_tiers("r", DOCS[0]))
+    model.answer(0, 0)
+    router.step()
+    # what the router predicted from CPU goes: the prompt less its last token, in blocks (the
+    # prompt's last block is never predicted, vLLM recomputes its last token: it waits for a
+    # longer prompt, and alone it is no whole chunk a lookup would count)
+    predicted = (len(DOCS[0]) - 1) // BS
+    assert router.index.stats().refuted_cpu_blocks == predicted
+    tiers = router.index.block_tiers("r", DOCS[0])
+    assert [CPU in t for t in tiers] == [False] * predicted + [True] * (len(tiers) - predicted)
+    assert model.silent == {(CPU, b.hash) for b in blocks_of(0, 0)[predicted:]}
+    assert router.index.lookup(DOCS[0])["r"].tokens == 0
