@@ -34,10 +34,10 @@ single_type_kv_cache_manager.py, block_pool.py, kv_cache_manager.py):
   block this hit could not have served (``_recomputed``); another group's store with a block
   mask is one; another group's store listing every block follows the keyed group's store of
   the same step that ends on the same hash (``_starts``, decided at the batch's end), and is
-  otherwise taken as a re-announcement: nothing of it is taken. Nor of a Mamba group's such
-  store in any case: vLLM caches a Mamba run's state at its end only, so one listing every
-  block is a re-announcement (of a state the group holds) even when the keyed group's store
-  looked computed (its second copies, which the index does not count, were lost from it).
+  otherwise taken as a re-announcement: nothing of it is taken. A keyed block the index lost
+  may still be held as a copy it never counted (``uncounted``: a store from the prompt's start
+  named it while held, taken once): naming it is then no proof of a computation, so a
+  re-announced hit is not taken for one and its groups' listings add nothing.
 """
 
 from __future__ import annotations
@@ -132,12 +132,6 @@ class HybridGroups(IndexStore):
         resolved later)."""
         for owner, group, hashes in self._starts:
             if owner is state and (state, hashes[-1]) in self._computed:
-                if (state.group_specs.get(group) or (None,))[0] in _MAMBA:
-                    # vLLM's Mamba manager caches a computed run's state at its end only (a
-                    # store with a block mask): listing every block, this is a re-announced
-                    # hit that the keyed group's copies the index lost made look computed (or
-                    # mamba_cache_mode "all"), ending on a state the group holds: no new one.
-                    continue
                 self._deferred.extend((state, group, h) for h in hashes)
             # else a re-announced hit, or a copy we cannot tell from one: nothing to take
         self._starts.clear()

@@ -148,14 +148,10 @@ def _prompt(root: int, length: int, tail: int) -> list[int]:
         (0, 46, 1, 20, "plain"),
     ],
 )
-# A re-announced hit ("report full") after second copies the index lost (a request that
-# skipped the cache, then the first copies' eviction): the keyed group's store looks computed,
-# and the Mamba group's listing of every block was taken as states it does not hold (found by
-# this test: the index predicted 16 tokens where vLLM served none; with its last state
-# taken again, 48 where vLLM served 32 after that state's removal). And the keyed group's
-# own: a re-announced hit naming a block whose counted copy went (the skipped-cache request's
-# copy held on) was taken for a computation, its held blocks counted twice (80 where vLLM
-# served 0 after their removal).
+# A re-announced hit ("report full") after second copies the index never counted (a request
+# that skipped the cache, then the first copies' eviction) was taken for a computation: its
+# groups' listings of every block became states and copies it does not hold (found by this
+# test: the index predicted 16, 48 and 80 tokens where vLLM served 0, 32 and 0).
 @example(
     layout="full+mamba",
     steps=[
