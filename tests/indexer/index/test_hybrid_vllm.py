@@ -148,6 +148,18 @@ def _prompt(root: int, length: int, tail: int) -> list[int]:
         (0, 46, 1, 20, "plain"),
     ],
 )
+# EAGLE's drop leaves a two-block prompt's hit empty: its first block, held, is computed again
+# from token 0, a second copy the index cannot tell from a re-announced one-block hit
+# (found by this test, on the code before today too: 0 predicted where vLLM served 16).
+@example(
+    layout="swa+full eagle",
+    steps=[
+        (0, 8, 0, 1, "plain"),
+        (1, 32, 0, 17, "plain"),
+        (1, 17, 0, 16, "plain"),
+        (0, 78, 0, 20, "plain"),
+    ],
+)
 # A re-announced hit ("report full") after second copies the index never counted (a request
 # that skipped the cache, then the first copies' eviction) was taken for a computation: its
 # groups' listings of every block became states and copies it does not hold (found by this
@@ -231,9 +243,13 @@ def test_the_index_predicts_vllms_hybrid_hit(
             # less than vLLM holds (docs/indexer.md), never more.
             skipped_cache = skipped_cache or mode == "logprobs"
             # A prompt of exactly one held block is computed again from token 0 (its last
-            # token is always recomputed): the same second copy, uncounted.
+            # token is always recomputed): the same second copy, uncounted. So is one of at
+            # most two blocks on an EAGLE replica, whose drop of the hit's last block leaves
+            # it empty: its store looks like a re-announced one-block hit (drafts.py).
             first = tuple(prompt[:block_size])
-            skipped_cache = skipped_cache or (len(prompt) == block_size and first in first_blocks)
+            one_block = len(prompt) == block_size
+            eagle_empty = LAYOUTS[layout].get("eagle") and (len(prompt) - 1) // block_size <= 1
+            skipped_cache = skipped_cache or ((one_block or eagle_empty) and first in first_blocks)
             if len(prompt) >= block_size:
                 first_blocks.add(first)
             for frame in r.frames[applied:]:
