@@ -18,6 +18,8 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +44,18 @@ def _republish(publisher: Any, payload: bytes) -> None:
     publisher.publish(msgspec.msgpack.Decoder(KVEventBatch).decode(payload))
 
 
-@pytest.mark.parametrize(
-    "scenario", ["native_offload_bpc4_placeholder", "native_offload_bpc4_selfdescribing"]
-)
-def test_router_predicts_the_cpu_tier_of_vllms_native_offloading(
-    scenario: str, local_tokenizer: Any, tmp_path: Path
-) -> None:
+@contextmanager
+def _router_on_vllms_publisher(
+    local_tokenizer: Any, tmp_path: Path, topic: str
+) -> Iterator[tuple[Any, SimServer, ServerThread]]:
+    """vLLM's own ``ZmqEventPublisher`` on ipc:// sockets, a simulated replica's HTTP side,
+    and the router's app over HTTP subscribed to the publisher, once it is healthy and its
+    subscriber has joined."""
     from vllm.distributed.kv_events import ZmqEventPublisher
-
-    fx = json.loads((FIXTURES / f"{scenario}.json").read_text())
-    probe = next(p for p in fx["probes"] if p["label"] == "after filler F3: X")
-    assert probe["truth"]["gpu_hit_tokens"] == 0 and probe["truth"]["offload_hit_tokens"] == 64
 
     events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
     publisher = ZmqEventPublisher(
-        data_parallel_rank=0, endpoint=events, replay_endpoint=replay, topic=fx["config"]["topic"]
+        data_parallel_rank=0, endpoint=events, replay_endpoint=replay, topic=topic
     )
     server = SimServer("native", local_tokenizer.name).start()
     settings = RouterSettings(
@@ -69,6 +68,25 @@ def test_router_predicts_the_cpu_tier_of_vllms_native_offloading(
         service = router.app.state.service
         wait_until(lambda: len(service.registry.healthy()) == 1, timeout_s=10)
         time.sleep(0.5)  # the router's subscriber joins before the first batch goes out
+        yield publisher, server, router
+    finally:
+        router.stop()
+        server.close()
+        publisher.shutdown()
+
+
+@pytest.mark.parametrize(
+    "scenario", ["native_offload_bpc4_placeholder", "native_offload_bpc4_selfdescribing"]
+)
+def test_router_predicts_the_cpu_tier_of_vllms_native_offloading(
+    scenario: str, local_tokenizer: Any, tmp_path: Path
+) -> None:
+    fx = json.loads((FIXTURES / f"{scenario}.json").read_text())
+    probe = next(p for p in fx["probes"] if p["label"] == "after filler F3: X")
+    assert probe["truth"]["gpu_hit_tokens"] == 0 and probe["truth"]["offload_hit_tokens"] == 64
+
+    topic = fx["config"]["topic"]
+    with _router_on_vllms_publisher(local_tokenizer, tmp_path, topic) as (publisher, _, router):
         upto = probe["after_batch"]
         for batch in fx["batches"][: upto + 1]:
             _republish(publisher, base64.b64decode(batch["payload_b64"]))
@@ -86,10 +104,6 @@ def test_router_predicts_the_cpu_tier_of_vllms_native_offloading(
         # X left the device; its four blocks are one chunk in vLLM's CPU tier: 64 tokens.
         assert view["tokens_by_tier"] == {"CPU": 64}, view
         assert view["predicted_cached_tokens"] == 64
-    finally:
-        router.stop()
-        server.close()
-        publisher.shutdown()
 
 
 def test_an_answer_that_proves_the_cpu_tier_reset_drops_its_chunks(
@@ -105,30 +119,16 @@ def test_an_answer_that_proves_the_cpu_tier_reset_drops_its_chunks(
     cache is what the reset replica holds (mock: vLLM's OffloadingConnector cannot run on
     CPU). The official ``openai`` client sends the requests."""
     import openai
-    from vllm.distributed.kv_events import (
-        BlockRemoved,
-        BlockStored,
-        KVEventBatch,
-        ZmqEventPublisher,
-    )
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-    events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    publisher = ZmqEventPublisher(
-        data_parallel_rank=0, endpoint=events, replay_endpoint=replay, topic="kv@native@tiny"
-    )
-    server = SimServer("native", local_tokenizer.name).start()
-    settings = RouterSettings(
-        replicas=[ReplicaConfig(url=server.url, events=events, replay=replay, name="native")],
-        health_interval_s=0.2,
-        tokenizer_check_on_start=False,
-    )
-    router = ServerThread(create_app(settings, tokenizer=local_tokenizer)).start()
     prompt = list(range(10, 80))  # 70 tokens: one chunk of four 16-token blocks, and more
     hashes = [0x5EED0 + i for i in range(4)]
-    try:
-        service = router.app.state.service
-        wait_until(lambda: len(service.registry.healthy()) == 1, timeout_s=10)
-        time.sleep(0.5)  # the router's subscriber joins before the first batch goes out
+    topic = "kv@native@tiny"
+    with _router_on_vllms_publisher(local_tokenizer, tmp_path, topic) as (
+        publisher,
+        server,
+        router,
+    ):
         stored = {"parent_block_hash": None, "token_ids": prompt[:64], "block_size": 16}
         for batch in (
             [
@@ -173,10 +173,6 @@ def test_an_answer_that_proves_the_cpu_tier_reset_drops_its_chunks(
         assert stats()["fleet"]["refuted_cpu_blocks"] == 4  # the one chunk of four blocks
         view = route()
         assert "CPU" not in view["tokens_by_tier"], view
-    finally:
-        router.stop()
-        server.close()
-        publisher.shutdown()
 
 
 def test_the_documented_native_offloading_flags_parse_in_vllm() -> None:
