@@ -539,7 +539,9 @@ def _stream_truth(
     replica where it took a store for something else (a chunk named while only another tier
     held its block resolves by that block alone, before the device's chain names the rest:
     ``test_a_join_may_learn_a_chunk_before_the_full_history``; a self-describing store of a
-    chunk whose last block it holds is taken as a re-store, confirmed.py)."""
+    chunk whose last block it holds is taken as a re-store, confirmed.py; a STORAGE store
+    without extra keys, vLLM's FS tier, held apart and unconfirmed, is refreshed by its chunk's
+    last block, not resolved again)."""
     held: set[tuple[str, int]] = set()
     for batch in batches:
         for e in batch:
@@ -553,7 +555,9 @@ def _stream_truth(
     out = [set(t) for t in want]
     hashes = [ehash(tuple(doc[: (i + 1) * BS])) for i in range(len(out))]
     for i, tiers in enumerate(out):
-        tiers.update(t for t in ("GPU", "CPU", "STORAGE") if (t, hashes[i]) in held)
+        for t in ("GPU", "CPU", "STORAGE"):
+            if (t, hashes[i]) in held:  # confirmed, or held apart (vLLM's FS tier's stores)
+                tiers.update((t, f"{t}_UNCONFIRMED"))
         last = (i // grid + 1) * grid - 1
         if last < len(out) and (medium.name in want[last] or (medium.name, hashes[last]) in held):
             tiers.add(medium.name)
