@@ -31,9 +31,8 @@ Read from vLLM 0.32 (``v1/core/sched/scheduler.py``, ``v1/core/block_pool.py``,
   a request the router sent predicting a load from CPU whose reported cached tokens stop at
   the device's part (``usage.prompt_tokens_details.cached_tokens``, local and connector hits
   together) proves the CPU tier lacks the first chunk it predicted, and the router drops the
-  run it predicted
-  (``refute_cpu``, router/routing/cpu_audit.py). Each stale chunk misleads one request per
-  router at most.
+  run it predicted (``refute_cpu``, router/routing/cpu_audit.py). Each stale chunk misleads
+  one request per router at most.
 - An event of a type the decoder does not know (``UnknownEvent``: vLLM's proposed
   ``TierBlocksCleared``, say) may have changed any tier below the device: the replica's lower
   tiers are dropped (confirmed ones, and the unconfirmed holdings of that stream), and
@@ -167,9 +166,10 @@ class Resets(IndexStore):
                 return 0
             gone = 0
             for h, key in list(state.engine_to_key.items()):
-                if key not in wanted:
-                    continue
-                mask = masks.get(key, 0) & ~bit
+                mask = masks.get(key, 0)
+                if key not in wanted or not mask & bit:
+                    continue  # (two hashes of one key: dropped once)
+                mask &= ~bit
                 self._set_mask(key, mask)
                 state.refs.pop((key, cpu), None)
                 state.chunks.pop((cpu, h), None)
