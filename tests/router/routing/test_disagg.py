@@ -59,7 +59,14 @@ def _plan(
     return plan, calls
 
 
+def _backlog() -> PrefillBacklog:
+    """A backlog whose clock stands still: the work sent is all there when the decider asks
+    (a real clock drains it by however long the test took to get there)."""
+    return PrefillBacklog(clock=lambda: 1000.0)
+
+
 def _disagg(backlog: PrefillBacklog | None = None, **kw: Any) -> Disaggregation:
+    backlog = _backlog() if backlog is None else backlog
     return Disaggregation(DisaggSettings(**kw), CostSettings(learn_queue_delay=False), backlog)
 
 
@@ -93,7 +100,7 @@ def test_the_stall_of_each_decoding_request_is_priced_at_the_configured_weight()
     """The trade made explicit: the same request splits when a second of stall to each of
     the 2 decodes costs a second of TTFT, and stays on decode when it costs a tenth."""
     for weight, split in ((1.0, True), (0.1, False)):
-        backlog = PrefillBacklog()
+        backlog = _backlog()
         p = _replica("p0", "prefill")
         _sent(backlog, p, 0.6)
         disagg = _disagg(backlog, skip_tokens=64, decode_stall_weight=weight, **TWO_WAY)
@@ -106,7 +113,7 @@ def test_the_stall_of_each_decoding_request_is_priced_at_the_configured_weight()
 
 
 def test_a_decode_replicas_own_prefills_are_its_wait() -> None:
-    backlog = PrefillBacklog()
+    backlog = _backlog()
     d = _replica("d0", "decode")
     _sent(backlog, d, 1.0)  # a long prompt computing there: nothing decoding yet
     disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
@@ -122,7 +129,7 @@ def test_the_prefill_replica_with_less_work_ahead_wins_not_the_one_with_fewer_re
     """One long prompt ahead (0.75 s) waits longer than three short ones (30 ms): the wait
     is the work ahead, and the prefills ahead are not slowed by this one (no delay to
     others priced on a prefill replica)."""
-    backlog = PrefillBacklog()
+    backlog = _backlog()
     long_ahead, short_ahead = _replica("p0", "prefill"), _replica("p1", "prefill")
     _sent(backlog, long_ahead, 0.75)
     _sent(backlog, short_ahead, 0.01, 0.01, 0.01)
@@ -276,7 +283,7 @@ def test_a_decode_leg_on_its_way_is_delayed_by_a_prompt_computed_before_it_lands
     prefill leg runs; a long prompt put there meanwhile delays the leg's first token by
     what is left of the prompt's work when it lands, priced one for one. A leg due after
     the prompt is done is not delayed."""
-    backlog = PrefillBacklog()
+    backlog = _backlog()
     d = _replica("d0", "decode")
     disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
     plan, _ = _plan(disagg, _decision(4000, [(d, 0)]), [(_replica("p0", "prefill"), 0)])
@@ -376,7 +383,7 @@ def test_whole_requests_decoding_on_a_prefill_replica_are_stalled_by_each_prefil
     queued. A prefill on p0 (a split's leg or a whole request) stalls its 3 decodes: 0.4 s
     + 3 x 0.4 s = 1.6 s, dearer than p1's 0.5 + 0.4 s. Its decodes are no queue either:
     its gauges' 3 requests are not priced as a peer router's prefills."""
-    backlog = PrefillBacklog()
+    backlog = _backlog()
     p0, p1 = _replica("p0", "prefill"), _replica("p1", "prefill")
     _serving_whole(backlog, p0, 3)
     _sent(backlog, p1, 0.5)
@@ -410,7 +417,7 @@ def test_a_split_leg_on_a_prefill_replica_decoding_whole_requests_prices_their_s
     """With the third choice off the split to p0 still carries the stall of the 2 whole
     requests decoding there (the old split estimate priced a prefill replica as never
     decoding): 0.4 + 2 x 0.4 s, then the pull and the second leg."""
-    backlog = PrefillBacklog()
+    backlog = _backlog()
     p0 = _replica("p0", "prefill")
     _serving_whole(backlog, p0, 2)
     disagg = _disagg(backlog, skip_tokens=64, **TWO_WAY)
@@ -425,7 +432,7 @@ def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_re
     replica has a 1 s prompt queued ahead (0.02 + 1 s decode only), the prefill replica
     none (0.02 s whole there). Never split, whichever is cheaper; with no queue on the
     decode replica the prefill pool is not even asked."""
-    backlog = PrefillBacklog()
+    backlog = _backlog()
     d = _replica("d0", "decode")
     _sent(backlog, d, 1.0)
     p = _replica("p0", "prefill")
@@ -440,7 +447,7 @@ def test_a_small_prompt_behind_a_queued_prefill_goes_whole_to_an_idle_prefill_re
     )
     assert plan.on_prefill_s == pytest.approx(0.02)
     # The prefill replica's queue is longer: decode only, for the same reason as before.
-    busy = PrefillBacklog()
+    busy = _backlog()
     _sent(busy, d, 1.0)
     _sent(busy, p, 2.0)
     plan, _ = _plan(_disagg(busy, skip_tokens=256, **THREE_WAY), _decision(200, [(d, 0)]), [(p, 0)])
