@@ -161,3 +161,25 @@ def test_hashes_are_what_the_builders_publish() -> None:
     same block must agree."""
     assert stored(A, 2, 1).block_hashes == hashes_of(A, 2, 1)
     assert removed(A, [2]).block_hashes == hashes_of(A, 2, 1)
+
+
+def test_a_snapshot_with_malformed_windows_is_refused() -> None:
+    """A forged or corrupted record's windows (more than a window and its next, a negative or
+    endless age) are refused before anything is installed."""
+    import msgspec
+    import pytest
+
+    from kvroute.indexer.snapshot import SnapshotError
+
+    index, _clock = _index()
+    index.apply("r", [stored(A, 0, 6)])
+    index.note_lost("r")
+    with index._lock:
+        rec = export_state(index, "r")
+    assert rec is not None
+    peer, _ = _index()
+    for ages in ([1.0, 2.0, 3.0], [-1.0], [float("inf")]):
+        forged = msgspec.structs.replace(rec, loss_ages_s=ages)
+        with pytest.raises(SnapshotError), peer._lock:
+            import_state(peer, "r", forged)
+        assert peer.summary()[0].entries == 0  # nothing installed
