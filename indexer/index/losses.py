@@ -58,7 +58,7 @@ class SourceLosses(IndexStore):
 
     if TYPE_CHECKING:  # confirmed holdings (confirmed.py), hybrid groups (hybrid.py)
 
-        def _forget_if_unheld(self, state: _ReplicaState, h: int, key: int, mask: int) -> None: ...
+        def _release(self, state: _ReplicaState, h: int, key: int, cls: int) -> int: ...
 
         def _keyed(self, state: _ReplicaState, group: int | None) -> bool: ...
 
@@ -111,26 +111,17 @@ class SourceLosses(IndexStore):
             _CPU: self._with_members(state, window, _CPU),
             _STORAGE: self._with_members(state, window, _STORAGE),
         }
+        # what is kept is held once (a copy counted before the loss may be the one it removed),
+        # and what goes goes whole
+        state.refs = {k: n for k, n in state.refs.items() if k[1] >= 3}
         shift = _W * state.slot
         masks = self._masks
-        refs = state.refs
-        counts = state.tier_counts
         gone = 0
         for h, key in list(state.engine_to_key.items()):
-            mask = masks.get(key, 0)
-            bits = (mask >> shift) & _CONFIRMED
-            new = mask
+            bits = (masks.get(key, 0) >> shift) & _CONFIRMED
             for c in (_GPU, _CPU, _STORAGE):
                 if bits >> c & 1 and h not in keep[c]:
-                    new &= ~(1 << (shift + c))
-                    refs.pop((key, c), None)
-                    counts[c] -= 1
-                    gone += 1
-            if new != mask:
-                self._set_mask(key, new)
-                self._forget_if_unheld(state, h, key, new)
-        # what is kept is held once (a copy counted before the loss may be the one it removed)
-        state.refs = {k: n for k, n in refs.items() if k[1] >= 3}
+                    gone += self._release(state, h, key, c)
         if state.chunks:
             for rec in state.chunks.values():
                 rec[1] = 1

@@ -68,6 +68,8 @@ class Resets(IndexStore):
 
         def _forget_if_unheld(self, state: _ReplicaState, h: int, key: int, mask: int) -> None: ...
 
+        def _release(self, state: _ReplicaState, h: int, key: int, cls: int) -> int: ...
+
         def _drop_class_holdings(
             self, state: _ReplicaState, cls: int, source: str | None = None
         ) -> int: ...
@@ -166,17 +168,11 @@ class Resets(IndexStore):
                 return 0
             gone = 0
             for h, key in list(state.engine_to_key.items()):
-                mask = masks.get(key, 0)
-                if key not in wanted or not mask & bit:
-                    continue  # (two hashes of one key: dropped once)
-                mask &= ~bit
-                self._set_mask(key, mask)
-                state.refs.pop((key, cpu), None)
-                state.chunks.pop((cpu, h), None)
-                state.doubted.pop(h, None)
-                state.tier_counts[cpu] -= 1
-                self._forget_if_unheld(state, h, key, mask)
-                gone += 1
+                if key in wanted:  # every holding goes (two hashes of one key: dropped once)
+                    state.refs.pop((key, cpu), None)
+                    state.chunks.pop((cpu, h), None)
+                    state.doubted.pop(h, None)
+                    gone += self._release(state, h, key, cpu)
             self.refuted_blocks += gone
             return gone
 
