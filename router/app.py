@@ -38,7 +38,7 @@ from kvroute.router.peers.snapshot import MEDIA_TYPE, encode_stream
 from kvroute.router.routing.disagg import pools
 from kvroute.router.service import RouterService
 from kvroute.router.serving.auth import ApiKeyMiddleware
-from kvroute.router.serving.disagg import has_prefill_pool
+from kvroute.router.serving.disagg import has_prefill_pool, may_serve_whole
 from kvroute.router.serving.endpoints import ProxyEndpoint, debug_kind
 from kvroute.router.serving.openapi import PROXIED, add_proxied_paths
 from kvroute.router.serving.proxy import read_body
@@ -245,6 +245,7 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
             prefill_pool,
             lambda pool: service.router.decide(parsed, pool, session),
             record=False,
+            on_prefill=may_serve_whole(kind, parsed, decision),
         )
         out: dict[str, Any] = {"kind": kind, **decision.to_dict()}
         out["disaggregation"] = plan.to_dict()

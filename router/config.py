@@ -262,7 +262,7 @@ class DisaggSettings:
     prefill_attempts: int = 2
     prefill_timeout_s: float = 60.0
     decode_stall_weight: float = 1.0
-    whole_on_prefill: bool = False
+    whole_on_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_timeout_s <= 0 or self.prefill_attempts < 1:

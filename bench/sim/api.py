@@ -2,11 +2,12 @@
 
 Endpoints and shapes follow vLLM 0.32: /v1/completions and /v1/chat/completions (JSON or SSE
 ending in ``data: [DONE]``, ``stream_options.include_usage``, ``usage.prompt_tokens_details.
-cached_tokens``), /v1/models (the base model and its LoRA adapters), /v1/load_lora_adapter and
-/v1/unload_lora_adapter, /tokenize, /detokenize, /metrics, /health, /reset_prefix_cache,
-/version, vLLM's ``--api-key`` check (``SimReplicaConfig.api_key``), and vLLM's error body
-``{"error": {"message", "type", "param", "code"}}``; the Responses API, Anthropic messages,
-embeddings and pooling are in kvroute.bench.sim.more_api, the render endpoints in
+cached_tokens``, ``return_token_ids``), /v1/models (the base model and its LoRA adapters),
+/v1/load_lora_adapter and /v1/unload_lora_adapter, /tokenize, /detokenize, /metrics,
+/health, /reset_prefix_cache, /version, vLLM's ``--api-key`` check
+(``SimReplicaConfig.api_key``), and vLLM's error body ``{"error": {"message", "type",
+"param", "code"}}``; the Responses API, Anthropic messages, embeddings and pooling are in
+kvroute.bench.sim.more_api, the render endpoints in
 kvroute.bench.sim.render_api. The app is plain Starlette (what FastAPI runs on) with
 hand-written validation: a fleet runs many replicas on one event loop, so per-request overhead
 matters more than schemas. Every route records its POSTs in ``replica.seen`` and applies the
@@ -355,6 +356,7 @@ class Handlers:
             opts = body.get("stream_options") or {}
             if not isinstance(opts, dict):
                 raise ApiError("stream_options must be an object", param="stream_options")
+            want_ids = opt_bool(body, "return_token_ids", False)
         except ApiError as err:
             return error_response(err)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -383,6 +385,7 @@ class Handlers:
                     chat,
                     bool(opts.get("include_usage")),
                     bool(opts.get("continuous_usage_stats")),
+                    ids if want_ids else None,
                 ),
                 media_type="text/event-stream",
             )
@@ -413,8 +416,16 @@ class Handlers:
                 "stop_reason": None,
                 "prompt_logprobs": None,
             }
+        extra: dict[str, Any] = {}
+        if want_ids:  # vLLM's return_token_ids: the prompt's and the output's ids
+            choice["token_ids"] = list(state.output)
+            if chat:
+                extra["prompt_token_ids"] = list(ids)
+            else:
+                choice["prompt_token_ids"] = list(ids)
         return json_response(
             {
+                **extra,
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
@@ -436,9 +447,15 @@ class Handlers:
         chat: bool,
         include_usage: bool,
         continuous_usage: bool,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[bytes]:
+        """The SSE body. ``prompt_ids`` (``return_token_ids``): as vLLM, the prompt's ids in
+        the first chunk (top level for chat, in the choice for completions) and each chunk's
+        output ids in its choice."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         decode = self.r.tokenizer.decode
+        want_ids = prompt_ids is not None
+        first_chunk = [not chat]  # completions carry the prompt's ids in their first chunk
 
         def chunk(state: Generation, delta_ids: list[int], finish: str | None) -> bytes:
             text = decode(delta_ids)
@@ -458,6 +475,11 @@ class Handlers:
                     "finish_reason": finish,
                     "stop_reason": None,
                 }
+            if want_ids:
+                choice["token_ids"] = list(delta_ids)
+                if first_chunk[0]:
+                    choice["prompt_token_ids"] = list(prompt_ids or ())
+                    first_chunk[0] = False
             out: dict[str, Any] = {
                 "id": rid,
                 "object": obj,
@@ -472,7 +494,7 @@ class Handlers:
         state, ids = first
         async with contextlib.aclosing(gen):  # type: ignore[type-var]
             if chat:
-                role = {
+                role: dict[str, Any] = {
                     "id": rid,
                     "object": obj,
                     "created": created,
@@ -486,6 +508,8 @@ class Handlers:
                         }
                     ],
                 }
+                if want_ids:
+                    role["prompt_token_ids"] = list(prompt_ids or ())
                 yield sse_data(role)
             done = len(state.output) >= state.max_tokens
             yield chunk(state, ids, "length" if done else None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -116,11 +115,20 @@ class SimTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def generate(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        """``n`` output ids, a pure function of the prompt: every replica answers a request
-        the same way, so a workload's later turns do not depend on where earlier ones ran."""
-        digest = hashlib.sha256(bytes(memoryview(_pack(prompt_ids)))).digest()
-        rng = random.Random(digest)
-        return [rng.choice(self._word_ids) for _ in range(n)]
+        """``n`` output ids, each a pure function of everything before it (the prompt and the
+        ids already generated), as greedy decoding is: every replica answers a request the
+        same way, so a workload's later turns do not depend on where earlier ones ran, and a
+        request continued elsewhere from its prompt plus its first ``k`` ids (the router's
+        stream resumption) goes on exactly as it would have."""
+        context = hashlib.sha256(_pack(prompt_ids))
+        words = self._word_ids
+        out: list[int] = []
+        for _ in range(n):
+            step = int.from_bytes(context.copy().digest()[:8], "little")
+            token = words[step % len(words)]
+            out.append(token)
+            context.update(_pack((token,)))
+        return out
 
 
 def _pack(ids: Sequence[int]) -> bytes:

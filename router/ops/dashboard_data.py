@@ -209,6 +209,8 @@ def _disaggregation(
         "prefill_fallbacks",
         "on_prefill",
         "on_prefill_fallbacks",
+        "resumed_streams",
+        "resume_failures",
         "missing_transfer_params",
         "transfer_failures",
         "pull_failures",

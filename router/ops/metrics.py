@@ -163,7 +163,9 @@ def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
         "P/D failures: prefill leg failed, served decode-only after them, prefill answer "
         "without kv_transfer_params, decode failed after a split (transfer), decode that "
         "could not pull and recomputed (pull: the replicas' own counters), a whole request "
-        "its prefill replica did not serve (on_prefill_fallback)",
+        "its prefill replica did not serve (on_prefill_fallback), a whole streamed answer "
+        "finished on another replica after its own failed (resumed_stream) or that could "
+        "not be (resume_failure)",
         labels=["kind"],
     )
     for kind in ("prefill_failures", "prefill_fallbacks", "missing_transfer_params"):
@@ -171,6 +173,8 @@ def _pd_metrics(pd: dict[str, Any] | None) -> Iterable[Metric]:
     failures.add_metric(["transfer_failure"], pd["transfer_failures"])
     failures.add_metric(["pull_failure"], pd.get("pull_failures", 0))
     failures.add_metric(["on_prefill_fallback"], pd.get("on_prefill_fallbacks", 0))
+    failures.add_metric(["resumed_stream"], pd.get("resumed_streams", 0))
+    failures.add_metric(["resume_failure"], pd.get("resume_failures", 0))
     yield failures
     if pd.get("bypass_rate") is not None:
         yield GaugeMetricFamily(

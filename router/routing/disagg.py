@@ -164,6 +164,8 @@ class PdCounters:
     prefill_failures: int = 0  # a prefill leg that failed (then the next, or decode only)
     prefill_fallbacks: int = 0  # split requests served decode-only after prefill failed
     on_prefill_fallbacks: int = 0  # whole_on_prefill requests its replica did not serve
+    resumed_streams: int = 0  # whole streamed answers finished elsewhere after a failure
+    resume_failures: int = 0  # ... that could not be finished (the client saw an error)
     missing_transfer_params: int = 0  # prefill answered without kv_transfer_params
     transfer_failures: int = 0  # decode answered an error after a split (pull failed)
     loopback_hosts_replaced: int = 0
@@ -187,6 +189,8 @@ class PdCounters:
             "prefill_fallbacks": self.prefill_fallbacks,
             "on_prefill": self.decisions.get("whole_on_prefill", 0),
             "on_prefill_fallbacks": self.on_prefill_fallbacks,
+            "resumed_streams": self.resumed_streams,
+            "resume_failures": self.resume_failures,
             "missing_transfer_params": self.missing_transfer_params,
             "transfer_failures": self.transfer_failures,
             "loopback_hosts_replaced": self.loopback_hosts_replaced,

@@ -25,10 +25,12 @@ client's own bytes to that prefill replica, which vLLM serves as an aggregated r
 ``kv_transfer_params``), named by ``x-kvroute-replica``; the decode ranking follows it, so
 a refusal, a 5xx the forwarder retries, a dead engine, or a failure before the answer's
 first bytes (nothing relayed yet) moves the request to the decode replica the decider would
-have used (``on_prefill_fallbacks``). A prefill replica that dies after its first bytes
-fails the request mid-answer, as any replica serving whole requests does.
-While it runs, the router's backlog counts it decoding there (``PrefillBacklog.serving``):
-the decider prices the stall each later prefill there gives it.
+have used (``on_prefill_fallbacks``). A streamed answer is offered the prefill replica
+only if it can be resumed (router/serving/resume.py): one that dies after its first bytes
+is finished on the decode ranking from the ids it streamed (``resumed_streams``; one that
+cannot be finished is ``resume_failures``, an error event to the client). While it runs,
+the router's backlog counts it decoding there (``PrefillBacklog.serving``): the decider
+prices the stall each later prefill there gives it.
 
 Failures never reach the client while a healthy replica can serve: a prefill leg that fails
 before the client saw anything (refused, 5xx, a broken or unreadable answer) moves to the next
@@ -63,6 +65,7 @@ from kvroute.router.serving.proxy import (
     Upstream,
     upstream_headers,
 )
+from kvroute.router.serving.resume import StreamResume, resume_blocker
 from kvroute.router.serving.upstream import UpstreamError
 from kvroute.router.tokens.requests import ParsedRequest
 
@@ -74,6 +77,7 @@ __all__ = [
     "SPLIT_KINDS",
     "decode_body",
     "has_prefill_pool",
+    "may_serve_whole",
     "prefill_body",
     "serve_disaggregated",
 ]
@@ -196,6 +200,7 @@ async def serve_disaggregated(
             parsed,
             prefill_pool,
             lambda pool: service.router.decide(parsed, pool, session),
+            on_prefill=may_serve_whole(endpoint.kind, parsed, decision),
         )
     if plan.on_prefill:
         await _on_prefill(endpoint, scope, receive, send, raw, request_id, parsed, plan, target)
@@ -332,6 +337,20 @@ async def _on_prefill(
 
     headers = upstream_headers(scope, request_id)
     key = id(on_prefill)
+    resume = None
+    if parsed.stream:  # resumable, or the decider would not have chosen it
+        resume = StreamResume(
+            endpoint.kind,
+            parsed.body,
+            _router_ids(decode),
+            forwarder=forwarder,
+            registry=service.registry,
+            ranked=decode.ranked,
+            target=target,
+            headers=headers,
+            commit=partial(router.commit, decode),
+        )
+        raw = resume.upstream_body()
     upstream: Upstream | None = None
     try:
         async with DisconnectWatch(receive) as watch:
@@ -375,9 +394,23 @@ async def _on_prefill(
             parsed.stream,
             on_prefill if served_by is replica else decode,
             opened=upstream,
+            resume=resume,
         )
+        if resume is not None:
+            counters.resumed_streams += resume.resumed > 0
+            counters.resume_failures += resume.gave_up is not None
     finally:
         router.backlog.ended(replica.name, key)
+
+
+def may_serve_whole(kind: str, parsed: ParsedRequest, decision: Any) -> bool:
+    """Whether the decider may serve the request whole on a prefill replica: a streamed
+    answer only if a failure there can be resumed elsewhere (a non-streamed one is retried
+    whole: nothing reached the client before the replica's answer)."""
+    if not parsed.stream:
+        return True
+    tokens = decision.tokens
+    return resume_blocker(kind, parsed.body, bool(getattr(tokens, "mm", None))) is None
 
 
 async def _prefill_leg(

@@ -66,6 +66,7 @@ from kvroute.router.serving.response_ids import (
     id_from_body,
     id_in_path,
 )
+from kvroute.router.serving.resume import StreamResume
 from kvroute.router.serving.upstream import UpstreamError
 from kvroute.router.tokens.prompts import PROMPT_PARSERS
 from kvroute.router.tokens.requests import ParsedRequest, decode_json, parse_body
@@ -327,9 +328,12 @@ class ProxyEndpoint:
         *,
         probe_404: bool = False,
         opened: Upstream | None = None,
+        resume: StreamResume | None = None,
     ) -> None:
         """Send along ``ranked`` (or relay ``opened``, an answer already open: the decode
-        leg of a split, router/serving/disagg.py) and record the outcome."""
+        leg of a split, router/serving/disagg.py) and record the outcome. A streamed answer
+        with ``resume`` is finished on another replica if its own fails mid-answer
+        (router/serving/resume.py)."""
         service = self.service
         metrics = service.metrics
         headers = upstream_headers(scope, request_id)
@@ -344,7 +348,7 @@ class ProxyEndpoint:
             upstream = opened or await self._open(
                 ranked, _target(scope), method, raw, headers, commit, probe_404
             )
-            complete = False
+            complete = resumed = False
             try:
                 if upstream.status == 200 and (stream or _is_sse(upstream.raw_headers)):
 
@@ -358,18 +362,29 @@ class ProxyEndpoint:
                         if self.kind == "responses"
                         else None
                     )
-                    tail, error = await send_stream(
-                        send,
-                        upstream,
-                        request_id,
-                        on_first_byte,
-                        tail_bytes=_RESPONSES_TAIL if self.homes is not None else 8192,
-                        client_timeout_s=service.settings.client_write_timeout_s,
-                        watch=watch_id,
-                    )
+                    if resume is not None:
+                        tail, error = await resume.relay(
+                            send,
+                            upstream,
+                            request_id,
+                            on_first_byte,
+                            client_timeout_s=service.settings.client_write_timeout_s,
+                        )
+                    else:
+                        tail, error = await send_stream(
+                            send,
+                            upstream,
+                            request_id,
+                            on_first_byte,
+                            tail_bytes=_RESPONSES_TAIL if self.homes is not None else 8192,
+                            client_timeout_s=service.settings.client_write_timeout_s,
+                            watch=watch_id,
+                        )
+                    # A resumed answer's usage is its last replica's: nothing to compare.
+                    resumed = resume is not None and resume.resumed > 0
                     delivered = cached_tokens_from_sse(tail)
                     outcome = "midstream_error" if error else "ok"
-                    complete = error is None
+                    complete = error is None and not (resume is not None and resume.broke)
                     if error:
                         log.warning("request %s: %s", request_id, error)
                 else:
@@ -407,7 +422,7 @@ class ProxyEndpoint:
                     delivered = cached_tokens_from_body(body) if decision is not None else None
                     outcome = _outcome(upstream.status)
                 metrics.latency(self.label, time.perf_counter() - upstream.started)
-                if decision is not None and outcome in ("ok", "midstream_error"):
+                if decision is not None and outcome in ("ok", "midstream_error") and not resumed:
                     streamed = stream or _is_sse(upstream.raw_headers)
                     self._record_accuracy(decision, upstream.replica, delivered, streamed)
             finally:

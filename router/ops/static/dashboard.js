@@ -84,6 +84,8 @@ function renderPd(pd) {
   setText("pd-bypass-rate", pct(pd.bypass_rate));
   setText("pd-on-prefill", fmt(pd.on_prefill));
   setText("pd-on-prefill-fallbacks", fmt(pd.on_prefill_fallbacks));
+  setText("pd-resumed-streams", fmt(pd.resumed_streams));
+  setText("pd-resume-failures", fmt(pd.resume_failures));
   setText("pd-prefill-legs", fmt(pd.prefill_legs));
   setText("pd-decode-legs", fmt(pd.decode_legs));
   setText("pd-prefill-failures", fmt(pd.prefill_failures));

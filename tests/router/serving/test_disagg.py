@@ -445,3 +445,110 @@ def test_a_prefill_replica_killed_while_computing_a_whole_request_leaves_no_clie
         assert stats["decisions"]["whole_on_prefill"] == 1
         assert stats["on_prefill_fallbacks"] == 1
         assert fleet.service.router.backlog.decoding("r0") == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_whole_streamed_answer_whose_prefill_replica_dies_mid_answer_is_finished_on_decode(
+    local_tokenizer: Any, kind: str
+) -> None:
+    """r0's connection breaks after two chunks, as when vLLM crashes mid-answer: the router
+    goes on from the ids it streamed on r1 (a /v1/completions request of the prompt's ids
+    plus those), and the client gets one answer, the one an unbroken run gives (the
+    simulator's next token is a function of the context, as greedy decoding's is)."""
+    auto = DisaggSettings(mode="auto", skip_tokens=8, whole_on_prefill=True)
+    dying = ReplicaFaults(die_after_chunks=2)
+    with make_fleet(
+        local_tokenizer,
+        2,
+        roles=["prefill", "decode"],
+        faults=[dying, ReplicaFaults()],
+        disagg=auto,
+    ) as fleet:
+        _decode_replica_busy(fleet)
+        client = _client(fleet)
+        usage = {"include_usage": True}
+        if kind == "chat":
+            body: dict[str, Any] = {"messages": [{"role": "user", "content": LONG}]}
+            with client.chat.completions.with_streaming_response.create(
+                model="tiny", max_tokens=8, stream=True, stream_options=usage, **body
+            ) as response:
+                headers, chunks = response.headers, list(response.parse())
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            path = "/v1/chat/completions"
+        else:
+            body = {"prompt": LONG}
+            with client.completions.with_streaming_response.create(
+                model="tiny", max_tokens=8, stream=True, stream_options=usage, **body
+            ) as response:
+                headers, chunks = response.headers, list(response.parse())
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            path = "/v1/completions"
+        assert headers["x-kvroute-replica"] == "r0"
+        assert text == "".join(fleet.fakes[0].generated_text(body, 8))
+        # One answer: the original's id throughout, usage counted from the original prompt.
+        assert len({c.id for c in chunks}) == 1
+        prompt = fleet.fakes[0].tokenize_prompt(body)
+        final = chunks[-1].usage
+        assert final is not None
+        assert (final.prompt_tokens, final.completion_tokens) == (len(prompt), 8)
+        # The ids asked for on the client's behalf are not shown to it.
+        assert all(getattr(c.choices[0], "token_ids", None) is None for c in chunks if c.choices)
+        (served,) = [s for s in fleet.fakes[0].seen if s.path == path]
+        assert served.body["return_token_ids"] is True
+        (cont,) = [s for s in fleet.fakes[1].seen if s.path == "/v1/completions"]
+        streamed = cont.body["prompt"][len(prompt) :]
+        assert cont.body["prompt"][: len(prompt)] == prompt and 0 < len(streamed) < 8
+        assert cont.body["max_tokens"] == 8 - len(streamed)
+        stats = _stats(fleet)
+        assert stats["decisions"]["whole_on_prefill"] == 1
+        assert (stats["resumed_streams"], stats["resume_failures"]) == (1, 0)
+        assert fleet.service.router.backlog.decoding("r0") == 0
+
+
+def test_a_whole_answer_no_replica_can_finish_ends_in_an_error_event_and_is_counted(
+    local_tokenizer: Any,
+) -> None:
+    """Both replicas break after two chunks: the continuation on r1 breaks too, and with no
+    replica left the client gets an error event (as from any replica dying mid-answer)."""
+    auto = DisaggSettings(mode="auto", skip_tokens=8, whole_on_prefill=True)
+    dying = [ReplicaFaults(die_after_chunks=2), ReplicaFaults(die_after_chunks=2)]
+    with make_fleet(
+        local_tokenizer, 2, roles=["prefill", "decode"], faults=dying, disagg=auto
+    ) as fleet:
+        _decode_replica_busy(fleet)
+        with (
+            pytest.raises(openai.APIError, match="not resumed: no other replica"),
+            _client(fleet).completions.with_streaming_response.create(
+                model="tiny", prompt=LONG, max_tokens=12, stream=True
+            ) as response,
+        ):
+            list(response.parse())
+        stats = _stats(fleet)
+        assert (stats["resumed_streams"], stats["resume_failures"]) == (1, 1)
+        text = httpx.get(f"{fleet.url}/metrics", timeout=5).text
+        assert 'kvroute_pd_failures_total{kind="resume_failure"} 1.0' in text
+
+
+def test_a_streamed_request_that_could_not_be_resumed_is_not_served_whole_on_prefill(
+    local_tokenizer: Any,
+) -> None:
+    auto = DisaggSettings(mode="auto", skip_tokens=8, whole_on_prefill=True)
+    with make_fleet(local_tokenizer, 2, roles=["prefill", "decode"], disagg=auto) as fleet:
+        _decode_replica_busy(fleet)
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": LONG}],
+            "max_tokens": 3,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        }
+        for stream, on_prefill in ((False, True), (True, False)):
+            route = httpx.post(
+                f"{fleet.url}/debug/route", json={**body, "stream": stream}, timeout=5
+            ).json()
+            assert route["disaggregation"]["on_prefill"] is on_prefill
+        with _client(fleet).chat.completions.with_streaming_response.create(
+            stream=True, **body
+        ) as response:
+            assert response.headers["x-kvroute-replica"] != "r0"
+            list(response.parse())
+        assert _stats(fleet)["decisions"]["whole_on_prefill"] == 0
