@@ -44,6 +44,11 @@ own samples)``.
 
 Rates are clamped to [prior / ``max_ratio``, prior x ``max_ratio``]: a rate can move by
 orders of magnitude, never to zero or to infinity.
+
+A sample whose time cannot tell its loads apart from the computing beside it
+(``loads_known`` false: a replica's own counters, router/routing/prefill_evidence.py) has
+its loads priced at the current rates and taken out, and teaches the overhead and the
+prefill rate only.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ class CalibrationSample:
     seconds: float  # the first byte (a replica's counters: its prefill time, no queue in it)
     weight: float = 1.0
     queue_s: float = 0.0  # the queue delay the cost model priced when it sent the request
+    # False: the time does not tell the loads apart from the computing beside them (a
+    # replica's counters: interval means of prefills that share its engine). Its loads are
+    # priced at the current rates and it teaches the overhead and the prefill rate only.
+    loads_known: bool = True
 
     @classmethod
     def from_request(
@@ -237,8 +246,12 @@ class LearnedRates:
         if pooled is None:
             pooled = self._pools[pool] = _Fit(at=now)
         x = sample.features()
-        predicted = sum(t * xi for t, xi in zip(self._solve(replica, now), x, strict=True))
+        theta = self._solve(replica, now)
         y, w = sample.seconds, sample.weight
+        if not sample.loads_known:
+            y -= theta[2] * sample.cpu + theta[3] * sample.storage
+            x = (x[0], x[1], 0.0, 0.0, x[4])
+        predicted = sum(t * xi for t, xi in zip(theta, x, strict=True))
         residual = abs(y - predicted)
         bound = self.outlier_k * fit.abs_residual
         if fit.samples >= 8 and bound > 0 and residual > bound:

@@ -19,6 +19,13 @@ feed (seconds = overhead + p x uncached + c x cpu + s x storage), weighted by th
 stands for, worth ``weight_per_request`` of an answer each: an answer measures what the cost
 model predicts (the client's time to first token), the counters measure the engine alone.
 Non-streamed traffic, which gives the router no first byte, is calibrated this way too.
+The loads in such a sample are priced at the current rates, and the sample teaches the
+overhead and the prefill rate only (``CalibrationSample.loads_known``): an interval's
+prefills share the replica's engine, so its mean time does not tell a disk load apart from
+the computing beside it, and fitted as evidence of the load rates those samples drove the
+storage rate to its lower clamp (docs/benchmarks.md, calibration on the shared-storage
+preset). The load rates are learned from the answers, and follow the prefill rate at the
+priors' ratio until answers show loads.
 
 The counters are counted at different moments (the tokens at scheduling or at the first
 token, the time at the first token), so differences are taken only once ``min_prefills``
@@ -75,6 +82,7 @@ class PrefillEvidence:
             disk / prefills,
             seconds / prefills,
             self.weight_per_request * prefills,
+            loads_known=False,
         )
 
     def forget(self, replica: str) -> None:

@@ -249,3 +249,32 @@ def test_the_prior_holds_a_rate_by_what_the_samples_tell_of_it(scale: float) -> 
     learned = rates.rates("r")
     assert 0.9 < _ratios(learned)[0] < 1.1, _ratios(learned)
     assert learned.overhead_s == pytest.approx(TRUE[0], rel=0.2)
+
+
+@pytest.mark.parametrize("scale", [10.0, 0.1])
+def test_counter_samples_teach_the_prefill_rate_and_leave_the_loads_to_the_answers(
+    scale: float,
+) -> None:
+    """A replica's counters are interval means of prefills that share its engine: here the
+    disk loads' time hides under the computing beside them (each interval takes what its
+    computed tokens cost, whatever it loaded). Fitted as load evidence, such samples drove
+    the storage rate to its lower clamp (docs/benchmarks.md); taken as what they are
+    (``loads_known=False``), they teach the prefill rate, and the load rates follow it at
+    the priors' ratio until answers show loads."""
+    rnd = random.Random(5)
+    blind = LearnedRates(_prior(scale), clock=ManualClock())
+    as_loads = LearnedRates(_prior(scale), clock=ManualClock())
+    for _ in range(300):
+        computed, disk = rnd.randint(100, 3000), rnd.randint(0, 6000)
+        seconds = TRUE[0] + TRUE[1] * computed  # the loads are not seen in the time
+        for rates, known in ((blind, False), (as_loads, True)):
+            rates.observe("r", CalibrationSample(computed, 0, disk, seconds, loads_known=known))
+    prefill, cpu, storage = _ratios(blind.rates("r"))
+    assert 0.9 < prefill < 1.1
+    assert storage == pytest.approx(prefill, rel=0.05) and cpu == pytest.approx(prefill, rel=0.05)
+    # The old reading of the same samples: disk loads are free.
+    assert _ratios(as_loads.rates("r"))[2] < 0.2
+    # Answers that load from disk still teach the storage rate beside the counters.
+    for sample in _samples(300, seed=7):
+        blind.observe("r", sample)
+    assert 0.8 < _ratios(blind.rates("r"))[2] < 1.25
