@@ -305,14 +305,7 @@ class ProxyEndpoint:
                 continue
             if upstream.status != 404 or i == len(ranked) - 1:
                 return upstream
-            complete = False
-            try:
-                await upstream.response.read()
-                complete = True
-            except UpstreamError:
-                pass
-            finally:
-                forwarder.close(upstream, complete=complete)
+            await forwarder.discard(upstream)
         raise error or RouterError(503, "no healthy replica is available")
 
     async def _forward(

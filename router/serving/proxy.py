@@ -59,6 +59,8 @@ __all__ = [
     "rank_headers",
     "read_body",
     "request_id_of",
+    "send_body",
+    "send_stream",
     "upstream_headers",
 ]
 
@@ -433,6 +435,18 @@ class Forwarder:
                 reason,
             )
 
+    async def discard(self, upstream: Upstream) -> None:
+        """Read an answer nobody will relay to its end (its connection stays reusable when
+        that works), then close it."""
+        complete = False
+        try:
+            await upstream.response.read()
+            complete = True
+        except UpstreamError:
+            pass
+        finally:
+            self.close(upstream, complete=complete)
+
     @staticmethod
     def close(upstream: Upstream, *, complete: bool) -> None:
         """Return the connection to the pool after a complete answer; otherwise close it,
@@ -444,6 +458,21 @@ class Forwarder:
                 upstream.response.close()
         finally:
             upstream.replica.end_request(upstream.epoch)
+
+
+async def send_body(send: Send, data: bytes, client_timeout_s: float | None) -> None:
+    """One piece of a streamed answer to the client. The server's ``send`` waits while the
+    client's socket buffer is full; a client that reads nothing for ``client_timeout_s`` is
+    given up (``ClientGone``), so it cannot hold a replica's slot."""
+    message = {"type": "http.response.body", "body": data, "more_body": True}
+    if client_timeout_s is None:
+        await send(message)
+        return
+    try:
+        async with asyncio.timeout(client_timeout_s):
+            await send(message)
+    except TimeoutError:
+        raise ClientGone() from None
 
 
 async def send_stream(
@@ -481,15 +510,7 @@ async def send_stream(
                 first = False
             if watch is not None and watch(chunk):
                 watch = None
-            message = {"type": "http.response.body", "body": chunk, "more_body": True}
-            if client_timeout_s is None:
-                await send(message)
-            else:
-                try:
-                    async with asyncio.timeout(client_timeout_s):
-                        await send(message)
-                except TimeoutError:
-                    raise ClientGone() from None
+            await send_body(send, chunk, client_timeout_s)
             tail = (tail + chunk)[-tail_bytes:]
     except UpstreamError as exc:
         error = f"upstream stream from {upstream.replica.name} failed: {exc!r}"

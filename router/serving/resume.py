@@ -25,7 +25,6 @@ continuing replica's (at most the prompt's).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -36,7 +35,7 @@ import msgspec
 
 from kvroute.router.errors import RouterError, sse_error
 from kvroute.router.fleet.replicas import Replica, ReplicaRegistry
-from kvroute.router.serving.proxy import ClientGone, Forwarder, Upstream, downstream_headers
+from kvroute.router.serving.proxy import Forwarder, Upstream, downstream_headers, send_body
 from kvroute.router.serving.upstream import UpstreamError
 
 __all__ = ["RESUMABLE_KINDS", "StreamResume", "continuation_target", "resume_blocker"]
@@ -196,18 +195,9 @@ class StreamResume:
         tail = [b""]
 
         async def out(data: bytes) -> None:
-            if not data:
-                return
-            message = {"type": "http.response.body", "body": data, "more_body": True}
-            if client_timeout_s is None:
-                await send(message)
-            else:
-                try:
-                    async with asyncio.timeout(client_timeout_s):
-                        await send(message)
-                except TimeoutError:
-                    raise ClientGone() from None
-            tail[0] = (tail[0] + data)[-8192:]
+            if data:
+                await send_body(send, data, client_timeout_s)
+                tail[0] = (tail[0] + data)[-8192:]
 
         current, tried, error = upstream, {upstream.replica.name}, None
         while True:
@@ -414,14 +404,7 @@ class StreamResume:
             return None, exc.message
         tried.add(upstream.replica.name)
         if upstream.status != 200:
-            complete = False
-            try:
-                await upstream.response.read()
-                complete = True
-            except UpstreamError:
-                pass
-            finally:
-                self.forwarder.close(upstream, complete=complete)
+            await self.forwarder.discard(upstream)
             return None, f"{upstream.replica.name} answered {upstream.status}"
         self.resumed += 1
         return upstream, ""
