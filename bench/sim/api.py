@@ -7,11 +7,12 @@ cached_tokens``, ``return_token_ids``), /v1/models (the base model and its LoRA 
 /health, /reset_prefix_cache, /version, vLLM's ``--api-key`` check
 (``SimReplicaConfig.api_key``), and vLLM's error body ``{"error": {"message", "type",
 "param", "code"}}``; the Responses API, Anthropic messages, embeddings and pooling are in
-kvroute.bench.sim.more_api, the render endpoints in
-kvroute.bench.sim.render_api. The app is plain Starlette (what FastAPI runs on) with
-hand-written validation: a fleet runs many replicas on one event loop, so per-request overhead
-matters more than schemas. Every route records its POSTs in ``replica.seen`` and applies the
-replica's ``ReplicaFaults`` (kvroute.bench.sim.faults).
+kvroute.bench.sim.more_api, the render endpoints in kvroute.bench.sim.render_api, the
+completions and chat answers' shapes (JSON and SSE) in kvroute.bench.sim.answers. The
+app is plain Starlette (what FastAPI runs on) with hand-written validation: a fleet runs
+many replicas on one event loop, so per-request overhead matters more than schemas. Every
+route records its POSTs in ``replica.seen`` and applies the replica's ``ReplicaFaults``
+(kvroute.bench.sim.faults).
 
 Deviations, stated so nobody mistakes them for vLLM's: the generated text is a deterministic
 function of the prompt (see SimTokenizer.generate), every request generates exactly
@@ -25,12 +26,11 @@ reports, as vLLM 0.32 does, the cached tokens of its last prompt only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvroute.bench.sim.answers import AnswerShape, sse_answer, whole_answer
 from kvroute.bench.sim.faults import SeenRequest
 from kvroute.bench.sim.http_common import (
     ApiError,
@@ -47,12 +48,11 @@ from kvroute.bench.sim.http_common import (
     opt_int,
     read_body,
     run_to_end,
-    sse_data,
     with_cancellation,
 )
 from kvroute.bench.sim.more_api import MoreHandlers
 from kvroute.bench.sim.render_api import RenderHandlers
-from kvroute.bench.sim.replica import Generation, InjectedError, SimReplica
+from kvroute.bench.sim.replica import InjectedError, SimReplica
 from kvroute.bench.sim.scheduler import ReplicaDied
 
 __all__ = ["VllmKeyCheck", "create_app", "request_token_ids"]
@@ -369,6 +369,9 @@ class Handlers:
         gen = self.r.generate(
             ids, max_tokens, cache_salt=salt, lora_name=lora, kv_transfer_params=kv
         )
+        shape = AnswerShape(
+            rid, created, self.model, chat, self.r.tokenizer.decode, ids if want_ids else None
+        )
         if stream:
             # Wait for the first token before answering, so errors found before any output
             # (injected faults, a dead replica) get a status code, as in vLLM.
@@ -377,15 +380,13 @@ class Handlers:
             except (InjectedError, ReplicaDied) as exc:
                 return error_response(ApiError(str(exc), code=500))
             return StreamingResponse(
-                self._stream(
+                sse_answer(
+                    shape,
                     gen,
                     first,
-                    rid,
-                    created,
-                    chat,
-                    bool(opts.get("include_usage")),
-                    bool(opts.get("continuous_usage_stats")),
-                    ids if want_ids else None,
+                    self.r.faults,
+                    include_usage=bool(opts.get("include_usage")),
+                    continuous_usage=bool(opts.get("continuous_usage_stats")),
                 ),
                 media_type="text/event-stream",
             )
@@ -393,156 +394,7 @@ class Handlers:
             state = await run_to_end(gen)
         except (InjectedError, ReplicaDied) as exc:
             return error_response(ApiError(str(exc), code=500))
-        text = self.r.tokenizer.decode(state.output)
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-        extra: dict[str, Any] = {}
-        if want_ids:  # vLLM's return_token_ids: the prompt's and the output's ids
-            choice["token_ids"] = list(state.output)
-            if chat:
-                extra["prompt_token_ids"] = list(ids)
-            else:
-                choice["prompt_token_ids"] = list(ids)
-        return json_response(
-            {
-                **extra,
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": self.model,
-                "choices": [choice],
-                "usage": _usage(state),
-                "system_fingerprint": None,
-                "service_tier": None,
-                "kv_transfer_params": state.kv_transfer_params,
-            }
-        )
-
-    async def _stream(
-        self,
-        gen: AsyncIterator[tuple[Generation, list[int]]],
-        first: tuple[Generation, list[int]],
-        rid: str,
-        created: int,
-        chat: bool,
-        include_usage: bool,
-        continuous_usage: bool,
-        prompt_ids: list[int] | None = None,
-    ) -> AsyncIterator[bytes]:
-        """The SSE body. ``prompt_ids`` (``return_token_ids``): as vLLM, the prompt's ids in
-        the first chunk (top level for chat, in the choice for completions) and each chunk's
-        output ids in its choice."""
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        decode = self.r.tokenizer.decode
-        want_ids = prompt_ids is not None
-        first_chunk = [not chat]  # completions carry the prompt's ids in their first chunk
-
-        def chunk(state: Generation, delta_ids: list[int], finish: str | None) -> bytes:
-            text = decode(delta_ids)
-            if chat:
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-            if want_ids:
-                choice["token_ids"] = list(delta_ids)
-                if first_chunk[0]:
-                    choice["prompt_token_ids"] = list(prompt_ids or ())
-                    first_chunk[0] = False
-            out: dict[str, Any] = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model,
-                "choices": [choice],
-            }
-            if include_usage and continuous_usage:
-                out["usage"] = _usage(state)
-            return sse_data(out)
-
-        state, ids = first
-        async with contextlib.aclosing(gen):  # type: ignore[type-var]
-            if chat:
-                role: dict[str, Any] = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": self.model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                if want_ids:
-                    role["prompt_token_ids"] = list(prompt_ids or ())
-                yield sse_data(role)
-            done = len(state.output) >= state.max_tokens
-            yield chunk(state, ids, "length" if done else None)
-            sent = 1
-            try:
-                async for state, ids in gen:
-                    if sent == self.r.faults.die_after_chunks:
-                        raise InjectedError("injected mid-stream death")
-                    done = len(state.output) >= state.max_tokens
-                    yield chunk(state, ids, "length" if done else None)
-                    sent += 1
-            except ReplicaDied:
-                return  # the stream just stops, without [DONE], as when a process dies
-        if include_usage:
-            tail = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model,
-                "choices": [],
-                "usage": _usage(state),
-            }
-            yield sse_data(tail)
-        yield b"data: [DONE]\n\n"
-
-
-def _usage(state: Generation) -> dict[str, Any]:
-    return {
-        "prompt_tokens": state.prompt_tokens,
-        "completion_tokens": len(state.output),
-        "total_tokens": state.prompt_tokens + len(state.output),
-        "prompt_tokens_details": {"cached_tokens": state.cached_tokens},
-    }
+        return json_response(whole_answer(shape, state))
 
 
 def request_token_ids(replica: SimReplica, body: dict[str, Any]) -> list[int]:
