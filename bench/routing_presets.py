@@ -122,6 +122,34 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Small device caches: each replica's device tier holds about two of the longest
+# conversations (160 blocks of 16 tokens; a user's context grows to about 1,300 tokens over
+# eight turns), a CPU tier holds every history, and the fleet is not overloaded (the
+# cache-blind policies' p90 stays under 0.3 s). Here a request sent to the replica that
+# holds its history may wait for room in its device cache behind the conversations
+# decoding there, which no queue length shows: the preset where affinity pays in the tail
+# (docs/benchmarks.md, "Small device caches").
+PRESETS["small_device"] = {
+    "replicas": 4,
+    "gpu_blocks": 160,
+    "cpu_blocks": 2000,
+    "storage_blocks": 0,
+    "time_scale": 0.5,
+    "workloads": ["chat"],
+    "deadline_s": 90.0,
+    "sizes": {
+        "chat": dict(
+            users=24,
+            rounds=8,
+            system_tokens=300,
+            question_tokens=80,
+            answer_tokens=40,
+            user_rate=2.0,
+            think_s=3.0,
+        ),
+    },
+}
+
 # llm-d's precise-routing benchmark shape: many tenants' prefixes, a ramping rate.
 PRESETS["llmd"] = tenants.LLMD_PRESET
 

@@ -203,6 +203,9 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
                 service.router.unstored.snapshot(r.name for r in registry),
                 next_sample=0 if learned is None else learned.next_sample,
                 samples=None if learned is None or since is None else learned.entries_since(since),
+                kv_held=None
+                if service.router.kv_room is None
+                else {r.name: service.router.kv_room.held_blocks(r.name) for r in registry},
             )
 
         if stream:

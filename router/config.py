@@ -140,8 +140,11 @@ class CostSettings:
     est_ttft = queue_delay + prefill_s_per_token * uncached
                + load_s_per_token_cpu * cpu_tokens + load_s_per_token_storage * storage_tokens
     queue_delay = q * pending * (1 + pending / queue_knee)
-                  + waiting_s_per_request * waiting + kv_pressure_s * pressure
-    q is learned per replica from streamed first bytes (``learn_queue_delay``), starting
+                  + waiting_s_per_request * waiting + kv_wait (or kv_pressure_s * pressure)
+    kv_wait is how long until the request's blocks are free in the replica's device cache
+    (``kv_room``, router/routing/kv_room.py), where the replica's metrics say its size;
+    the pressure term stands in for it where they do not. q is learned per replica from
+    streamed first bytes (``learn_queue_delay``), starting
     from and relaxing back to ``queue_s_per_request``; the three rates likewise
     (``learn_rates``, router/routing/calibration.py), from the configured ones. See
     docs/router.md for what each term models and how to set it."""
@@ -165,6 +168,13 @@ class CostSettings:
     waiting_s_per_request: float = 0.05
     kv_pressure_s: float = 0.5
     kv_pressure_start: float = 0.9
+    # Price the wait for room in a replica's device cache (router/routing/kv_room.py): its
+    # size from vLLM's cache-config gauge, the blocks this router's requests hold there and
+    # when they should end, at seconds per output token learned from answers (this prior
+    # first). A request without max_tokens is budgeted kv_default_output_tokens.
+    kv_room: bool = True
+    decode_s_per_token: float = 0.03
+    kv_default_output_tokens: int = 256
     # Rank by est_ttft + weight * (this request's prefill + loads) * pending requests there:
     # the delay it adds to the requests it joins (0: rank by its own est_ttft alone).
     delay_to_others_weight: float = 1.0
@@ -222,6 +232,10 @@ class CostSettings:
                 raise ConfigError(f"cost.{name} must be >= 0")
         if self.queue_knee <= 0:
             raise ConfigError("cost.queue_knee must be > 0")
+        if self.decode_s_per_token <= 0:
+            raise ConfigError("cost.decode_s_per_token must be > 0")
+        if self.kv_default_output_tokens < 0:
+            raise ConfigError("cost.kv_default_output_tokens must be >= 0")
         if not 0.0 < self.queue_learn_weight <= 1.0:
             raise ConfigError("cost.queue_learn_weight must be in (0, 1]")
         if self.placement_half_life_s <= 0:

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvroute.bench.sim.scheduler import Scheduler
+from kvroute.indexer.wire import Medium
 
 __all__ = ["ReplicaMetrics"]
 
@@ -100,6 +101,18 @@ class _EngineCollector(Collector):
         yield self._gauge(
             "vllm:num_requests_waiting", "Requests waiting to be processed.", s.num_waiting
         )
+        # vLLM's info gauge of its CacheConfig: the fields are labels, the value always 1
+        # (vllm/v1/metrics/loggers.py, log_metrics_info); the cache's size is num_gpu_blocks.
+        cache = s.cache
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", *self._names],
+        )
+        info.add_metric(
+            [str(cache.block_size), str(cache.capacity[Medium.GPU]), "None", *self._values], 1.0
+        )
+        yield info
         yield self._gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",

@@ -22,6 +22,7 @@ import httpx
 
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.fleet.replicas import (
+    KV_BLOCKS,
     PD_TRANSPORT_COUNTERS,
     SPEC_DECODE_COUNTER,
     Replica,
@@ -124,7 +125,10 @@ class HealthChecker:
         for m in members:
             gauges = engine_gauges(by_engine, m.config.dp_rank, len(members))
             m.set_gauges(
-                gauges.get("running", 0.0), gauges.get("waiting", 0.0), gauges.get("kv_usage", 0.0)
+                gauges.get("running", 0.0),
+                gauges.get("waiting", 0.0),
+                gauges.get("kv_usage", 0.0),
+                gauges.get(KV_BLOCKS),
             )
             m.pd_transport = {k: gauges[k] for k in PD_TRANSPORT_COUNTERS if k in gauges}
             self._note_drafts(m, SPEC_DECODE_COUNTER in gauges)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import re
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 from kvroute.router.config import ReplicaConfig
 
 __all__ = [
+    "KV_BLOCKS",
     "PD_PULL_FAILURES",
     "PD_TRANSPORT_COUNTERS",
     "PREFILL_COUNTERS",
@@ -84,12 +86,23 @@ PD_PULL_FAILURES = ("nixl_failed_transfers", "storage_timeouts", "storage_mismat
 
 _ENGINE_LABEL = re.compile(r'[{,]engine="([^"]*)"')
 _SOURCE_LABEL = re.compile(r'[{,]source="([^"]*)"')
+# vLLM's cache config, an info gauge (always 1) whose labels are CacheConfig's fields: the
+# device cache's size in blocks is its ``num_gpu_blocks`` label (what the KV room is
+# counted against, router/routing/kv_room.py).
+_CACHE_INFO = "vllm:cache_config_info"
+_GPU_BLOCKS_LABEL = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
+KV_BLOCKS = "kv_blocks"
+# How long peers' device-cache holdings are remembered, for a scrape that old
+_PEER_KV_HISTORY_S = 30.0
 
 
 def _fold(out: dict[str, float], key: str, value: float) -> None:
-    """Counts add up over engines; KV usage is the fullest engine's."""
+    """Counts add up over engines; KV usage is the fullest engine's, the cache size the
+    smallest engine's (the one a request fits last)."""
     if key == "kv_usage":
         out[key] = max(out.get(key, 0.0), value)
+    elif key == KV_BLOCKS:
+        out[key] = min(out.get(key, value), value)
     else:
         out[key] = out.get(key, 0.0) + value
 
@@ -106,6 +119,12 @@ def parse_vllm_metrics_by_engine(text: str) -> dict[str, dict[str, float]]:
         name_end = brace if brace >= 0 else line.find(" ")
         name = line[:name_end]
         key = _GAUGES.get(name) or _COUNTERS.get(name)
+        info: float | None = None  # an info gauge's value is in a label
+        if key is None and name == _CACHE_INFO and brace >= 0:
+            blocks = _GPU_BLOCKS_LABEL.search(line, brace)
+            if blocks is None or int(blocks.group(1)) <= 0:
+                continue
+            key, info = KV_BLOCKS, float(blocks.group(1))
         if key is None:
             sources = _BY_SOURCE.get(name)
             if sources is None or brace < 0:
@@ -124,7 +143,7 @@ def parse_vllm_metrics_by_engine(text: str) -> dict[str, dict[str, float]]:
         else:
             rest = line[name_end:]
         try:
-            value = float(rest.split()[0])
+            value = float(rest.split()[0]) if info is None else info
         except (IndexError, ValueError):
             continue
         _fold(out.setdefault(engine, {}), key, value)
@@ -158,7 +177,7 @@ def engine_gauges(
     if any(by_engine):
         return {}
     total = _combined(by_engine)
-    return {k: v if k == "kv_usage" else v / max(ranks, 1) for k, v in total.items()}
+    return {k: v if k in ("kv_usage", KV_BLOCKS) else v / max(ranks, 1) for k, v in total.items()}
 
 
 class LoadSignal:
@@ -199,9 +218,15 @@ class Replica:
     # feed has not announced yet, as of their last answer (router/peers/load.py).
     peer_in_flight: int = 0
     peer_unstored_blocks: int = 0
+    # The device blocks peer routers' requests hold on it (router/routing/kv_room.py), now
+    # and, for the moment of a scrape, as it changed (time, blocks), oldest first
+    peer_kv_held: int = 0
+    peer_kv_history: deque[tuple[float, int]] = field(default_factory=deque)
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    # Its device cache's size in blocks, from its metrics page (None: the page does not say)
+    kv_blocks: int | None = None
     scraped_at: float | None = None
     # Requests sent after the last scrape and still in flight; ``scrape_epoch`` tells a
     # finishing request whether it was one of them.
@@ -274,9 +299,30 @@ class Replica:
         if self.load_signal is not None:
             self.load_signal.changed()
 
-    def set_gauges(self, running: float, waiting: float, kv_usage: float) -> None:
+    def set_peer_kv_held(self, blocks: int) -> None:
+        if blocks == self.peer_kv_held and self.peer_kv_history:
+            return
+        now = time.monotonic()
+        self.peer_kv_held = blocks
+        history = self.peer_kv_history
+        history.append((now, blocks))
+        while len(history) > 1 and history[1][0] <= now - _PEER_KV_HISTORY_S:
+            history.popleft()
+
+    def peer_kv_held_at(self, moment: float) -> int:
+        """What peers' requests held on it at ``moment`` (a scrape's time), as last heard."""
+        for at, blocks in reversed(self.peer_kv_history):
+            if at <= moment:
+                return blocks
+        return 0
+
+    def set_gauges(
+        self, running: float, waiting: float, kv_usage: float, kv_blocks: float | None = None
+    ) -> None:
         """A fresh metrics page: it counts every request the replica had by now."""
         self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
+        if kv_blocks is not None:
+            self.kv_blocks = int(kv_blocks)
         self.scraped_at = time.monotonic()
         self.scrape_epoch += 1
         self.sent_since_scrape = 0
@@ -303,6 +349,7 @@ class Replica:
             "running": self.running,
             "waiting": self.waiting,
             "kv_cache_usage": self.kv_usage,
+            "kv_cache_blocks": self.kv_blocks,
             "pending": self.pending,
             "models": sorted(self.models),
             "events": self.config.events,

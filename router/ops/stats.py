@@ -90,6 +90,13 @@ def router_stats(service: RouterService) -> dict[str, Any]:
             "running": r.running,
             "waiting": r.waiting,
             "kv_cache_usage": r.kv_usage,
+            # its device cache's size (vLLM's cache-config gauge), and what this router's
+            # requests hold there and its decode pace (router/routing/kv_room.py)
+            "kv_cache_blocks": r.kv_blocks,
+            "peer_kv_held_blocks": r.peer_kv_held,
+            "kv_room": None
+            if service.router.kv_room is None
+            else service.router.kv_room.snapshot(r.name),
             "pending": r.pending,
             "queue_s_per_request": None
             if service.router.queue_delay is None

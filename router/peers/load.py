@@ -48,6 +48,12 @@ held requests: one open per peer, asked again as soon as it is answered (at most
 the parameters and answers at once) makes the follower poll that peer every
 ``peer_load_interval_s``.
 
+Device-cache room rides along too (router/routing/kv_room.py): ``kv_held_blocks`` (optional)
+are the device blocks this router's requests hold on each replica now. Every router prices a
+request that does not fit a replica's device cache by what is held there, and without its
+peers' holdings it would take their requests that ended since the replica's last scrape as
+still holding their blocks (``Replica.peer_kv_held``).
+
 Queue samples ride along (router/routing/queue_model.py): each router numbers the first-byte samples
 it takes, and an asker that passes ``samples_from=K`` (the ``next`` of its last answer from
 that peer) gets ``"samples": {"next": N, "values": [[replica, seconds], ...]}``: the peer's
@@ -122,6 +128,7 @@ def load_body(
     *,
     next_sample: int = 0,
     samples: list[tuple[str, float | None, tuple[float, ...] | None]] | None = None,
+    kv_held: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """This router's ``GET /peer/load`` answer: ``samples`` are its samples from the
     asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none): queue samples
@@ -145,6 +152,8 @@ def load_body(
             body["samples"][key] = rows
     if unstored is not None:
         body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
+    if kv_held is not None:
+        body["kv_held_blocks"] = {name: n for name, n in kv_held.items() if n}
     return body
 
 
@@ -189,6 +198,8 @@ class PeerAnswer:
     # Its samples of the replicas' rates: (replica, (uncached, cpu, storage, seconds, weight[,
     # queue_s])), as router/routing/calibration.py's CalibrationSample takes them
     rate_samples: list[tuple[str, tuple[float, ...]]] = field(default_factory=list)
+    # The device blocks its requests hold on each replica (router/routing/kv_room.py)
+    kv_held_blocks: dict[str, int] = field(default_factory=dict)
 
 
 def _counts(value: object, what: str, limit: int) -> dict[str, int]:
@@ -221,6 +232,7 @@ def parse_load(body: object) -> PeerAnswer:
         raise PeerLoadError(f"'version' must be a string of 1-{_MAX_VERSION_CHARS} characters")
     next_sample, samples = _samples(body.get("samples"))
     rate_samples = _rate_samples(body.get("samples"))
+    held = body.get("kv_held_blocks")
     return PeerAnswer(
         router,
         _counts(replicas, "in-flight", MAX_IN_FLIGHT),
@@ -229,6 +241,7 @@ def parse_load(body: object) -> PeerAnswer:
         next_sample,
         samples,
         rate_samples,
+        {} if held is None else _counts(held, "kv_held_blocks", MAX_UNSTORED_BLOCKS),
     )
 
 
@@ -292,6 +305,7 @@ class PeerReport:
     router: str | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
     unstored_blocks: dict[str, int] = field(default_factory=dict)
+    kv_held_blocks: dict[str, int] = field(default_factory=dict)
     received_at: float | None = None
     error: str | None = None
     polls: int = 0
@@ -482,6 +496,7 @@ class PeerLoad:
         same_peer = report.router == answer.router  # not restarted: its sample numbers go on
         report.router, report.in_flight = answer.router, answer.in_flight
         report.unstored_blocks, report.error = answer.unstored_blocks, None
+        report.kv_held_blocks = answer.kv_held_blocks
         report.received_at = self._clock()
         report.followed = follow and answer.version is not None
         asked_samples = params.get("samples_from") is not None
@@ -495,8 +510,8 @@ class PeerLoad:
         report.next_sample = answer.next_sample
 
     def apply(self, replicas: Iterable[Replica]) -> None:
-        """Set each replica's ``peer_in_flight`` and ``peer_unstored_blocks`` to the sums of
-        the fresh peers' counts."""
+        """Set each replica's ``peer_in_flight``, ``peer_unstored_blocks`` and
+        ``peer_kv_held`` to the sums of the fresh peers' counts."""
         now = self._clock()
         peers = self.peers.values()
         fresh = [p for p in peers if self._fresh(p, now) and p.router != self.router_id]
@@ -505,6 +520,7 @@ class PeerLoad:
             replica.peer_unstored_blocks = sum(
                 p.unstored_blocks.get(replica.name, 0) for p in fresh
             )
+            replica.set_peer_kv_held(sum(p.kv_held_blocks.get(replica.name, 0) for p in fresh))
 
     def _fresh(self, report: PeerReport, now: float) -> bool:
         return report.received_at is not None and now - report.received_at <= self.stale_after_s

@@ -17,13 +17,14 @@ from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.subscriber import FeedHealth
 from kvroute.indexer.tiers import Tier
 from kvroute.router.common.lru import LRU
-from kvroute.router.config import RouterSettings
+from kvroute.router.config import CostSettings, RouterSettings
 from kvroute.router.fleet.replicas import Replica
 from kvroute.router.routing.approx import RoutingHistory
 from kvroute.router.routing.calibration import CalibrationSample, LearnedRates, Rates
 from kvroute.router.routing.cpu_audit import audit_cpu, skips_prefix_cache
 from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.hints import BurstHints
+from kvroute.router.routing.kv_room import KvRoom
 from kvroute.router.routing.lmcache import LMCacheController
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
@@ -135,6 +136,9 @@ class Decision:
     # The one prompt's token ids (None for a batch or without a tokenizer): what the
     # decode leg of a split request is given when the prefill leg reports none.
     tokens: list[int] | None = None
+    # The output tokens it may generate, all its sequences together (max_tokens x n, or the
+    # configured budget): the device blocks it will hold beside its prompt's (kv_room.py).
+    output_budget: int = 0
 
     def view(self, name: str) -> ReplicaView | None:
         return next((v for v in self.views if v.name == name), None)
@@ -207,6 +211,8 @@ class Router:
         )
         # The replicas' own prefill counters, as further samples (prefill_evidence.py)
         self.prefill_evidence = PrefillEvidence()
+        # The device blocks this router's requests hold on each replica (kv_room.py)
+        self.kv_room = KvRoom(decode_s_per_token=c.decode_s_per_token) if c.kv_room else None
 
     async def tokens(
         self, req: ParsedRequest, candidates: list[Replica] | None = None
@@ -304,6 +310,7 @@ class Router:
         decision = Decision(self.policy.name, "", [], [], total)
         decision.lora_name = lora
         decision.skips_cache = skips_prefix_cache(req.body)
+        decision.output_budget = _output_budget(req.body, self.settings.cost)
         if prompts is not None and len(prompts) == 1:
             decision.tokens = prompts[0]
         affinity = req.model.encode()
@@ -327,6 +334,8 @@ class Router:
             ]
             # A prompt shorter than one block has no keys: its (few) tokens are its affinity.
             affinity = home_affinity(decision.keys[bs], held, request.packed[: 4 * bs])
+        if self.kv_room is not None and decision.prompt_tokens:
+            self._kv_waits(decision, views, candidates)
         home = self.homes.get(affinity) if self.policy.uses_homes else None
         decision.affinity = affinity
         decision.home = home if home in views else None
@@ -411,6 +420,37 @@ class Router:
                     views[name].predicted_cached_tokens, views[name].approx_tokens
                 )
 
+    def _kv_waits(
+        self, decision: Decision, views: dict[str, ReplicaView], candidates: list[Replica]
+    ) -> None:
+        """Each view's wait for room in its device cache (kv_room.py), where the replica's
+        metrics say the cache's size."""
+        assert self.kv_room is not None
+        for r in candidates:
+            capacity = r.kv_blocks
+            if not capacity:
+                continue
+            keys, own = self._kv_blocks(decision, views[r.name])
+            views[r.name].kv_wait_s = self.kv_room.wait_s(
+                r.name,
+                self.kv_room.need(r.name, keys, own),
+                capacity,
+                r.kv_usage * capacity,
+                r.scraped_at,
+                decision.output_budget,
+                r.peer_kv_held,
+                0 if r.scraped_at is None else r.peer_kv_held_at(r.scraped_at),
+            )
+
+    def _kv_blocks(self, decision: Decision, view: ReplicaView) -> tuple[list[int], int]:
+        """The request's device blocks on ``view``'s replica: its (first) prompt's full
+        blocks by key, shared with whoever holds them, and its own (the rest of its
+        prompts, and its output budget)."""
+        bs = view.block_size or self.settings.default_block_size
+        keys = decision.keys.get(bs) or []
+        rest = max(0, (decision.prompt_tokens or 0) - len(keys) * bs) + decision.output_budget
+        return keys, -(-rest // bs)
+
     async def _ask_lmcache(
         self, tokens: Sequence[int], candidates: list[Replica], views: dict[str, ReplicaView]
     ) -> None:
@@ -448,6 +488,17 @@ class Router:
             return
         self.recent.record(decision, replica.name)
         self.backlog.add(replica.name, id(decision), _prefill_work_s(decision, view, self))
+        # A prefill leg (no home) holds its blocks only until its decode leg pulls them.
+        if self.kv_room is not None and home and decision.prompt_tokens and replica.kv_blocks:
+            keys, own = self._kv_blocks(decision, view)
+            self.kv_room.add(
+                replica.name,
+                id(decision),
+                keys,
+                own,
+                decision.output_budget,
+                view.est_ttft_s or 0.0,
+            )
         if home and self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
         bs = view.block_size or self.settings.default_block_size
@@ -470,13 +521,21 @@ class Router:
         if view is not None and decision.ranked and decision.ranked[0] is replica:
             decision.first_byte_s = seconds
         self.backlog.done(replica.name, id(decision))
+        if self.kv_room is not None:
+            self.kv_room.first_byte(replica.name, id(decision))
         if self.queue_delay is None or view is None:
             return
-        explained = (view.compute_s or 0.0) + (view.load_s or 0.0)
+        explained = (view.compute_s or 0.0) + (view.load_s or 0.0) + (view.kv_wait_s or 0.0)
         if view.compute_s is None:  # a policy that does not estimate: price it like kvroute
             uncached = max(0, (decision.prompt_tokens or 0) - view.predicted_cached_tokens)
             explained = self.settings.cost.prefill_s_per_token * uncached
         self.queue_delay.observe(replica.name, view.pending, explained, seconds)
+
+    def ended(self, decision: Decision, replica: Replica, *, complete: bool) -> None:
+        """The request's answer from ``replica`` ended (``complete``: read to its end, a
+        sample of the replica's decode pace) or failed: the blocks it held are free."""
+        if self.kv_room is not None:
+            self.kv_room.ended(replica.name, id(decision), learn=complete)
 
     def answered(self, decision: Decision, replica: Replica, delivered: int | None) -> None:
         """A streamed answer ended, reporting ``delivered`` cached tokens (None: not
@@ -547,6 +606,22 @@ class Router:
         self.unstored.forget(replica)
         if self.queue_delay is not None:
             self.queue_delay.forget(replica)
+        if self.kv_room is not None:
+            self.kv_room.forget(replica)
+
+
+def _output_budget(body: dict[str, Any], cost: CostSettings) -> int:
+    """The output tokens a request may generate, all its sequences: ``max_completion_tokens``
+    (or ``max_tokens``) x ``n`` (validated ints, router/tokens/requests.py), else the
+    configured budget per sequence."""
+    per = body.get("max_completion_tokens")
+    if per is None:
+        per = body.get("max_tokens")
+    if not isinstance(per, int) or isinstance(per, bool):
+        per = cost.kv_default_output_tokens
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return max(0, per) * n
 
 
 def _prefill_work_s(decision: Decision, view: ReplicaView, router: Router) -> float:

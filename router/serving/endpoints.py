@@ -420,6 +420,8 @@ class ProxyEndpoint:
                     self._record_accuracy(decision, upstream.replica, delivered, streamed)
             finally:
                 forwarder.close(upstream, complete=complete)
+                if decision is not None:
+                    service.router.ended(decision, upstream.replica, complete=complete)
         if watch.disconnected:
             outcome = "cancelled"
         metrics.request(self.label, outcome)

@@ -111,6 +111,22 @@ def test_size_overrides_are_checked_before_anything_runs() -> None:
             routing_bench.workload_sizes(preset, ["shared_prefix"], [bad])
 
 
+def test_small_device_preset_holds_about_two_long_conversations_per_device() -> None:
+    """The preset's premise (bench/routing_presets.py): a device tier that holds two of the
+    longest conversations and not three, a CPU tier that holds every history of a replica's
+    share, and a chat prompt on the order of a tenth of a second of prefill."""
+    preset = routing_bench.PRESETS["small_device"]
+    chat = preset["sizes"]["chat"]
+    longest = chat["system_tokens"] + chat["rounds"] * (
+        chat["question_tokens"] + chat["answer_tokens"]
+    )
+    blocks = -(-longest // 16)
+    assert 2 * blocks <= preset["gpu_blocks"] < 3 * blocks
+    per_replica = -(-chat["users"] // preset["replicas"]) * blocks
+    assert preset["cpu_blocks"] >= per_replica
+    assert preset["workloads"] == ["chat"]
+
+
 def test_requests_spread_over_routers_stably() -> None:
     urls = ["http://a", "http://b", "http://c"]
     picks = [pick_router(urls, f"user-{u}", t) for u in range(100) for t in range(6)]

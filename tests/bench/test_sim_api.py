@@ -9,6 +9,7 @@ import pytest
 
 from kvroute.bench.sim.fleet import SimFleet
 from kvroute.bench.sim.tokenizer import SimTokenizer
+from kvroute.router.fleet.replicas import parse_vllm_metrics
 
 SYSTEM = "You are a helpful assistant. " + "Answer with care and cite the document. " * 20
 
@@ -133,6 +134,8 @@ def test_models_health_and_metrics(sim_fleet: SimFleet) -> None:
         before, "vllm:prefix_cache_hits_total"
     )
     assert value(after, "vllm:time_to_first_token_seconds_count") >= 2
+    # vLLM's cache-config info gauge, read by the router as the device cache's size
+    assert parse_vllm_metrics(after)["kv_blocks"] == 48
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,9 @@ class ReplicaView:
     approx_tokens: int = 0
     predicted_cached_tokens: int = 0
     queue_s_per_request: float | None = None  # learned; None: the configured constant
+    # Seconds until its device cache has room for the request (router/routing/kv_room.py);
+    # None: its size is not known (the cost's KV-pressure term stands in)
+    kv_wait_s: float | None = None
     # learned (router/routing/calibration.py); None: the configured rates
     prefill_s_per_token: float | None = None
     load_s_per_token_cpu: float | None = None
@@ -105,6 +108,7 @@ class ReplicaView:
                 out[key] = float(f"{out[key]:.4g}")
         for key in (
             "queue_s_per_request",
+            "kv_wait_s",
             "stored_rate",
             "est_ttft_s",
             "delay_to_others_s",

@@ -5,7 +5,9 @@ kvroute cost, in seconds (est. time to first token; see docs/router.md):
                + load_s_per_token_cpu * cpu_tokens + load_s_per_token_storage * storage_tokens
     queue_delay = q * pending * (1 + pending / queue_knee)
                   + waiting_s_per_request * waiting
-                  + kv_pressure_s * max(0, kv_usage - kv_pressure_start) / (1 - kv_pressure_start)
+                  + kv_wait (the wait for room in its device cache: router/routing/kv_room.py),
+                    or where its size is not known
+                    kv_pressure_s * max(0, kv_usage - kv_pressure_start) / (1 - kv_pressure_start)
 ``q`` is the replica's learned seconds per pending request (router/routing/queue_model.py), or
 ``queue_s_per_request`` when learning is off; the three rates are the replica's learned ones
 (router/routing/calibration.py), or the configured ones when learning is off. The queue term
@@ -76,7 +78,9 @@ class KvroutePolicy(Policy):
         )
         delay = per_request * pending * (1.0 + pending / c.queue_knee)
         delay += c.waiting_s_per_request * view.waiting
-        if view.kv_usage > c.kv_pressure_start:
+        if view.kv_wait_s is not None:  # the cache's room, counted (kv_room.py)
+            delay += view.kv_wait_s
+        elif view.kv_usage > c.kv_pressure_start:
             over = (view.kv_usage - c.kv_pressure_start) / max(1e-9, 1.0 - c.kv_pressure_start)
             delay += c.kv_pressure_s * min(1.0, over)
         return delay

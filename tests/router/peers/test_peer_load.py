@@ -83,6 +83,12 @@ def test_a_peers_answer_round_trips() -> None:
     current["samples"]["rates_q"][0][6] = -1.0
     with pytest.raises(PeerLoadError):
         parse_load(current)
+    # The device blocks its requests hold on each replica (router/routing/kv_room.py); an
+    # older router omits them.
+    held = load_body("router-a", replicas, kv_held={"r0": 40, "r1": 0})
+    assert held["kv_held_blocks"] == {"r0": 40}
+    assert parse_load(held).kv_held_blocks == {"r0": 40}
+    assert parse_load(load_body("router-a", replicas)).kv_held_blocks == {}
     # An older router's answer has no version: its follower polls it.
     del body["version"]
     assert parse_load(body).version is None
@@ -121,6 +127,9 @@ def test_the_version_changes_with_the_in_flight_counts() -> None:
         {"router": "a", "replicas": {}, "unstored_blocks": {"r0": "125"}},
         {"router": "a", "replicas": {}, "unstored_blocks": {"r0": math.inf}},
         {"router": "a", "replicas": {}, "unstored_blocks": {"r0": 10**12}},
+        {"router": "a", "replicas": {}, "kv_held_blocks": {"r0": -1}},
+        {"router": "a", "replicas": {}, "kv_held_blocks": {"r0": "40"}},
+        {"router": "a", "replicas": {}, "kv_held_blocks": [40]},
         {"router": "a", "replicas": {}, "version": 5},
         {"router": "a", "replicas": {}, "version": ""},
         {"router": "a", "replicas": {}, "version": "v" * 65},
@@ -169,11 +178,13 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
             router=router,
             in_flight=counts,
             unstored_blocks={name: 10 * n for name, n in counts.items()},
+            kv_held_blocks={name: 100 * n for name, n in counts.items()},
             received_at=clock(),
         )
     load.apply(replicas)
     assert [r.peer_in_flight for r in replicas] == [5, 1]
     assert [r.peer_unstored_blocks for r in replicas] == [50, 10]
+    assert [r.peer_kv_held for r in replicas] == [500, 100]
     replicas[0].in_flight = 1
     assert replicas[0].pending == 6  # ours plus the peers'
     clock.t += 0.5
@@ -185,6 +196,10 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
     load.apply(replicas)
     assert [r.peer_in_flight for r in replicas] == [0, 0]
     assert [r.peer_unstored_blocks for r in replicas] == [0, 0]
+    assert [r.peer_kv_held for r in replicas] == [0, 0]
+    # what they held when, for the moment of a scrape
+    assert replicas[0].peer_kv_held_at(time.monotonic()) == 0
+    assert [b for _, b in replicas[0].peer_kv_history] == [500, 200, 0]
     stats = load.to_dict()["peers"]
     assert stats["http://self"]["self"] is True
     assert stats["http://a"]["fresh"] is False

@@ -437,3 +437,21 @@ def test_a_spill_is_charged_for_the_queue_it_joins() -> None:
     idle = _gpu("other", 0, pending=0, queue_s_per_request=q)
     ranking = counted.rank(_ctx(jammed, idle))
     assert ranking.first.name == "other" and ranking.reason == "spill"
+
+
+def test_the_wait_for_device_room_is_priced_in_place_of_kv_pressure() -> None:
+    """A holder whose device cache has no room for the request (kv_room.py) loses it to an
+    idle replica once the wait outweighs recomputing; a short wait keeps it home; a known
+    wait replaces the usage-based pressure term."""
+    policy = KvroutePolicy(CostSettings())  # prefill 1e-4 s per token: 4000 tokens 0.4 s
+    full = policy.queue_delay(ReplicaView("x", pending=1, kv_usage=0.99))
+    assert policy.queue_delay(ReplicaView("x", pending=1, kv_usage=0.99, kv_wait_s=0.0)) < full
+    assert policy.queue_delay(
+        ReplicaView("x", pending=1, kv_usage=0.2, kv_wait_s=0.7)
+    ) == pytest.approx(policy.queue_delay(ReplicaView("x", pending=1)) + 0.7)
+    holder = _gpu("holder", 3200, pending=1, kv_wait_s=0.9)
+    idle = _gpu("idle", 0, kv_wait_s=0.0)
+    ranking = policy.rank(_ctx(holder, idle))
+    assert ranking.views[0].name == "idle" and ranking.reason == "spill"
+    holder = _gpu("holder", 3200, pending=1, kv_wait_s=0.05)
+    assert policy.rank(_ctx(holder, idle)).views[0].name == "holder"
