@@ -435,6 +435,8 @@ class _Exchange:
         pick.ended = True
         pick.replica.end_request(pick.epoch)
         decision = pick.decision
+        if decision is not None:  # the device blocks it held there are free
+            self.service.router.ended(decision, pick.replica, complete=pick.status == 200)
         if decision is None or pick.status != 200 or len(decision.batch_sizes) > 1:
             return  # a batch reports one prompt's cached tokens (endpoints.py): not compared
         if pick.streamed:

@@ -41,10 +41,24 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["KvRoom"]
+__all__ = ["KvRoom", "waits_to_price"]
 
 # How far back "what this router held" is remembered, for a scrape that old.
 _HISTORY_S = 30.0
+
+
+def waits_to_price(waits: dict[str, float]) -> dict[str, float]:
+    """The waits a decision prices: all of them when some replica has room now, none when
+    every cache is full. A wait makes a replica with room beat the prefix's holder whose
+    cache is full; when no replica has room the request waits wherever it goes, and ranking
+    by the waits would send it (and the requests after it) to whichever replica drains
+    first, recomputing prefixes with the fleet's capacity (measured: 6-10 points of hit rate
+    lost on an overloaded shared-prefix workload, docs/benchmarks.md, "Small device
+    caches"); the cost's queue and pressure terms price that queue, as without room
+    counting."""
+    if waits and min(waits.values()) == 0.0:
+        return waits
+    return {}
 
 
 @dataclass(slots=True)
@@ -157,7 +171,8 @@ class KvRoom:
     def ended(self, replica: str, key: Hashable, *, learn: bool = True) -> None:
         """Its answer ended (or failed): its blocks are free. A whole answer (``learn``) with
         a first byte is a sample of the replica's seconds per budgeted token."""
-        r = self._by_replica.get(replica)
+        # Where it was sent last (a gateway's fallback may report it from another replica)
+        r = self._by_replica.get(self._where.get(key, replica))
         held = None if r is None else r.held.pop(key, None)
         if r is None or held is None:
             return

@@ -24,7 +24,7 @@ from kvroute.router.routing.calibration import CalibrationSample, LearnedRates, 
 from kvroute.router.routing.cpu_audit import audit_cpu, skips_prefix_cache
 from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.hints import BurstHints
-from kvroute.router.routing.kv_room import KvRoom
+from kvroute.router.routing.kv_room import KvRoom, waits_to_price
 from kvroute.router.routing.lmcache import LMCacheController
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
@@ -424,14 +424,15 @@ class Router:
         self, decision: Decision, views: dict[str, ReplicaView], candidates: list[Replica]
     ) -> None:
         """Each view's wait for room in its device cache (kv_room.py), where the replica's
-        metrics say the cache's size."""
+        metrics say the cache's size, when some replica has room now (``waits_to_price``)."""
         assert self.kv_room is not None
+        waits: dict[str, float] = {}
         for r in candidates:
             capacity = r.kv_blocks
             if not capacity:
                 continue
             keys, own = self._kv_blocks(decision, views[r.name])
-            views[r.name].kv_wait_s = self.kv_room.wait_s(
+            waits[r.name] = self.kv_room.wait_s(
                 r.name,
                 self.kv_room.need(r.name, keys, own),
                 capacity,
@@ -441,6 +442,8 @@ class Router:
                 r.peer_kv_held,
                 0 if r.scraped_at is None else r.peer_kv_held_at(r.scraped_at),
             )
+        for name, wait in waits_to_price(waits).items():
+            views[name].kv_wait_s = wait
 
     def _kv_blocks(self, decision: Decision, view: ReplicaView) -> tuple[list[int], int]:
         """The request's device blocks on ``view``'s replica: its (first) prompt's full

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.router.routing.kv_room import KvRoom
+from kvroute.router.routing.kv_room import KvRoom, waits_to_price
 
 
 class Clock:
@@ -221,3 +221,17 @@ def test_peer_routers_holdings_count_now_not_as_the_scrape_saw_them() -> None:
     # a peer holds 70 now, and 30 of the page were no router's: 60 free
     assert room.wait_s("r0", 60, 160, 100.0, scraped_at, 10, 70, 70) == 0.0
     assert room.wait_s("r0", 61, 160, 100.0, scraped_at, 10, 70, 70) > 0
+
+
+def test_an_end_reported_from_another_replica_frees_the_request_where_it_was() -> None:
+    clock = Clock()
+    room = _room(clock)
+    room.add("r0", "a", [1, 2], 3, 10, 0.0)
+    room.ended("r1", "a")  # a gateway's fallback served it: the end names r1
+    assert room.held_blocks("r0") == 0
+
+
+def test_waits_are_priced_only_when_some_replica_has_room() -> None:
+    assert waits_to_price({"r0": 0.0, "r1": 0.8}) == {"r0": 0.0, "r1": 0.8}
+    assert waits_to_price({"r0": 0.3, "r1": 0.8}) == {}  # every cache full: queue terms
+    assert waits_to_price({}) == {}
