@@ -236,11 +236,25 @@ class KvRoom:
         free = capacity_blocks - others - own
         if free >= need_blocks:
             return 0.0
+        # Peers' requests end at times this router does not know: their blocks are taken to
+        # free evenly over one answer from now, between this router's own ends.
+        answer_s = self.decode_s_per_token(replica) * max(1, budget)
+        peer_rate = peers_now / answer_s if peers_now > 0 else 0.0
+
+        def reached_by(until: float) -> float | None:
+            """When, by ``until``, the peers' release closes the gap (None: not by then)."""
+            if peer_rate <= 0:
+                return None
+            at = now + (need_blocks - free) / peer_rate
+            return at if at <= min(until, now + answer_s) else None
+
         last = now
         if r is not None:
             refs = r.refs
             gone: dict[int, int] = {}  # holders of a key that will have ended by then
             for held in sorted(r.held.values(), key=lambda h: h.ends_at):
+                if (at := reached_by(held.ends_at)) is not None:
+                    return at - now
                 free += held.blocks
                 for k in held.keys:  # blocks only it held are freed with it
                     n = gone.get(k, 0) + 1
@@ -250,8 +264,10 @@ class KvRoom:
                 last = max(last, held.ends_at)
                 if free >= need_blocks:
                     return max(0.0, held.ends_at - now)
+        if (at := reached_by(now + answer_s)) is not None:
+            return max(at, last) - now
         # Others hold the rest: they free it at about the pace of an answer like this one.
-        return last - now + self.decode_s_per_token(replica) * max(1, budget)
+        return max(last, now + (answer_s if peer_rate else 0.0)) - now + answer_s
 
     def snapshot(self, replica: str) -> dict[str, float | int | None]:
         r = self._by_replica.get(replica)

@@ -235,3 +235,17 @@ def test_waits_are_priced_only_when_some_replica_has_room() -> None:
     assert waits_to_price({"r0": 0.0, "r1": 0.8}) == {"r0": 0.0, "r1": 0.8}
     assert waits_to_price({"r0": 0.3, "r1": 0.8}) == {}  # every cache full: queue terms
     assert waits_to_price({}) == {}
+
+
+def test_peers_blocks_free_evenly_over_one_answer_between_this_routers_ends() -> None:
+    clock = Clock()
+    room = _room(clock, decode=0.01)  # an answer of 10 tokens: 0.1 s
+    # a peer holds 100 now (and held them at the scrape): 60 free; 80 need 20 of the 100
+    assert room.wait_s("r0", 80, 160, 100.0, clock.now, 10, 100, 100) == pytest.approx(0.02)
+    # this router's own request ends at 0.01 s: the peer has freed 10 by then, the request
+    # frees its 30, and the peer's 20 more come by 0.02 s
+    room.add("r0", "a", (), 30, 1, 0.0)  # ends 0.01 s from now
+    assert room.wait_s("r0", 80, 160, 130.0, clock.now, 10, 100, 100) == pytest.approx(0.02)
+    assert room.wait_s("r0", 150, 160, 130.0, clock.now, 10, 100, 100) == pytest.approx(0.09)
+    # 20 held by no router: never free within the peers' answer, then one more answer
+    assert room.wait_s("r0", 160, 160, 150.0, clock.now, 10, 100, 100) == pytest.approx(0.2)
