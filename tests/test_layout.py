@@ -31,7 +31,8 @@ MAX_TOP_LEVEL = 12
 
 # Bottom first. A module may import from its own group and from groups on lower layers.
 LAYERS: list[set[str]] = [
-    {"router", "router.common", "router.errors"},
+    {"router", "router.common", "router.errors", "router.config_error"},
+    {"router.cost_settings"},
     {"router.config"},
     {"router.specs"},
     {"indexer", "router.tokens", "router.fleet"},
