@@ -28,10 +28,11 @@ So the router counts room as the scheduler does:
 
 A new request needs its prompt's blocks that no running request holds (a block cached but
 idle is counted free by vLLM's usage, and taking it uses it up) and its output budget. One
-that does not fit waits until the requests ending first free enough; when this
-router's cannot (the rest is held by others), for one answer of its own budget after the
-last of them. Entries whose end was never reported are dropped ``stale_after_s`` after their
-predicted end. Used on the router's event loop only.
+that does not fit waits until the requests ending first free enough: this router's at
+their predicted ends, its peers' (whose ends it does not know) evenly over one answer from
+now; when those cannot (the rest is held by no router), for one more answer of its own
+budget after the last of them. Entries whose end was never reported are dropped
+``stale_after_s`` after their predicted end. Used on the router's event loop only.
 """
 
 from __future__ import annotations
