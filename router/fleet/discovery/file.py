@@ -3,7 +3,9 @@
 Polling (stat every ``interval_s``) rather than inotify: it works on every filesystem,
 including the bind mounts and ConfigMap symlink swaps of container deployments, and a second
 of delay is fine for fleet changes. A file that fails to parse is reported and ignored: the
-fleet keeps its last good list, so a half-saved edit never drops every replica.
+fleet keeps its last good list, so a half-saved edit never drops every replica; an empty
+file (a save read between its truncation and its write) is kept out the same way, and
+``replicas: []`` is how every replica is removed.
 """
 
 from __future__ import annotations
@@ -64,6 +66,15 @@ class ReplicasFileWatcher:
             self.last_error = f"replicas file {self.path} is missing; keeping the last list"
             log.error(self.last_error)
             return False
+        if self._empty():
+            # An editor's save truncates the file before writing it: read in between, the
+            # file is empty, which would remove every replica. `replicas: []` says that.
+            self.last_error = (
+                f"replicas file {self.path} is empty; keeping the last list "
+                "(write 'replicas: []' to remove every replica)"
+            )
+            log.error(self.last_error)
+            return False
         try:
             replicas = load_replicas_file(self.path)
         except ConfigError as exc:
@@ -74,6 +85,12 @@ class ReplicasFileWatcher:
         self.loads += 1
         self.last_error = None
         return True
+
+    def _empty(self) -> bool:
+        try:
+            return not self.path.read_text().strip()
+        except OSError:
+            return False  # load_replicas_file reports it
 
     async def _poll_round(self) -> None:
         self.poll()

@@ -76,3 +76,25 @@ def test_yaml_replicas_added_and_removed_without_restart(local_tokenizer, tmp_pa
             )
             assert resp.headers["x-kvroute-replica"] == "b"
         assert {s.body.get("prompt") for s in servers[1].seen} >= {f"hello {i}" for i in range(3)}
+
+
+def test_an_empty_file_read_mid_save_keeps_the_fleet_and_replicas_empty_list_clears_it(
+    tmp_path: Path,
+) -> None:
+    """An editor's save truncates the file, then writes it: a poll in between reads an empty
+    file, which must not remove every replica (it did, once, in CI). ``replicas: []`` does."""
+    from kvroute.router.fleet.discovery.file import ReplicasFileWatcher
+
+    path = tmp_path / "replicas.yaml"
+    _write(path, [{"url": "http://127.0.0.1:9001", "name": "a"}])
+    applied: list[list[str]] = []
+    watcher = ReplicasFileWatcher(path, lambda rs: applied.append([r.key for r in rs]))
+    watcher.load_now()
+    assert applied == [["a"]]
+    path.write_text("")  # truncated, not written yet
+    assert watcher.poll() is False
+    assert applied == [["a"]] and "empty" in (watcher.last_error or "")
+    path.write_text("  \n")
+    assert watcher.poll() is False and applied == [["a"]]
+    _write(path, [])  # {"replicas": []}: every replica removed, on purpose
+    assert watcher.poll() is True and applied[-1] == [] and watcher.last_error is None
