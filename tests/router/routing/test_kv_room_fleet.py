@@ -75,6 +75,14 @@ def test_a_request_that_would_wait_for_room_goes_where_there_is_room(
         ):
             holder = _complete(client, PREFIX + [7] * BS, 2).headers["x-kvroute-replica"]
             other = next(r.name for r in fleet.replicas if r.name != holder)
+            # the router knows the prefix is there (the holder's events), from both routers
+            deadline = time.monotonic() + 10
+            while True:
+                stats = other_client.get("/index/stats").json()["replicas"]
+                if sum((stats[holder].get("entries_by_tier") or {}).values()) >= 20:
+                    break
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.1)
             # the router learns each cache's size from the replicas' metrics pages
             deadline = time.monotonic() + 10
             while True:
