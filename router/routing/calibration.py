@@ -45,10 +45,24 @@ own samples)``.
 Rates are clamped to [prior / ``max_ratio``, prior x ``max_ratio``]: a rate can move by
 orders of magnitude, never to zero or to infinity.
 
-A sample whose time cannot tell its loads apart from the computing beside it
-(``loads_known`` false: a replica's own counters, router/routing/prefill_evidence.py) has
-its loads priced at the current rates and taken out, and teaches the overhead and the
-prefill rate only.
+Loads are often short beside the noise around them (a few ms from RAM under a second of
+queueing). A sample's noise is taken as ``noise / sqrt(weight)``, ``noise`` being the running
+mean of the residuals scaled by the root of their weights (the variance the weights assume);
+a load whose priced time is under ``visible_k`` times that is priced at the current rate and
+taken out, and does not count as evidence of its tier. A tier without visible loads follows
+the learned prefill rate at the priors' ratio. An overhead is never negative: where the free
+fit's is, the fit is made again with none (its slope was steepened by delays growing with
+the samples' size).
+
+A replica's own counters (``from_counters``, router/routing/prefill_evidence.py) are timed
+inside its engine: they lack the path an answer's first byte travels (the proxy, the
+replica's API server, streaming), so they get an intercept of their own (the sixth
+regressor, 1 on such samples; free in sign, never priced). With one intercept shared, the
+two kinds' different overheads (measured on the simulator's chat workload: about 4 ms on an
+answer, under 1 ms in the engine) were read as a slope, and the counters, which weigh
+several answers each, pulled the prefill rate to 1.2-1.4x the simulator's. Their time also
+cannot tell the loads apart from the computing beside them: a counter sample's loads are
+priced at the current rates and taken out, and it teaches the prefill rate only.
 """
 
 from __future__ import annotations
@@ -60,9 +74,13 @@ from dataclasses import dataclass, field
 
 __all__ = ["CalibrationSample", "LearnedRates", "Rates"]
 
-_N = 5  # overhead, prefill, load from CPU, load from storage, share of the priced queue
+# overhead, prefill, load from CPU, load from storage, share of the priced queue, and how
+# much less a sample timed inside the engine (a replica's counters) carries than an answer
+_N = 6
 _TIERS = (2, 3)  # the load rates' indices
+_ENGINE = 5  # the engine-timed samples' own intercept: free in sign, never priced
 _MIN_TIER_SAMPLES = 16
+_PIN_AFTER = 8  # samples before a negative overhead is refitted at zero (a few say little)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +107,13 @@ class CalibrationSample:
     # False: the time does not tell the loads apart from the computing beside them (a
     # replica's counters: interval means of prefills that share its engine). Its loads are
     # priced at the current rates and it teaches the overhead and the prefill rate only.
-    loads_known: bool = True
+    # True: a replica's own counters (router/routing/prefill_evidence.py), timed inside its
+    # engine and averaged over an interval's prefills, which share the engine. Such a sample
+    # lacks the path an answer's first byte travels (the proxy, the replica's API server,
+    # tokenization, streaming), so it has its own intercept; and its time does not tell its
+    # loads apart from the computing beside them: its loads are priced at the current rates
+    # and taken out, and it teaches the prefill rate (and its intercept) only.
+    from_counters: bool = False
 
     @classmethod
     def from_request(
@@ -129,8 +153,9 @@ class CalibrationSample:
         weight = 1.0 / (1.0 + max(0.0, pending)) ** 2
         return cls(uncached, cpu, storage, first_byte_s, weight, max(0.0, queue_s))
 
-    def features(self) -> tuple[float, float, float, float, float]:
-        return (1.0, self.uncached, self.cpu, self.storage, self.queue_s)
+    def features(self) -> tuple[float, float, float, float, float, float]:
+        engine = 1.0 if self.from_counters else 0.0
+        return (1.0, self.uncached, self.cpu, self.storage, self.queue_s, engine)
 
 
 @dataclass(slots=True)
@@ -151,6 +176,7 @@ class _Fit:
     count: float = 0.0  # samples, decayed like ``weight`` (their ratio: a sample's mean weight)
     samples: int = 0
     abs_residual: float = 0.0  # decayed mean absolute residual (the outlier bound's unit)
+    noise: float = 0.0  # mean absolute residual x sqrt(weight): a weight-1 sample's noise
     at: float = 0.0
 
     def decay(self, now: float, half_life_s: float) -> None:
@@ -198,18 +224,20 @@ class LearnedRates:
         prior_samples: float = 0.5,
         pool_samples: float = 32.0,
         outlier_k: float = 4.0,
+        visible_k: float = 1.0,
         max_ratio: float = 100.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if half_life_s <= 0 or prior_samples <= 0 or pool_samples < 0:
             raise ValueError("need half_life_s > 0, prior_samples > 0, pool_samples >= 0")
-        if outlier_k <= 0 or max_ratio < 1:
-            raise ValueError("need outlier_k > 0 and max_ratio >= 1")
+        if outlier_k <= 0 or max_ratio < 1 or visible_k < 0:
+            raise ValueError("need outlier_k > 0, visible_k >= 0 and max_ratio >= 1")
         self.prior = prior
         self.half_life_s = half_life_s
         self.prior_samples = prior_samples
         self.pool_samples = pool_samples
         self.outlier_k = outlier_k
+        self.visible_k = visible_k
         self.max_ratio = max_ratio
         self._clock = clock
         # The share of the priced queue in a first byte starts at none of it: the queue
@@ -222,6 +250,7 @@ class LearnedRates:
             prior.load_s_per_token_cpu,
             prior.load_s_per_token_storage,
             0.0,
+            0.0,  # the engine-timed samples' intercept: as the answers' until they differ
         )
         self._fits: dict[str, _Fit] = {}
         self._pool_of: dict[str, str] = {}
@@ -248,12 +277,33 @@ class LearnedRates:
         x = sample.features()
         theta = self._solve(replica, now)
         y, w = sample.seconds, sample.weight
-        if not sample.loads_known:
+        if sample.from_counters:
             y -= theta[2] * sample.cpu + theta[3] * sample.storage
-            x = (x[0], x[1], 0.0, 0.0, x[4])
+            x = (x[0], x[1], 0.0, 0.0, x[4], x[5])
+        elif fit.samples >= 8:
+            # A load too short to show above this sample's noise (a weight-1 sample's noise,
+            # grown as its weight shrinks: sent into a queue, it waited a varying while) is
+            # priced at the current rate and taken out: fitted, a few ms of load under a
+            # second of queueing taught the CPU rate 10-37x the simulator's.
+            # Judged at the rate the priors' ratio to the learned prefill rate gives, or the
+            # tier's learned one if higher: judged at a low learned rate alone, loads would
+            # hide behind the estimate they should correct.
+            noise = self.visible_k * fit.noise / math.sqrt(w)
+            follow = theta[1] / self._theta0[1] if self._theta0[1] > 0 else 1.0
+            xs = list(x)
+            for i in _TIERS:
+                judged_at = max(theta[i], self._theta0[i] * follow)
+                if xs[i] > 0 and judged_at * xs[i] < noise:
+                    own = fit.seen[i] >= _MIN_TIER_SAMPLES
+                    y -= (theta[i] if own else self._theta0[i] * follow) * xs[i]
+                    xs[i] = 0.0
+            x = tuple(xs)
         predicted = sum(t * xi for t, xi in zip(theta, x, strict=True))
         residual = abs(y - predicted)
         bound = self.outlier_k * fit.abs_residual
+        fit.noise += (min(residual, bound or residual) * math.sqrt(w) - fit.noise) / min(
+            fit.samples + 1, 50
+        )
         if fit.samples >= 8 and bound > 0 and residual > bound:
             # Huber's weight: beyond the bound a sample's pull no longer grows with its error
             self.outliers += 1
@@ -323,14 +373,22 @@ class LearnedRates:
         theta = self._fit(a, b, scale, seen, self._theta0, unit, spread)
         if theta is None:
             return self._theta0
+        # No overhead is negative: where the free fit's is, the slope it pairs with is too
+        # steep (the samples' delays grow with their size), so fit again with none.
+        pin = theta[0] < 0 and count >= _PIN_AFTER
+        if pin:
+            theta = self._fit(a, b, scale, seen, self._theta0, unit, spread, pin) or theta
         # The priors say how much faster a load is than recomputing: absent evidence of a
         # tier's own, its rate follows the learned prefill rate at the priors' ratio (a
         # replica that prefills 5x faster than assumed is not thereby slower to load).
         ratio = theta[1] / self._theta0[1] if self._theta0[1] > 0 else 1.0
         scaled_prior = tuple(t * ratio if i in _TIERS else t for i, t in enumerate(self._theta0))
-        theta = self._fit(a, b, scale, seen, scaled_prior, unit, spread) or theta
+        theta = self._fit(a, b, scale, seen, scaled_prior, unit, spread, pin) or theta
         out = [max(0.0, theta[0])]
         for i in range(1, n):
+            if i == _ENGINE:
+                out.append(theta[i])
+                continue
             prior = self._theta0[i]
             lo, hi = prior / self.max_ratio, prior * self.max_ratio
             out.append(min(hi, max(lo, theta[i])) if prior > 0 else max(0.0, theta[i]))
@@ -345,6 +403,7 @@ class LearnedRates:
         theta0: tuple[float, ...],
         sample_weight: float = 1.0,
         spread: list[float] | None = None,
+        pin_overhead: bool = False,
     ) -> list[float] | None:
         """The regularised fit of the statistics ``a``, ``b`` towards ``theta0``, the prior
         worth samples of ``sample_weight`` each."""
@@ -365,6 +424,10 @@ class LearnedRates:
             strength = weight * sample_weight * size
             a[i][i] += strength
             b[i] += strength * theta0[i]
+        if pin_overhead:
+            for j in range(n):
+                a[0][j] = a[j][0] = 0.0
+            a[0][0], b[0] = 1.0, 0.0
         # Solved in units of each feature's typical size: tokens and the constant differ by
         # orders of magnitude, and the system is better conditioned scaled.
         unit = [math.sqrt(v) if v > 0 else 1.0 for v in scale]
@@ -390,7 +453,7 @@ class LearnedRates:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting (a 4x4 system: no numpy on this path)."""
+    """Gaussian elimination with partial pivoting (a 6x6 system: no numpy on this path)."""
     n = len(b)
     m = [[*row, b[i]] for i, row in enumerate(a)]
     for col in range(n):

@@ -20,7 +20,7 @@ stands for, worth ``weight_per_request`` of an answer each: an answer measures w
 model predicts (the client's time to first token), the counters measure the engine alone.
 Non-streamed traffic, which gives the router no first byte, is calibrated this way too.
 The loads in such a sample are priced at the current rates, and the sample teaches the
-overhead and the prefill rate only (``CalibrationSample.loads_known``): an interval's
+overhead and the prefill rate only (``CalibrationSample.from_counters``): an interval's
 prefills share the replica's engine, so its mean time does not tell a disk load apart from
 the computing beside it, and fitted as evidence of the load rates those samples drove the
 storage rate to its lower clamp (docs/benchmarks.md, calibration on the shared-storage
@@ -82,7 +82,7 @@ class PrefillEvidence:
             disk / prefills,
             seconds / prefills,
             self.weight_per_request * prefills,
-            loads_known=False,
+            from_counters=True,
         )
 
     def forget(self, replica: str) -> None:
