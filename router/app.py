@@ -28,6 +28,7 @@ from kvroute.router.ops.dashboard import add_dashboard
 from kvroute.router.ops.dashboard_data import DashboardData
 from kvroute.router.ops.readiness import Readiness
 from kvroute.router.peers.load import (
+    KV_FREES_SENT,
     MAX_WAIT_S,
     STREAM_MEDIA_TYPE,
     load_body,
@@ -206,6 +207,11 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
                 kv_held=None
                 if service.router.kv_room is None
                 else {r.name: service.router.kv_room.held_blocks(r.name) for r in registry},
+                kv_frees=None
+                if service.router.kv_room is None
+                else {
+                    r.name: service.router.kv_room.frees(r.name, KV_FREES_SENT) for r in registry
+                },
             )
 
         if stream:

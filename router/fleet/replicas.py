@@ -222,6 +222,8 @@ class Replica:
     # and, for the moment of a scrape, as it changed (time, blocks), oldest first
     peer_kv_held: int = 0
     peer_kv_history: deque[tuple[float, int]] = field(default_factory=deque)
+    # when their holdings should free, as they said: (monotonic time, blocks), soonest first
+    peer_kv_frees: list[tuple[float, int]] = field(default_factory=list)
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0

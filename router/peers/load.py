@@ -49,10 +49,14 @@ the parameters and answers at once) makes the follower poll that peer every
 ``peer_load_interval_s``.
 
 Device-cache room rides along too (router/routing/kv_room.py): ``kv_held_blocks`` (optional)
-are the device blocks this router's requests hold on each replica now. Every router prices a
-request that does not fit a replica's device cache by what is held there, and without its
-peers' holdings it would take their requests that ended since the replica's last scrape as
-still holding their blocks (``Replica.peer_kv_held``).
+are the device blocks this router's requests hold on each replica now. ``kv_frees`` (optional)
+says when they should free them: per replica, up to ``KV_FREES_SENT`` ``[blocks, seconds from
+the answer]`` pairs, soonest first, neighbours merged at the later time. A peer's requests
+then free their blocks in another router's reckoning when that peer predicts, as its own do;
+without them (an older router) its holdings are taken to free evenly over one answer. Every
+router prices a request that does not fit a replica's device cache by what is held there,
+and without its peers' holdings it would take their requests that ended since the replica's
+last scrape as still holding their blocks (``Replica.peer_kv_held``).
 
 Queue samples ride along (router/routing/queue_model.py): each router numbers the first-byte samples
 it takes, and an asker that passes ``samples_from=K`` (the ``next`` of its last answer from
@@ -102,6 +106,9 @@ MAX_IN_FLIGHT = 1_000_000
 MAX_UNSTORED_BLOCKS = 1_000_000_000
 MAX_REPLICAS = 100_000
 MAX_SAMPLES = 4096  # queue samples in one answer (a peer keeps far fewer: SAMPLE_LOG_MAX)
+MAX_FREES = 64  # entries of one replica's ``kv_frees`` (a router sends at most KV_FREES_SENT)
+KV_FREES_SENT = 16
+MAX_FREE_S = 3600.0  # how far ahead a ``kv_frees`` entry may be
 # A follower asks one peer at most this often; a held ``GET /peer/load`` waits at most this.
 MIN_ASK_INTERVAL_S = 0.01
 MAX_WAIT_S = 5.0
@@ -129,6 +136,7 @@ def load_body(
     next_sample: int = 0,
     samples: list[tuple[str, float | None, tuple[float, ...] | None]] | None = None,
     kv_held: Mapping[str, int] | None = None,
+    kv_frees: Mapping[str, list[tuple[int, float]]] | None = None,
 ) -> dict[str, Any]:
     """This router's ``GET /peer/load`` answer: ``samples`` are its samples from the
     asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none): queue samples
@@ -154,6 +162,10 @@ def load_body(
         body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
     if kv_held is not None:
         body["kv_held_blocks"] = {name: n for name, n in kv_held.items() if n}
+    if kv_frees is not None:
+        body["kv_frees"] = {
+            name: [[n, round(s, 4)] for n, s in frees] for name, frees in kv_frees.items() if frees
+        }
     return body
 
 
@@ -198,8 +210,10 @@ class PeerAnswer:
     # Its samples of the replicas' rates: (replica, (uncached, cpu, storage, seconds, weight[,
     # queue_s])), as router/routing/calibration.py's CalibrationSample takes them
     rate_samples: list[tuple[str, tuple[float, ...]]] = field(default_factory=list)
-    # The device blocks its requests hold on each replica (router/routing/kv_room.py)
+    # The device blocks its requests hold on each replica (router/routing/kv_room.py), and
+    # when they should free them: [(blocks, seconds from its answer)], soonest first
     kv_held_blocks: dict[str, int] = field(default_factory=dict)
+    kv_frees: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def _counts(value: object, what: str, limit: int) -> dict[str, int]:
@@ -242,7 +256,36 @@ def parse_load(body: object) -> PeerAnswer:
         samples,
         rate_samples,
         {} if held is None else _counts(held, "kv_held_blocks", MAX_UNSTORED_BLOCKS),
+        _frees(body.get("kv_frees")),
     )
+
+
+def _frees(value: object) -> dict[str, list[tuple[int, float]]]:
+    """``kv_frees``: per replica, at most ``MAX_FREES`` ``[blocks, seconds]`` pairs."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_REPLICAS:
+        raise PeerLoadError(f"'kv_frees' must be an object of at most {MAX_REPLICAS} replicas")
+    out: dict[str, list[tuple[int, float]]] = {}
+    for name, rows in value.items():
+        if not isinstance(rows, list) or len(rows) > MAX_FREES:
+            raise PeerLoadError(f"replica {name!r}: 'kv_frees' must be a list of {MAX_FREES}")
+        frees: list[tuple[int, float]] = []
+        for row in rows:
+            if (
+                not isinstance(row, list)
+                or len(row) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int | float) for v in row)
+                or not all(math.isfinite(v) for v in row)
+                or not 0 <= row[0] <= MAX_UNSTORED_BLOCKS
+                or not 0 <= row[1] <= MAX_FREE_S
+            ):
+                raise PeerLoadError(
+                    f"replica {name!r}: a 'kv_frees' entry must be [blocks, seconds] in range"
+                )
+            frees.append((int(row[0]), float(row[1])))
+        out[str(name)] = sorted(frees, key=lambda f: f[1])
+    return out
 
 
 def _rate_samples(value: object) -> list[tuple[str, tuple[float, ...]]]:
@@ -306,6 +349,7 @@ class PeerReport:
     in_flight: dict[str, int] = field(default_factory=dict)
     unstored_blocks: dict[str, int] = field(default_factory=dict)
     kv_held_blocks: dict[str, int] = field(default_factory=dict)
+    kv_frees: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     received_at: float | None = None
     error: str | None = None
     polls: int = 0
@@ -496,7 +540,7 @@ class PeerLoad:
         same_peer = report.router == answer.router  # not restarted: its sample numbers go on
         report.router, report.in_flight = answer.router, answer.in_flight
         report.unstored_blocks, report.error = answer.unstored_blocks, None
-        report.kv_held_blocks = answer.kv_held_blocks
+        report.kv_held_blocks, report.kv_frees = answer.kv_held_blocks, answer.kv_frees
         report.received_at = self._clock()
         report.followed = follow and answer.version is not None
         asked_samples = params.get("samples_from") is not None
@@ -511,7 +555,8 @@ class PeerLoad:
 
     def apply(self, replicas: Iterable[Replica]) -> None:
         """Set each replica's ``peer_in_flight``, ``peer_unstored_blocks`` and
-        ``peer_kv_held`` to the sums of the fresh peers' counts."""
+        ``peer_kv_held`` to the sums of the fresh peers' counts, and ``peer_kv_frees`` to
+        when their holdings free (their ``kv_frees``, in this router's clock)."""
         now = self._clock()
         peers = self.peers.values()
         fresh = [p for p in peers if self._fresh(p, now) and p.router != self.router_id]
@@ -521,6 +566,11 @@ class PeerLoad:
                 p.unstored_blocks.get(replica.name, 0) for p in fresh
             )
             replica.set_peer_kv_held(sum(p.kv_held_blocks.get(replica.name, 0) for p in fresh))
+            replica.peer_kv_frees = sorted(
+                (p.received_at + seconds, blocks)  # type: ignore[operator]
+                for p in fresh
+                for blocks, seconds in p.kv_frees.get(replica.name, ())
+            )
 
     def _fresh(self, report: PeerReport, now: float) -> bool:
         return report.received_at is not None and now - report.received_at <= self.stale_after_s

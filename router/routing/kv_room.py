@@ -29,10 +29,11 @@ So the router counts room as the scheduler does:
 A new request needs its prompt's blocks that no running request holds (a block cached but
 idle is counted free by vLLM's usage, and taking it uses it up) and its output budget. One
 that does not fit waits until the requests ending first free enough: this router's at
-their predicted ends, its peers' (whose ends it does not know) evenly over one answer from
-now; when those cannot (the rest is held by no router), for one more answer of its own
-budget after the last of them. Entries whose end was never reported are dropped
-``stale_after_s`` after their predicted end. Used on the router's event loop only.
+their predicted ends, its peers' at the ends they share (``frees``; an older peer's,
+whose ends are not known, evenly over one answer from now); when those cannot (the rest is
+held by no router), for one more answer of its own budget after the last of them. Entries
+whose end was never reported are dropped ``stale_after_s`` after their predicted end. Used
+on the router's event loop only.
 """
 
 from __future__ import annotations
@@ -196,6 +197,35 @@ class KvRoom:
         self._expire(r, self._clock())
         return r.total
 
+    def frees(self, replica: str, max_entries: int = 16) -> list[tuple[int, float]]:
+        """When this router's requests there should free their blocks, for its peers:
+        ``(blocks, seconds from now)``, soonest first, summing to ``held_blocks``; a prompt
+        block is freed with the last of its holders. At most ``max_entries``: neighbours
+        are merged at the later time (a peer then waits a little longer, never shorter)."""
+        r = self._by_replica.get(replica)
+        if r is None or not r.held:
+            return []
+        now = self._clock()
+        self._expire(r, now)
+        out: list[tuple[int, float]] = []
+        refs, gone = r.refs, {}
+        for held in sorted(r.held.values(), key=lambda h: h.ends_at):
+            freed = held.blocks
+            for k in held.keys:
+                n = gone.get(k, 0) + 1
+                gone[k] = n
+                if n == refs[k]:
+                    freed += 1
+            if freed:
+                out.append((freed, max(0.0, held.ends_at - now)))
+        if len(out) > max_entries > 0:
+            size = -(-len(out) // max_entries)
+            out = [
+                (sum(b for b, _ in out[i : i + size]), out[i : i + size][-1][1])
+                for i in range(0, len(out), size)
+            ]
+        return out
+
     def held_at(self, replica: str, moment: float) -> int:
         """What this router's requests held there at ``moment`` (a scrape's time)."""
         r = self._by_replica.get(replica)
@@ -216,13 +246,16 @@ class KvRoom:
         budget: int,
         peers_now: int = 0,
         peers_at_scrape: int = 0,
+        peer_frees: Sequence[tuple[float, int]] = (),
     ) -> float:
         """Seconds until ``need_blocks`` are free in a cache of ``capacity_blocks`` whose last
         scrape (at ``scraped_at``) showed ``used_at_scrape`` blocks in use; 0 when they are
         free now, or when the request could never fit (vLLM refuses it, nothing to wait for).
         ``budget``: the request's own output tokens, the pace of an answer there.
         ``peers_now``, ``peers_at_scrape``: what peer routers' requests hold there now and
-        held at the scrape (router/peers/load.py), beside this router's own."""
+        held at the scrape (router/peers/load.py), beside this router's own;
+        ``peer_frees``: when the peers said theirs free, ``(monotonic time, blocks)``
+        soonest first (part of ``peers_now``, or all of it)."""
         if need_blocks <= 0 or need_blocks > capacity_blocks:
             return 0.0
         now = self._clock()
@@ -237,10 +270,11 @@ class KvRoom:
         free = capacity_blocks - others - own
         if free >= need_blocks:
             return 0.0
-        # Peers' requests end at times this router does not know: their blocks are taken to
-        # free evenly over one answer from now, between this router's own ends.
+        # Peers' requests whose ends they did not share (an older router) are taken to free
+        # their blocks evenly over one answer from now, between the known ends.
         answer_s = self.decode_s_per_token(replica) * max(1, budget)
-        peer_rate = peers_now / answer_s if peers_now > 0 else 0.0
+        unscheduled = max(0, peers_now - sum(blocks for _, blocks in peer_frees))
+        peer_rate = unscheduled / answer_s if unscheduled > 0 else 0.0
 
         def reached_by(until: float) -> float | None:
             """When, by ``until``, the peers' release closes the gap (None: not by then)."""
@@ -249,22 +283,28 @@ class KvRoom:
             at = now + (need_blocks - free) / peer_rate
             return at if at <= min(until, now + answer_s) else None
 
-        last = now
+        # This router's ends and its peers' shared ones, in time order
+        ends: list[tuple[float, int, _Held | None]] = [(at, n, None) for at, n in peer_frees]
         if r is not None:
-            refs = r.refs
-            gone: dict[int, int] = {}  # holders of a key that will have ended by then
-            for held in sorted(r.held.values(), key=lambda h: h.ends_at):
-                if (at := reached_by(held.ends_at)) is not None:
-                    return at - now
+            ends += [(held.ends_at, 0, held) for held in r.held.values()]
+        ends.sort(key=lambda end: end[0])
+        last = now
+        gone: dict[int, int] = {}  # holders of a key that will have ended by then
+        for ends_at, blocks, held in ends:
+            if (at := reached_by(ends_at)) is not None:
+                return max(at, last) - now  # not before the ends already counted
+            if held is None:
+                free += blocks
+            else:
                 free += held.blocks
                 for k in held.keys:  # blocks only it held are freed with it
                     n = gone.get(k, 0) + 1
                     gone[k] = n
-                    if n == refs[k]:
+                    if n == r.refs[k]:  # type: ignore[union-attr]
                         free += 1
-                last = max(last, held.ends_at)
-                if free >= need_blocks:
-                    return max(0.0, held.ends_at - now)
+            last = max(last, ends_at)
+            if free >= need_blocks:
+                return max(0.0, ends_at - now)
         if (at := reached_by(now + answer_s)) is not None:
             return max(at, last) - now
         # Others hold the rest: they free it at about the pace of an answer like this one.

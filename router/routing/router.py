@@ -376,6 +376,7 @@ class Router:
                 decision.output_budget,
                 r.peer_kv_held,
                 0 if r.scraped_at is None else r.peer_kv_held_at(r.scraped_at),
+                r.peer_kv_frees,
             )
         for name, wait in waits_to_price(waits).items():
             views[name].kv_wait_s = wait

@@ -89,6 +89,11 @@ def test_a_peers_answer_round_trips() -> None:
     assert held["kv_held_blocks"] == {"r0": 40}
     assert parse_load(held).kv_held_blocks == {"r0": 40}
     assert parse_load(load_body("router-a", replicas)).kv_held_blocks == {}
+    # ... and when they should free them, soonest first (an older router omits it)
+    frees = load_body("router-a", replicas, kv_frees={"r0": [(30, 0.25), (10, 1.5)], "r1": []})
+    assert frees["kv_frees"] == {"r0": [[30, 0.25], [10, 1.5]]}
+    assert parse_load(frees).kv_frees == {"r0": [(30, 0.25), (10, 1.5)]}
+    assert parse_load(held).kv_frees == {}
     # An older router's answer has no version: its follower polls it.
     del body["version"]
     assert parse_load(body).version is None
@@ -130,6 +135,16 @@ def test_the_version_changes_with_the_in_flight_counts() -> None:
         {"router": "a", "replicas": {}, "kv_held_blocks": {"r0": -1}},
         {"router": "a", "replicas": {}, "kv_held_blocks": {"r0": "40"}},
         {"router": "a", "replicas": {}, "kv_held_blocks": [40]},
+        {"router": "a", "replicas": {}, "kv_frees": [[1, 0.5]]},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, -0.5]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[-1, 0.5]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, 1e9]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, math.nan]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[True, 0.5]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, "0.5"]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, 0.5, 2]]}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, 0.5]] * 65}},
+        {"router": "a", "replicas": {}, "kv_frees": {"r0": {"1": 0.5}}},
         {"router": "a", "replicas": {}, "version": 5},
         {"router": "a", "replicas": {}, "version": ""},
         {"router": "a", "replicas": {}, "version": "v" * 65},
@@ -179,12 +194,19 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
             in_flight=counts,
             unstored_blocks={name: 10 * n for name, n in counts.items()},
             kv_held_blocks={name: 100 * n for name, n in counts.items()},
+            kv_frees={name: [(100 * n, 0.1 * n)] for name, n in counts.items()},
             received_at=clock(),
         )
     load.apply(replicas)
     assert [r.peer_in_flight for r in replicas] == [5, 1]
     assert [r.peer_unstored_blocks for r in replicas] == [50, 10]
     assert [r.peer_kv_held for r in replicas] == [500, 100]
+    # when the fresh peers' holdings free, in this router's clock, soonest first
+    assert replicas[0].peer_kv_frees == [
+        (pytest.approx(clock() + 0.2), 200),
+        (pytest.approx(clock() + 0.3), 300),
+    ]
+    assert replicas[1].peer_kv_frees == [(pytest.approx(clock() + 0.1), 100)]
     replicas[0].in_flight = 1
     assert replicas[0].pending == 6  # ours plus the peers'
     clock.t += 0.5
@@ -197,6 +219,7 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
     assert [r.peer_in_flight for r in replicas] == [0, 0]
     assert [r.peer_unstored_blocks for r in replicas] == [0, 0]
     assert [r.peer_kv_held for r in replicas] == [0, 0]
+    assert [r.peer_kv_frees for r in replicas] == [[], []]
     # what they held when, for the moment of a scrape
     assert replicas[0].peer_kv_held_at(time.monotonic()) == 0
     assert [b for _, b in replicas[0].peer_kv_history] == [500, 200, 0]

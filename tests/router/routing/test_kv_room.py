@@ -249,3 +249,44 @@ def test_peers_blocks_free_evenly_over_one_answer_between_this_routers_ends() ->
     assert room.wait_s("r0", 150, 160, 130.0, clock.now, 10, 100, 100) == pytest.approx(0.09)
     # 20 held by no router: never free within the peers' answer, then one more answer
     assert room.wait_s("r0", 160, 160, 150.0, clock.now, 10, 100, 100) == pytest.approx(0.2)
+
+
+def test_this_routers_frees_are_told_soonest_first_and_sum_to_what_it_holds() -> None:
+    """What a peer is told (``frees``): when each request's blocks come free, a shared prompt
+    block with the last of its holders; merged to at most ``max_entries`` at the later time."""
+    clock = Clock()
+    room = _room(clock, decode=0.01)
+    room.add("r0", "late", [1, 2, 3], 5, 50, 0.0)  # ends at 0.5
+    room.add("r0", "early", [1, 2], 4, 10, 0.0)  # ends at 0.1: blocks 1, 2 still held
+    room.add("r0", "mid", [9], 2, 30, 0.0)  # ends at 0.3
+    assert room.frees("r0") == [
+        (4, pytest.approx(0.1)),
+        (3, pytest.approx(0.3)),
+        (8, pytest.approx(0.5)),
+    ]
+    assert sum(n for n, _ in room.frees("r0")) == room.held_blocks("r0") == 15
+    assert room.frees("r0", max_entries=2) == [(7, pytest.approx(0.3)), (8, pytest.approx(0.5))]
+    assert room.frees("r1") == []
+
+
+def test_peers_shared_ends_free_their_blocks_when_the_peers_said() -> None:
+    """A peer that says when its requests end (``peer_frees``) is taken at its word, as this
+    router's own requests are; only holdings without ends are spread over one answer."""
+    clock = Clock()
+    room = _room(clock, decode=0.01)  # an answer of 10 tokens: 0.1 s
+    now = clock.now
+    frees = [(now + 0.05, 30), (now + 0.5, 70)]
+    # a peer holds 100 (60 free): 80 need the first 30 the peer frees, at 0.05 s
+    assert room.wait_s("r0", 80, 160, 100.0, now, 10, 100, 100, frees) == pytest.approx(0.05)
+    # 100 need its second end, at 0.5 s, though the even spread would say 0.04 s
+    assert room.wait_s("r0", 100, 160, 100.0, now, 10, 100, 100, frees) == pytest.approx(0.5)
+    assert room.wait_s("r0", 100, 160, 100.0, now, 10, 100, 100) == pytest.approx(0.04)
+    # this router's own end falls between the peer's: 30 free, 30 more at 0.05 s, 30 at 0.2 s
+    room.add("r0", "a", (), 30, 20, 0.0)  # ends at 0.2
+    assert room.wait_s("r0", 90, 160, 130.0, now, 10, 100, 100, frees) == pytest.approx(0.2)
+    assert room.wait_s("r0", 91, 160, 130.0, now, 10, 100, 100, frees) == pytest.approx(0.5)
+    # 40 of the peer's 100 have no end told: they free evenly over 0.1 s from now, so 80
+    # (50 more than the 30 free) need this router's end at 0.2 s too; never before it
+    told = [(now + 0.5, 60)]
+    assert room.wait_s("r0", 70, 160, 130.0, now, 10, 100, 100, told) == pytest.approx(0.1)
+    assert room.wait_s("r0", 80, 160, 130.0, now, 10, 100, 100, told) == pytest.approx(0.2)
