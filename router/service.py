@@ -178,6 +178,7 @@ class RouterService:
             api_key=settings.peer_credential,
             on_samples=None if self.router.queue_delay is None else self._apply_peer_samples,
             on_rate_samples=None if self.router.rates is None else self._apply_peer_rates,
+            on_homes=self._apply_peer_homes,
         )
         if self.router.queue_delay is not None:  # a held /peer/load answers a new sample
             self.router.queue_delay.on_sample = self.registry.load_signal.changed
@@ -478,6 +479,11 @@ class RouterService:
         for name, values in samples:
             if (replica := self.registry.get(name)) is not None:
                 self.router.observe_shared_rates(replica, values)
+
+    def _apply_peer_homes(self, homes: list[tuple[str, bytes]]) -> None:
+        """The homes a peer gave new prefixes, on replicas this router knows."""
+        for name, affinity in (h for h in homes if self.registry.get(h[0]) is not None):
+            self.router.observe_shared_home(name, affinity)
 
     async def poll_peer_load(self) -> None:
         """One round of shared load: ask the peers, then set every replica's share."""

@@ -115,6 +115,7 @@ class HealthChecker:
 
     async def _scrape(self, members: list[Replica]) -> None:
         """Load gauges; a replica without /metrics is still healthy (router counts only)."""
+        sent = time.monotonic()
         try:
             resp = await self.client.get(f"{members[0].url}/metrics", timeout=self.timeout)
         except httpx.HTTPError:
@@ -129,6 +130,7 @@ class HealthChecker:
                 gauges.get("waiting", 0.0),
                 gauges.get("kv_usage", 0.0),
                 gauges.get(KV_BLOCKS),
+                sent,
             )
             m.pd_transport = {k: gauges[k] for k in PD_TRANSPORT_COUNTERS if k in gauges}
             self._note_drafts(m, SPEC_DECODE_COUNTER in gauges)

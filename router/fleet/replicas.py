@@ -230,6 +230,7 @@ class Replica:
     # Its device cache's size in blocks, from its metrics page (None: the page does not say)
     kv_blocks: int | None = None
     scraped_at: float | None = None
+    scrape_sent_at: float | None = None  # when that page was asked for
     # Requests sent after the last scrape and still in flight; ``scrape_epoch`` tells a
     # finishing request whether it was one of them.
     sent_since_scrape: int = 0
@@ -311,21 +312,32 @@ class Replica:
         while len(history) > 1 and history[1][0] <= now - _PEER_KV_HISTORY_S:
             history.popleft()
 
-    def peer_kv_held_at(self, moment: float) -> int:
-        """What peers' requests held on it at ``moment`` (a scrape's time), as last heard."""
+    def peer_kv_held_at(self, moment: float, until: float | None = None) -> int:
+        """What peers' requests held on it at ``moment`` (a scrape's time), as last heard;
+        with ``until``, the most they held from ``moment`` to ``until``."""
+        most = 0
         for at, blocks in reversed(self.peer_kv_history):
-            if at <= moment:
-                return blocks
-        return 0
+            if until is not None and moment < at <= until:
+                most = max(most, blocks)
+            elif at <= moment:
+                return max(most, blocks)
+        return most
 
     def set_gauges(
-        self, running: float, waiting: float, kv_usage: float, kv_blocks: float | None = None
+        self,
+        running: float,
+        waiting: float,
+        kv_usage: float,
+        kv_blocks: float | None = None,
+        sent_at: float | None = None,
     ) -> None:
-        """A fresh metrics page: it counts every request the replica had by now."""
+        """A fresh metrics page (asked for at ``sent_at``): it counts every request the
+        replica had by now."""
         self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
         if kv_blocks is not None:
             self.kv_blocks = int(kv_blocks)
         self.scraped_at = time.monotonic()
+        self.scrape_sent_at = self.scraped_at if sent_at is None else sent_at
         self.scrape_epoch += 1
         self.sent_since_scrape = 0
         self.ended_since_scrape = 0

@@ -144,6 +144,8 @@ def router_stats(service: RouterService) -> dict[str, Any]:
             # queue and rate samples alike (both are numbered in one log)
             "from_peers": service.router.queue_delay.shared_applied
             + (0 if service.router.rates is None else service.router.rates.shared_applied),
+            # new prefixes' homes, numbered in the same log (router/routing/router.py)
+            "homes_from_peers": service.router.homes_from_peers,
         },
     }
 

@@ -9,6 +9,8 @@ prefix late or early, and learns a per-request queue delay from first bytes that
 behind requests it never counted (router/routing/queue_model.py). Measured: two routers' TTFT p90
 was 5-15% (chat) and 40-60% (shared_prefix) worse than one router's on the same fleet.
 
+The answer's wire, built and checked: router/peers/load_wire.py.
+
 Protocol: ``GET /peer/load`` (behind the API key, like every non-monitoring path) answers
 ``{"router": ID, "replicas": {name: in_flight}, "unstored_blocks": {name: blocks}}``: the
 requests this router is proxying to each replica right now, and the blocks it sent each
@@ -71,10 +73,8 @@ every first byte in the fleet.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -84,13 +84,23 @@ from typing import Any
 import httpx
 
 from kvroute.router.fleet.replicas import LoadSignal, Replica
+from kvroute.router.peers.load_wire import (
+    KV_FREES_SENT,
+    PeerAnswer,
+    PeerLoadError,
+    load_body,
+    load_version,
+    parse_load,
+)
 
 __all__ = [
+    "KV_FREES_SENT",
     "MAX_WAIT_S",
     "MIN_ASK_INTERVAL_S",
     "STREAM_MEDIA_TYPE",
     "PeerAnswer",
     "PeerLoad",
+    "PeerLoadError",
     "PeerReport",
     "load_body",
     "load_lines",
@@ -100,73 +110,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Bounds on what one peer may report: a forged or broken answer cannot make a replica look
-# busier than this many requests per peer, nor name more replicas than a fleet has.
-MAX_IN_FLIGHT = 1_000_000
-MAX_UNSTORED_BLOCKS = 1_000_000_000
-MAX_REPLICAS = 100_000
-MAX_SAMPLES = 4096  # queue samples in one answer (a peer keeps far fewer: SAMPLE_LOG_MAX)
-MAX_FREES = 64  # entries of one replica's ``kv_frees`` (a router sends at most KV_FREES_SENT)
-KV_FREES_SENT = 16
-MAX_FREE_S = 3600.0  # how far ahead a ``kv_frees`` entry may be
 # A follower asks one peer at most this often; a held ``GET /peer/load`` waits at most this.
 MIN_ASK_INTERVAL_S = 0.01
 MAX_WAIT_S = 5.0
 STREAM_MEDIA_TYPE = "application/x-ndjson"
-_MAX_VERSION_CHARS = 64
-
-
-class PeerLoadError(ValueError):
-    """Why a peer's answer was not used."""
-
-
-def load_version(replicas: Iterable[Replica], next_sample: int = 0) -> str:
-    """A digest of the in-flight counts and of the number of queue samples taken: it changes
-    whenever a count does, a replica comes or goes, or a sample is taken. Unstored blocks
-    are not in it: they change with the requests sent, and settle on the next answer."""
-    counts = ",".join(f"{r.name}={r.in_flight}" for r in replicas)
-    return hashlib.blake2b(f"{counts};{next_sample}".encode(), digest_size=8).hexdigest()
-
-
-def load_body(
-    router_id: str,
-    replicas: Iterable[Replica],
-    unstored: Mapping[str, int] | None = None,
-    *,
-    next_sample: int = 0,
-    samples: list[tuple[str, float | None, tuple[float, ...] | None]] | None = None,
-    kv_held: Mapping[str, int] | None = None,
-    kv_frees: Mapping[str, list[tuple[int, float]]] | None = None,
-) -> dict[str, Any]:
-    """This router's ``GET /peer/load`` answer: ``samples`` are its samples from the
-    asker's ``samples_from`` up to ``next_sample`` (None: the asker gave none): queue samples
-    in ``values``, samples of the replicas' rates (router/routing/calibration.py) in
-    ``rates_q`` (with the queue delay priced for the request; an older router's samples,
-    without it and net of that delay, in ``rates``). A router that does not know a key
-    ignores it."""
-    replicas = list(replicas)
-    body: dict[str, Any] = {
-        "router": router_id,
-        "version": load_version(replicas, next_sample),
-        "replicas": {r.name: r.in_flight for r in replicas},
-        "samples": {
-            "next": next_sample,
-            "values": [[name, round(v, 6)] for name, v, _ in samples or () if v is not None],
-        },
-    }
-    rates = [[name, *r] for name, _, r in samples or () if r is not None]
-    for key, size in (("rates", 6), ("rates_q", 7)):
-        if rows := [row for row in rates if len(row) == size]:
-            body["samples"][key] = rows
-    if unstored is not None:
-        body["unstored_blocks"] = {name: n for name, n in unstored.items() if n}
-    if kv_held is not None:
-        body["kv_held_blocks"] = {name: n for name, n in kv_held.items() if n}
-    if kv_frees is not None:
-        body["kv_frees"] = {
-            name: [[n, round(s, 4)] for n, s in frees] for name, frees in kv_frees.items() if frees
-        }
-    return body
 
 
 async def load_lines(
@@ -193,152 +140,6 @@ async def load_lines(
             if left <= 0:
                 break
             await signal.wait(left)
-
-
-@dataclass(frozen=True, slots=True)
-class PeerAnswer:
-    """A peer's ``GET /peer/load`` answer, checked."""
-
-    router: str
-    in_flight: dict[str, int]
-    unstored_blocks: dict[str, int] = field(default_factory=dict)
-    version: str | None = None  # None: a peer that cannot hold a request (poll it)
-    # Its queue samples: the number of the next one, and those asked for (None: an older
-    # router that shares none).
-    next_sample: int | None = None
-    samples: list[tuple[str, float]] = field(default_factory=list)
-    # Its samples of the replicas' rates: (replica, (uncached, cpu, storage, seconds, weight[,
-    # queue_s])), as router/routing/calibration.py's CalibrationSample takes them
-    rate_samples: list[tuple[str, tuple[float, ...]]] = field(default_factory=list)
-    # The device blocks its requests hold on each replica (router/routing/kv_room.py), and
-    # when they should free them: [(blocks, seconds from its answer)], soonest first
-    kv_held_blocks: dict[str, int] = field(default_factory=dict)
-    kv_frees: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-
-
-def _counts(value: object, what: str, limit: int) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise PeerLoadError(f"'{what}' is not an object")
-    if len(value) > MAX_REPLICAS:
-        raise PeerLoadError(f"more than {MAX_REPLICAS} replicas")
-    out: dict[str, int] = {}
-    for name, n in value.items():
-        if isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n):
-            raise PeerLoadError(f"replica {name!r}: {what} count is not a number")
-        if n < 0 or n > limit:
-            raise PeerLoadError(f"replica {name!r}: {what} count {n} out of range")
-        out[str(name)] = int(n)
-    return out
-
-
-def parse_load(body: object) -> PeerAnswer:
-    """A peer's answer; PeerLoadError if it is not one."""
-    if not isinstance(body, dict):
-        raise PeerLoadError("not a JSON object")
-    router, replicas = body.get("router"), body.get("replicas")
-    if not isinstance(router, str) or not router or not isinstance(replicas, dict):
-        raise PeerLoadError("needs 'router' (a string) and 'replicas' (an object)")
-    unstored = body.get("unstored_blocks")
-    version = body.get("version")
-    if version is not None and (
-        not isinstance(version, str) or not 0 < len(version) <= _MAX_VERSION_CHARS
-    ):
-        raise PeerLoadError(f"'version' must be a string of 1-{_MAX_VERSION_CHARS} characters")
-    next_sample, samples = _samples(body.get("samples"))
-    rate_samples = _rate_samples(body.get("samples"))
-    held = body.get("kv_held_blocks")
-    return PeerAnswer(
-        router,
-        _counts(replicas, "in-flight", MAX_IN_FLIGHT),
-        {} if unstored is None else _counts(unstored, "unstored_blocks", MAX_UNSTORED_BLOCKS),
-        version,
-        next_sample,
-        samples,
-        rate_samples,
-        {} if held is None else _counts(held, "kv_held_blocks", MAX_UNSTORED_BLOCKS),
-        _frees(body.get("kv_frees")),
-    )
-
-
-def _frees(value: object) -> dict[str, list[tuple[int, float]]]:
-    """``kv_frees``: per replica, at most ``MAX_FREES`` ``[blocks, seconds]`` pairs."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_REPLICAS:
-        raise PeerLoadError(f"'kv_frees' must be an object of at most {MAX_REPLICAS} replicas")
-    out: dict[str, list[tuple[int, float]]] = {}
-    for name, rows in value.items():
-        if not isinstance(rows, list) or len(rows) > MAX_FREES:
-            raise PeerLoadError(f"replica {name!r}: 'kv_frees' must be a list of {MAX_FREES}")
-        frees: list[tuple[int, float]] = []
-        for row in rows:
-            if (
-                not isinstance(row, list)
-                or len(row) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int | float) for v in row)
-                or not all(math.isfinite(v) for v in row)
-                or not 0 <= row[0] <= MAX_UNSTORED_BLOCKS
-                or not 0 <= row[1] <= MAX_FREE_S
-            ):
-                raise PeerLoadError(
-                    f"replica {name!r}: a 'kv_frees' entry must be [blocks, seconds] in range"
-                )
-            frees.append((int(row[0]), float(row[1])))
-        out[str(name)] = sorted(frees, key=lambda f: f[1])
-    return out
-
-
-def _rate_samples(value: object) -> list[tuple[str, tuple[float, ...]]]:
-    out: list[tuple[str, tuple[float, ...]]] = []
-    for key, size in (("rates", 6), ("rates_q", 7)):
-        rows = value.get(key, []) if isinstance(value, dict) else []
-        if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
-            raise PeerLoadError(f"'samples.{key}' must be a list of at most {MAX_SAMPLES}")
-        for row in rows:
-            if (
-                not isinstance(row, list)
-                or len(row) != size
-                or not isinstance(row[0], str)
-                or not all(
-                    isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-                    for v in row[1:]
-                )
-                or min(row[1:4]) < 0
-                or not 0 < row[5] <= 1
-                or (size == 7 and row[6] < 0)
-            ):
-                raise PeerLoadError(
-                    "a rate sample must be [replica, uncached, cpu, storage, seconds, weight]"
-                    " (in 'rates_q', then the priced queue delay)"
-                )
-            out.append((row[0], tuple(float(v) for v in row[1:])))
-    return out
-
-
-def _samples(value: object) -> tuple[int | None, list[tuple[str, float]]]:
-    if value is None:
-        return None, []
-    if not isinstance(value, dict):
-        raise PeerLoadError("'samples' is not an object")
-    next_sample, values = value.get("next"), value.get("values", [])
-    if isinstance(next_sample, bool) or not isinstance(next_sample, int) or next_sample < 0:
-        raise PeerLoadError("'samples.next' must be an integer >= 0")
-    if not isinstance(values, list) or len(values) > MAX_SAMPLES:
-        raise PeerLoadError(f"'samples.values' must be a list of at most {MAX_SAMPLES}")
-    out: list[tuple[str, float]] = []
-    for item in values:
-        if (
-            not isinstance(item, list)
-            or len(item) != 2
-            or not isinstance(item[0], str)
-            or isinstance(item[1], bool)
-            or not isinstance(item[1], int | float)
-            or not math.isfinite(item[1])
-            or item[1] < 0
-        ):
-            raise PeerLoadError("a queue sample must be [replica, seconds >= 0]")
-        out.append((item[0], float(item[1])))
-    return next_sample, out
 
 
 @dataclass(slots=True)
@@ -373,6 +174,7 @@ class PeerLoad:
         clock: Callable[[], float] = time.monotonic,
         on_samples: Callable[[list[tuple[str, float]]], None] | None = None,
         on_rate_samples: Callable[[list[tuple[str, tuple[float, ...]]]], None] | None = None,
+        on_homes: Callable[[list[tuple[str, bytes]]], None] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -385,6 +187,7 @@ class PeerLoad:
         # Where a peer's queue samples go (the router's LearnedQueueDelay); None: not asked.
         self.on_samples = on_samples
         self.on_rate_samples = on_rate_samples
+        self.on_homes = on_homes
 
     async def poll(self, client: httpx.AsyncClient, urls: list[str]) -> None:
         """Ask every peer in ``urls`` at once; forget peers no longer listed."""
@@ -545,11 +348,15 @@ class PeerLoad:
         report.followed = follow and answer.version is not None
         asked_samples = params.get("samples_from") is not None
         if asked_samples and same_peer and answer.router != self.router_id:
-            report.samples_received += len(answer.samples) + len(answer.rate_samples)
+            report.samples_received += (
+                len(answer.samples) + len(answer.rate_samples) + len(answer.homes)
+            )
             if self.on_samples is not None and answer.samples:
                 self.on_samples(answer.samples)
             if self.on_rate_samples is not None and answer.rate_samples:
                 self.on_rate_samples(answer.rate_samples)
+            if self.on_homes is not None and answer.homes:
+                self.on_homes(answer.homes)
         # A restarted peer (a new id) numbers from 0 again: go on from its answer either way.
         report.next_sample = answer.next_sample
 

@@ -226,15 +226,21 @@ class KvRoom:
             ]
         return out
 
-    def held_at(self, replica: str, moment: float) -> int:
-        """What this router's requests held there at ``moment`` (a scrape's time)."""
+    def held_at(self, replica: str, moment: float, until: float | None = None) -> int:
+        """What this router's requests held there at ``moment`` (a scrape's time); with
+        ``until``, the most they held from ``moment`` to ``until``: a metrics page shows
+        one moment between its request and its answer, and a request that ended in
+        between must not be read as someone else's blocks."""
         r = self._by_replica.get(replica)
         if r is None:
             return 0
+        most = 0
         for at, total in reversed(r.history):
-            if at <= moment:
-                return total
-        return 0  # before anything was sent (or remembered)
+            if until is not None and moment < at <= until:
+                most = max(most, total)
+            elif at <= moment:
+                return max(most, total)
+        return most  # before anything was sent (or remembered)
 
     def wait_s(
         self,
@@ -247,6 +253,7 @@ class KvRoom:
         peers_now: int = 0,
         peers_at_scrape: int = 0,
         peer_frees: Sequence[tuple[float, int]] = (),
+        scrape_sent_at: float | None = None,
     ) -> float:
         """Seconds until ``need_blocks`` are free in a cache of ``capacity_blocks`` whose last
         scrape (at ``scraped_at``) showed ``used_at_scrape`` blocks in use; 0 when they are
@@ -255,7 +262,9 @@ class KvRoom:
         ``peers_now``, ``peers_at_scrape``: what peer routers' requests hold there now and
         held at the scrape (router/peers/load.py), beside this router's own;
         ``peer_frees``: when the peers said theirs free, ``(monotonic time, blocks)``
-        soonest first (part of ``peers_now``, or all of it)."""
+        soonest first (part of ``peers_now``, or all of it); ``scrape_sent_at``: when the
+        scrape was asked (the page shows a moment from then to ``scraped_at``, and this
+        router's part of it is the most its requests held in between)."""
         if need_blocks <= 0 or need_blocks > capacity_blocks:
             return 0.0
         now = self._clock()
@@ -265,7 +274,10 @@ class KvRoom:
         own = 0 if r is None else r.total
         others = float(peers_now)
         if scraped_at is not None:
-            known = self.held_at(replica, scraped_at) + peers_at_scrape
+            if scrape_sent_at is not None and scrape_sent_at < scraped_at:
+                known = self.held_at(replica, scrape_sent_at, scraped_at) + peers_at_scrape
+            else:
+                known = self.held_at(replica, scraped_at) + peers_at_scrape
             others += max(0.0, used_at_scrape - known)
         free = capacity_blocks - others - own
         if free >= need_blocks:

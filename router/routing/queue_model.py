@@ -42,6 +42,8 @@ __all__ = ["SAMPLE_LOG_MAX", "LearnedQueueDelay"]
 # Samples a router keeps for its peers: at the ~100 first bytes per second of a busy router,
 # 10 s of them, far more than a follower (asking every 10 ms) or a poller lags behind.
 SAMPLE_LOG_MAX = 1024
+# (replica, queue sample or None, a rate sample, a home's affinity, or None)
+LogEntry = tuple[str, float | None, tuple[float, ...] | bytes | None]
 
 
 @dataclass(slots=True)
@@ -76,10 +78,9 @@ class LearnedQueueDelay:
         self._clock = clock
         self._by_replica: dict[str, _Estimate] = {}
         # This router's own samples, numbered from 0; the log keeps the last of them.
-        # (replica, queue sample or None, rate sample or None)
-        self._log: deque[tuple[str, float | None, tuple[float, ...] | None]] = deque(
-            maxlen=SAMPLE_LOG_MAX
-        )
+        # (replica, queue sample or None, a rate sample (floats), a new home's affinity
+        # (bytes: router/routing/router.py's homes) or None)
+        self._log: deque[LogEntry] = deque(maxlen=SAMPLE_LOG_MAX)
         self._log_next = 0
         self.shared_applied = 0  # samples taken from peers
         # Called after each own sample (the service wakes held peer-load requests there).
@@ -110,7 +111,12 @@ class LearnedQueueDelay:
         for the peers (``entries_since``); learned by the caller."""
         self._append((replica, None, values))
 
-    def _append(self, entry: tuple[str, float | None, tuple[float, ...] | None]) -> None:
+    def log_home(self, replica: str, affinity: bytes) -> None:
+        """A prefix's new home (the replica its first request went to), numbered with the
+        samples for the peers, so that every router sends a conversation to one home."""
+        self._append((replica, None, affinity))
+
+    def _append(self, entry: LogEntry) -> None:
         self._log.append(entry)
         self._log_next += 1
         if self.on_sample is not None:
@@ -134,7 +140,7 @@ class LearnedQueueDelay:
         without the rate samples)."""
         return [(n, q) for n, q, _ in self.entries_since(first) if q is not None]
 
-    def entries_since(self, first: int) -> list[tuple[str, float | None, tuple[float, ...] | None]]:
+    def entries_since(self, first: int) -> list[LogEntry]:
         """Own samples of both kinds numbered ``first`` and later, oldest first; those already
         dropped from the log are skipped (a peer that far behind catches up on the rest)."""
         start = self._log_next - len(self._log)

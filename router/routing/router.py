@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvroute.indexer.index import PrefixIndex, PrefixMatch, domain_key
+from kvroute.indexer.index import PrefixIndex, domain_key
 from kvroute.indexer.keys import RequestKeys
 from kvroute.indexer.subscriber import FeedHealth
 from kvroute.indexer.tiers import Tier
@@ -27,6 +27,11 @@ from kvroute.router.routing.decision_log import DecisionLog
 from kvroute.router.routing.hints import BurstHints
 from kvroute.router.routing.kv_room import KvRoom, waits_to_price
 from kvroute.router.routing.lmcache import LMCacheController
+from kvroute.router.routing.match_tiers import (
+    TIER_DROP_ORDER,
+    match_tiers,
+    predicted_cached_tokens,
+)
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from kvroute.router.routing.policies import Policy, ReplicaView, RouteContext
 from kvroute.router.routing.prefill_backlog import PrefillBacklog
@@ -41,54 +46,8 @@ _STORAGE, _STORAGE_U = Tier.STORAGE.label(), Tier.STORAGE.label(confirmed=False)
 
 __all__ = ["Decision", "Router", "home_affinity", "match_tiers", "predicted_cached_tokens"]
 
-# Each tier, fastest first, with its keys in ReplicaView.tokens_by_tier (confirmed,
-# unconfirmed), looked up once.
-_TIER_LABELS = tuple((t, t.label(), t.label(confirmed=False)) for t in sorted(Tier))
-# Which tiers' tokens a match loses first when capped (the tail of a match sits in the
-# slowest tier it reaches).
-_TIER_DROP_ORDER = tuple(
-    label
-    for _, confirmed, unconfirmed in reversed(_TIER_LABELS)
-    for label in (unconfirmed, confirmed)
-)
-
 # LMCache's tier (lmcache.py): what its events say, and what its controller says
 _CPU, _CPU_UNCONFIRMED = Tier.CPU.label(), Tier.CPU.label(confirmed=False)
-
-
-def predicted_cached_tokens(match_tokens: int, prompt_len: int, block_size: int) -> int:
-    """vLLM recomputes the last prompt token even on a full hit, so at most the whole blocks
-    (or prefix-match units, ``block_size`` being the unit then) before it are served."""
-    if prompt_len <= 0 or block_size <= 0:
-        return 0
-    return min(match_tokens, ((prompt_len - 1) // block_size) * block_size)
-
-
-_CONFIRMED_LABELS = {tier: label for tier, label, _ in _TIER_LABELS}
-
-
-def match_tiers(match: PrefixMatch) -> dict[str, int]:
-    """A match's tokens per tier name: confirmed tiers by name, and the tiers of publishers
-    that never announce removals as ``<TIER>_UNCONFIRMED``."""
-    by_tier = match.blocks_by_tier
-    if len(by_tier) == 1 and not match.unconfirmed_by_tier and not match.partial_tokens:
-        # One confirmed tier, no partial block (most replicas of a large fleet): the same
-        # answer as the loops below, without them (a decision asks it of every replica).
-        ((tier, blocks),) = by_tier.items()
-        label = _CONFIRMED_LABELS.get(tier)
-        if label is not None:
-            tokens = blocks * match.block_size
-            return {label: tokens} if tokens else {}
-    tiers: dict[str, int] = {}
-    for tier, label, _ in _TIER_LABELS:
-        n = match.tokens_in(tier)
-        if n:
-            tiers[label] = n
-    for tier, _, label in _TIER_LABELS:
-        n = match.unconfirmed_tokens_in(tier)
-        if n:
-            tiers[label] = n
-    return tiers
 
 
 class Router:
@@ -117,9 +76,11 @@ class Router:
         # The prefill work sent to each replica and not yet done (the P/D decider's waits).
         self.backlog = PrefillBacklog()
         # Where each prefix (its home_affinity) was first placed: where it goes back to once
-        # evicted everywhere (KvroutePolicy). Router-local, like the hints; a prefix this
-        # router never saw is placed by a rule every router computes alike (placement.py).
+        # evicted everywhere (KvroutePolicy). Peer routers share the homes they give
+        # (``observe_shared_home``); a prefix no router placed yet is placed by a rule every
+        # router computes alike (placement.py).
         self.homes: LRU[bytes, str] = LRU(settings.home_max_keys)
+        self.homes_from_peers = 0  # homes taken from peer routers (observe_shared_home)
         # Blocks each replica stored lately, from the event feeds every router reads, and
         # those this router sent it to compute that its feed has not announced yet.
         self.stored_rate = StoredRate(settings.cost.placement_half_life_s)
@@ -327,7 +288,7 @@ class Router:
                         cap = predicted_cached_tokens(m.tokens, n, unit or bs)
                         tiers = match_tiers(m)
                         excess = m.tokens - cap
-                        for tier in _TIER_DROP_ORDER:
+                        for tier in TIER_DROP_ORDER:
                             if excess <= 0:
                                 break
                             take = min(excess, tiers.get(tier, 0))
@@ -375,8 +336,11 @@ class Router:
                 r.scraped_at,
                 decision.output_budget,
                 r.peer_kv_held,
-                0 if r.scraped_at is None else r.peer_kv_held_at(r.scraped_at),
+                0
+                if r.scraped_at is None
+                else r.peer_kv_held_at(r.scrape_sent_at or r.scraped_at, r.scraped_at),
                 r.peer_kv_frees,
+                r.scrape_sent_at,
             )
         for name, wait in waits_to_price(waits).items():
             views[name].kv_wait_s = wait
@@ -440,6 +404,8 @@ class Router:
             )
         if home and self.policy.uses_homes and decision.home is None and decision.affinity:
             self.homes.put(decision.affinity, replica.name)
+            if self.queue_delay is not None:  # for the peers, numbered with the samples
+                self.queue_delay.log_home(replica.name, decision.affinity)
         bs = view.block_size or self.settings.default_block_size
         if self.policy.uses_homes and decision.prompt_tokens:
             self.unstored.add(
@@ -517,6 +483,17 @@ class Router:
                     sample.queue_s,
                 ),
             )
+
+    def observe_shared_home(self, replica: str, affinity: bytes) -> None:
+        """A peer router gave a new prefix its home: this router sends the prefix's next
+        requests there too, unless it has given the prefix a home itself (the first one
+        each router knows stays: homes are never moved by a peer). Homes are router-local
+        otherwise, and two routers each honouring the home it gave sent one conversation's
+        turns back and forth between two replicas (docs/benchmarks.md, "Several routers on
+        this preset")."""
+        if self.policy.uses_homes and affinity and affinity not in self.homes:
+            self.homes.put(affinity, replica)
+            self.homes_from_peers += 1
 
     def observe_shared_rates(self, replica: Replica, values: tuple[float, ...]) -> None:
         """A peer router's sample of ``replica``'s rates (``answered`` there): learned like an

@@ -11,3 +11,6 @@ for s in 0 1 2 3; do
       --records --warm-up "${o[@]}" --out-dir "$OUT/$mode-$s" > "$OUT/small_device-$mode-router-seed$s.json"
   done
 done
+# The same with homes shared between the routers (homes-shared-*.json), and an A/B of two
+# routers with homes shared and not (ab-homes-{share,noshare}-seed*.json), the latter run
+# with a local switch that left the peers' homes unapplied (not committed).

@@ -57,13 +57,9 @@ from kvroute.indexer.wire import (
     encode_batch,
 )
 from kvroute.router.routing.cpu_audit import audit_cpu
+from kvroute.router.routing.match_tiers import TIER_DROP_ORDER as _TIER_DROP_ORDER
 from kvroute.router.routing.policies import ReplicaView
-from kvroute.router.routing.router import (
-    _TIER_DROP_ORDER,
-    Decision,
-    match_tiers,
-    predicted_cached_tokens,
-)
+from kvroute.router.routing.router import Decision, match_tiers, predicted_cached_tokens
 from tests.indexer.index.test_index_truth import (
     BS,
     DOCS,

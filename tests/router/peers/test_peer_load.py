@@ -94,6 +94,12 @@ def test_a_peers_answer_round_trips() -> None:
     assert frees["kv_frees"] == {"r0": [[30, 0.25], [10, 1.5]]}
     assert parse_load(frees).kv_frees == {"r0": [(30, 0.25), (10, 1.5)]}
     assert parse_load(held).kv_frees == {}
+    # ... and the homes it gave new prefixes, numbered with the samples
+    homes = load_body("router-a", replicas, next_sample=2, samples=[("r1", None, b"\xab\x01")])
+    assert homes["samples"]["homes"] == [["r1", "ab01"]]
+    assert "rates" not in homes["samples"] and homes["samples"]["values"] == []
+    assert parse_load(homes).homes == [("r1", b"\xab\x01")]
+    assert parse_load(held).homes == []
     # An older router's answer has no version: its follower polls it.
     del body["version"]
     assert parse_load(body).version is None
@@ -145,6 +151,12 @@ def test_the_version_changes_with_the_in_flight_counts() -> None:
         {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, 0.5, 2]]}},
         {"router": "a", "replicas": {}, "kv_frees": {"r0": [[1, 0.5]] * 65}},
         {"router": "a", "replicas": {}, "kv_frees": {"r0": {"1": 0.5}}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "homes": {"r0": "ab"}}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "homes": [["r0", "xyz"]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "homes": [["r0", ""]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "homes": [["r0", "ab" * 65]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "homes": [[1, "ab"]]}},
+        {"router": "a", "replicas": {}, "samples": {"next": 1, "homes": [["r0"]]}},
         {"router": "a", "replicas": {}, "version": 5},
         {"router": "a", "replicas": {}, "version": ""},
         {"router": "a", "replicas": {}, "version": "v" * 65},
@@ -223,6 +235,11 @@ def test_only_fresh_answers_of_other_routers_count() -> None:
     # what they held when, for the moment of a scrape
     assert replicas[0].peer_kv_held_at(time.monotonic()) == 0
     assert [b for _, b in replicas[0].peer_kv_history] == [500, 200, 0]
+    # a page read over a window (asked, answered): the most the peers held in it
+    (first, _), (second, _), (last, _) = replicas[0].peer_kv_history
+    assert replicas[0].peer_kv_held_at(second, last) == 200
+    assert replicas[0].peer_kv_held_at(first, last) == 500
+    assert replicas[0].peer_kv_held_at(first - 1.0, first - 0.5) == 0
     stats = load.to_dict()["peers"]
     assert stats["http://self"]["self"] is True
     assert stats["http://a"]["fresh"] is False
@@ -422,7 +439,11 @@ def test_without_shared_load_the_peer_is_blind_to_them(local_tokenizer: LocalTok
         assert all(r["load"]["pending"] == 0 for r in stats["replicas"].values())
         assert [f.result(timeout=30) for f in futures] == [200, 200, 200]
         assert _stats(fleet.url)["queue_samples"]["taken"] >= 1
-        assert _stats(b.url)["queue_samples"] == {"taken": 0, "from_peers": 0}
+        assert _stats(b.url)["queue_samples"] == {
+            "taken": 0,
+            "from_peers": 0,
+            "homes_from_peers": 0,
+        }
 
 
 def test_peer_load_needs_the_key_and_a_wrong_key_is_reported(
@@ -557,8 +578,11 @@ def test_a_streamed_answer_comes_at_each_change_and_at_each_heartbeat(
         # the rate samples of each answer, numbered in one log).
         values = [v for _, b in lines for v in b["samples"]["values"]]
         rates = [v for _, b in lines for v in b["samples"].get("rates_q", [])]
-        assert len(values) + len(rates) == taken and {name for name, _ in values} == {"r0"}
+        homes = [v for _, b in lines for v in b["samples"].get("homes", [])]
+        assert len(values) + len(rates) + len(homes) == taken
+        assert {name for name, _ in values} == {"r0"}
         assert len(rates) == 2 and {row[0] for row in rates} == {"r0"}
+        assert len(homes) <= 2 and {name for name, _ in homes} <= {"r0"}
         stopping = time.monotonic()
         fleet.router.stop()
         assert time.monotonic() - stopping < 1.5  # the graceful timeout (2 s) not waited out

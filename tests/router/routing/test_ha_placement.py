@@ -4,8 +4,10 @@ apps on 127.0.0.1, simulated vLLM replicas with real ZMQ KV-event feeds, no mock
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -41,6 +43,25 @@ def _route(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def _stored(url: str) -> dict[str, int]:
     replicas = httpx.get(f"{url}/index/stats", timeout=5).json()["replicas"]
     return {name: r["feed"]["blocks_stored"] for name, r in replicas.items()}
+
+
+@contextlib.contextmanager
+def _peer_router(fleet: Any, local_tokenizer: Any) -> Iterator[ServerThread]:
+    """A second router B over ``fleet``'s replicas that follows router A's load (its peer),
+    once B sees every replica healthy."""
+    b = ServerThread(
+        create_app(
+            fleet.settings.replace(peers=[fleet.url], peer_load_interval_s=0.05),
+            tokenizer=local_tokenizer,
+        ),
+        http=header_deadline_protocol(fleet.settings.header_timeout_s),
+    ).start()
+    try:
+        service_b = b.app.state.service
+        wait_until(lambda: len(service_b.registry.healthy()) == 4, timeout_s=10)
+        yield b
+    finally:
+        b.stop()
 
 
 @pytest.mark.solo  # both routers' time-decayed stored rates agree to 1%: nothing else running
@@ -140,22 +161,50 @@ def test_two_routers_balance_new_prefixes_sent_through_either(local_tokenizer) -
     """The same with the prefixes sent alternately through two routers that poll each other's
     load (GET /peer/load): each counts the other's blocks in progress (2, 2, 4, 4 without)."""
     slow = [ReplicaFaults(admit_delay_s=ADMIT_DELAY_S) for _ in range(4)]
-    with make_fleet(
-        local_tokenizer, n=4, faults=slow, hint_ttl_s=0.0, peer_load_interval_s=0.05
-    ) as fleet:
-        b = ServerThread(
-            create_app(
-                fleet.settings.replace(peers=[fleet.url], peer_load_interval_s=0.05),
-                tokenizer=local_tokenizer,
+    with (
+        make_fleet(
+            local_tokenizer, n=4, faults=slow, hint_ttl_s=0.0, peer_load_interval_s=0.05
+        ) as fleet,
+        _peer_router(fleet, local_tokenizer) as b,
+    ):
+        fleet.service.peer_urls = lambda: [b.url]  # B's URL is known only now
+        wait_until(lambda: fleet.service.peer_load.peers.get(b.url, None) is not None)
+        chosen = _send_spaced([fleet.url, b.url], 12, gap_s=0.25)
+        assert sorted(Counter(chosen).values()) == [3, 3, 3, 3], chosen
+
+
+def test_a_home_one_router_gives_is_honoured_by_its_peer(local_tokenizer) -> None:
+    """Homes ride the peer stream (``samples.homes`` of GET /peer/load): a conversation's
+    first turn through router A gets a home, and router B, asked where the same prompt
+    goes, knows that home. Router-local homes sent one conversation's turns back and forth
+    between two replicas when its turns came through two routers (docs/benchmarks.md)."""
+    with (
+        make_fleet(local_tokenizer, n=4, peer_load_interval_s=0.05) as fleet,
+        _peer_router(fleet, local_tokenizer) as b,
+    ):
+        service_b = b.app.state.service
+        # B follows A and has A's sample cursor: what A logs next reaches B
+        wait_until(
+            lambda: (
+                (p := service_b.peer_load.peers.get(fleet.url)) is not None
+                and p.next_sample is not None
             ),
-            http=header_deadline_protocol(fleet.settings.header_timeout_s),
-        ).start()
-        try:
-            service_b = b.app.state.service
-            wait_until(lambda: len(service_b.registry.healthy()) == 4, timeout_s=10)
-            fleet.service.peer_urls = lambda: [b.url]  # B's URL is known only now
-            wait_until(lambda: fleet.service.peer_load.peers.get(b.url, None) is not None)
-            chosen = _send_spaced([fleet.url, b.url], 12, gap_s=0.25)
-            assert sorted(Counter(chosen).values()) == [3, 3, 3, 3], chosen
-        finally:
-            b.stop()
+            timeout_s=10,
+        )
+        assert _route(b.url, _chat("homes"))["home"] is None  # nothing placed yet
+        resp = httpx.post(f"{fleet.url}/v1/chat/completions", json=_chat("homes"), timeout=30)
+        assert resp.status_code == 200, resp.text
+        placed = resp.headers["x-kvroute-replica"]
+        wait_until(lambda: service_b.router.homes_from_peers >= 1, timeout_s=5)
+        stats = httpx.get(f"{b.url}/index/stats", timeout=5).json()
+        assert stats["queue_samples"]["homes_from_peers"] >= 1
+        assert _route(b.url, _chat("homes"))["home"] == placed
+        # A peer never moves a home this router gave: B keeps its own
+        own = _chat("own")
+        resp = httpx.post(f"{b.url}/v1/chat/completions", json=own, timeout=30)
+        assert resp.status_code == 200, resp.text
+        mine = resp.headers["x-kvroute-replica"]
+        affinity = next(k for k, v in service_b.router.homes._data.items() if v[0] == mine)
+        other = next(r.name for r in service_b.registry.healthy() if r.name != mine)
+        service_b.router.observe_shared_home(other, affinity)
+        assert service_b.router.homes.get(affinity) == mine

@@ -290,3 +290,23 @@ def test_peers_shared_ends_free_their_blocks_when_the_peers_said() -> None:
     told = [(now + 0.5, 60)]
     assert room.wait_s("r0", 70, 160, 130.0, now, 10, 100, 100, told) == pytest.approx(0.1)
     assert room.wait_s("r0", 80, 160, 130.0, now, 10, 100, 100, told) == pytest.approx(0.2)
+
+
+def test_a_request_that_ended_while_the_page_was_read_is_nobodys() -> None:
+    """A metrics page shows one moment between its question and its answer. A request that
+    ended in between may still be on the page: read at the answer's time alone, its blocks
+    were someone else's until the next scrape, and a replica with room looked full (found by
+    the end-to-end test, whose second request came 40 ms after the first ended)."""
+    clock = Clock()
+    room = _room(clock, decode=0.01)
+    room.add("r0", "prime", list(range(21)), 1, 2, 0.0)  # 22 blocks
+    asked = clock.now + 0.01
+    clock.now += 0.02
+    room.ended("r0", "prime")
+    clock.now += 0.01
+    answered = clock.now  # the page still shows the prime's 22 blocks in use
+    assert room.wait_s("r0", 34, 40, 22.0, answered, 200, scrape_sent_at=asked) == 0.0
+    assert room.wait_s("r0", 34, 40, 22.0, answered, 200) > 0  # read at the answer alone
+    # the most held in the window counts, not more: 10 blocks of someone else's stay
+    assert room.wait_s("r0", 30, 40, 32.0, answered, 200, scrape_sent_at=asked) == 0.0
+    assert room.wait_s("r0", 31, 40, 32.0, answered, 200, scrape_sent_at=asked) > 0

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from kvroute.indexer.index import PrefixMatch
 from kvroute.indexer.wire import Medium
-from kvroute.router.routing.router import _TIER_LABELS, match_tiers
+from kvroute.router.routing.match_tiers import TIER_LABELS as _TIER_LABELS
+from kvroute.router.routing.match_tiers import match_tiers
 
 _tiers = st.sampled_from(list(Medium))
 _counts = st.dictionaries(_tiers, st.integers(0, 50), max_size=3)

@@ -58,7 +58,9 @@ def test_rejects_bad_settings(kw: dict) -> None:
 
 
 def test_own_samples_are_numbered_for_the_peers_and_shared_ones_are_not_passed_on() -> None:
-    q = LearnedQueueDelay(0.02, weight=1.0)
+    # a manual clock: with the real one, the estimate decays (half-life 30 s) between the
+    # sample and the reading by as much as a loaded machine's scheduling takes
+    q = LearnedQueueDelay(0.02, weight=1.0, clock=ManualClock())
     woken: list[int] = []
     q.on_sample = lambda: woken.append(q.next_sample)
     assert q.next_sample == 0 and q.samples_since(0) == []
