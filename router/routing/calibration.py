@@ -48,9 +48,10 @@ orders of magnitude, never to zero or to infinity.
 Loads are often short beside the noise around them (a few ms from RAM under a second of
 queueing). A sample's noise is taken as ``noise / sqrt(weight)``, ``noise`` being the running
 mean of the residuals scaled by the root of their weights (the variance the weights assume);
-a load whose priced time is under ``visible_k`` times that is priced at the current rate and
-taken out, and does not count as evidence of its tier. A tier without visible loads follows
-the learned prefill rate at the priors' ratio. An overhead is never negative: where the free
+a load whose priced time is under ``visible_k`` times that is taken out, priced at the rate
+its tier follows (the learned prefill rate at the priors' ratio, or the tier's own once 16 of
+its loads showed), and does not count as evidence of its tier. A tier without visible loads
+follows the learned prefill rate at the priors' ratio. An overhead is never negative: where the free
 fit's is, the fit is made again with none (its slope was steepened by delays growing with
 the samples' size).
 
@@ -104,9 +105,6 @@ class CalibrationSample:
     seconds: float  # the first byte (a replica's counters: its prefill time, no queue in it)
     weight: float = 1.0
     queue_s: float = 0.0  # the queue delay the cost model priced when it sent the request
-    # False: the time does not tell the loads apart from the computing beside them (a
-    # replica's counters: interval means of prefills that share its engine). Its loads are
-    # priced at the current rates and it teaches the overhead and the prefill rate only.
     # True: a replica's own counters (router/routing/prefill_evidence.py), timed inside its
     # engine and averaged over an interval's prefills, which share the engine. Such a sample
     # lacks the path an answer's first byte travels (the proxy, the replica's API server,
@@ -283,8 +281,8 @@ class LearnedRates:
         elif fit.samples >= 8:
             # A load too short to show above this sample's noise (a weight-1 sample's noise,
             # grown as its weight shrinks: sent into a queue, it waited a varying while) is
-            # priced at the current rate and taken out: fitted, a few ms of load under a
-            # second of queueing taught the CPU rate 10-37x the simulator's.
+            # priced at the rate its tier follows and taken out: fitted, a few ms of load
+            # under a second of queueing taught the CPU rate 10-37x the simulator's.
             # Judged at the rate the priors' ratio to the learned prefill rate gives, or the
             # tier's learned one if higher: judged at a low learned rate alone, loads would
             # hide behind the estimate they should correct.
