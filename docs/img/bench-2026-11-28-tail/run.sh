@@ -12,3 +12,8 @@ for s in 0 1 2; do
   kvroute bench routing --json --preset quick --policies least_loaded,kvroute --seed $s \
     --no-plots --warm-up --out-dir "$OUT/oq$s" > "$OUT/quick-seed$s.json"
 done
+# small_device with the final code (the scrape read over its window), seeds 0-2
+for s in 0 1 2; do
+  kvroute bench routing --json --preset small_device --policies least_loaded,kvroute --seed $s \
+    --no-plots --warm-up --out-dir "$OUT/osd$s" > "$OUT/small_device-seed$s.json"
+done
