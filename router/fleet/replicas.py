@@ -21,11 +21,11 @@ import asyncio
 import contextlib
 import re
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute.router.common.timed_values import TimedValues
 from kvroute.router.config import ReplicaConfig
 
 __all__ = [
@@ -221,7 +221,7 @@ class Replica:
     # The device blocks peer routers' requests hold on it (router/routing/kv_room.py), now
     # and, for the moment of a scrape, as it changed (time, blocks), oldest first
     peer_kv_held: int = 0
-    peer_kv_history: deque[tuple[float, int]] = field(default_factory=deque)
+    peer_kv_history: TimedValues = field(default_factory=lambda: TimedValues(_PEER_KV_HISTORY_S))
     # when their holdings should free, as they said: (monotonic time, blocks), soonest first
     peer_kv_frees: list[tuple[float, int]] = field(default_factory=list)
     running: float = 0.0
@@ -307,21 +307,12 @@ class Replica:
             return
         now = time.monotonic()
         self.peer_kv_held = blocks
-        history = self.peer_kv_history
-        history.append((now, blocks))
-        while len(history) > 1 and history[1][0] <= now - _PEER_KV_HISTORY_S:
-            history.popleft()
+        self.peer_kv_history.add(now, blocks)
 
     def peer_kv_held_at(self, moment: float, until: float | None = None) -> int:
         """What peers' requests held on it at ``moment`` (a scrape's time), as last heard;
         with ``until``, the most they held from ``moment`` to ``until``."""
-        most = 0
-        for at, blocks in reversed(self.peer_kv_history):
-            if until is not None and moment < at <= until:
-                most = max(most, blocks)
-            elif at <= moment:
-                return max(most, blocks)
-        return most
+        return self.peer_kv_history.at(moment, until)
 
     def set_gauges(
         self,

@@ -39,9 +39,10 @@ on the router's event loop only.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+
+from kvroute.router.common.timed_values import TimedValues
 
 __all__ = ["KvRoom", "waits_to_price"]
 
@@ -77,8 +78,8 @@ class _Replica:
     held: dict[Hashable, _Held] = field(default_factory=dict)
     refs: dict[int, int] = field(default_factory=dict)  # prompt block key -> holders
     total: int = 0  # distinct prompt blocks + every holder's own
-    # (time, total) after each change, oldest first: what it held at a scrape's moment
-    history: deque[tuple[float, int]] = field(default_factory=deque)
+    # (time, total) after each change: what it held at a scrape's moment
+    history: TimedValues = field(default_factory=lambda: TimedValues(_HISTORY_S))
     decode_s_per_token: float | None = None
     samples: int = 0
 
@@ -207,17 +208,7 @@ class KvRoom:
             return []
         now = self._clock()
         self._expire(r, now)
-        out: list[tuple[int, float]] = []
-        refs, gone = r.refs, {}
-        for held in sorted(r.held.values(), key=lambda h: h.ends_at):
-            freed = held.blocks
-            for k in held.keys:
-                n = gone.get(k, 0) + 1
-                gone[k] = n
-                if n == refs[k]:
-                    freed += 1
-            if freed:
-                out.append((freed, max(0.0, held.ends_at - now)))
+        out = [(n, max(0.0, at - now)) for at, n in _release_order(r) if n]
         if len(out) > max_entries > 0:
             size = -(-len(out) // max_entries)
             out = [
@@ -232,15 +223,7 @@ class KvRoom:
         one moment between its request and its answer, and a request that ended in
         between must not be read as someone else's blocks."""
         r = self._by_replica.get(replica)
-        if r is None:
-            return 0
-        most = 0
-        for at, total in reversed(r.history):
-            if until is not None and moment < at <= until:
-                most = max(most, total)
-            elif at <= moment:
-                return max(most, total)
-        return most  # before anything was sent (or remembered)
+        return 0 if r is None else r.history.at(moment, until)
 
     def wait_s(
         self,
@@ -296,24 +279,13 @@ class KvRoom:
             return at if at <= min(until, now + answer_s) else None
 
         # This router's ends and its peers' shared ones, in time order
-        ends: list[tuple[float, int, _Held | None]] = [(at, n, None) for at, n in peer_frees]
-        if r is not None:
-            ends += [(held.ends_at, 0, held) for held in r.held.values()]
+        ends = [*peer_frees, *([] if r is None else _release_order(r))]
         ends.sort(key=lambda end: end[0])
         last = now
-        gone: dict[int, int] = {}  # holders of a key that will have ended by then
-        for ends_at, blocks, held in ends:
+        for ends_at, blocks in ends:
             if (at := reached_by(ends_at)) is not None:
                 return max(at, last) - now  # not before the ends already counted
-            if held is None:
-                free += blocks
-            else:
-                free += held.blocks
-                for k in held.keys:  # blocks only it held are freed with it
-                    n = gone.get(k, 0) + 1
-                    gone[k] = n
-                    if n == r.refs[k]:  # type: ignore[union-attr]
-                        free += 1
+            free += blocks
             last = max(last, ends_at)
             if free >= need_blocks:
                 return max(0.0, ends_at - now)
@@ -361,6 +333,20 @@ class KvRoom:
 
     @staticmethod
     def _changed(r: _Replica, now: float) -> None:
-        r.history.append((now, r.total))
-        while len(r.history) > 1 and r.history[1][0] <= now - _HISTORY_S:
-            r.history.popleft()
+        r.history.add(now, r.total)
+
+
+def _release_order(r: _Replica) -> list[tuple[float, int]]:
+    """When ``r``'s holdings free their blocks: ``(predicted end, blocks freed)`` per request,
+    soonest first; a prompt block shared by several is freed with the last of them."""
+    out: list[tuple[float, int]] = []
+    refs, gone = r.refs, {}
+    for held in sorted(r.held.values(), key=lambda h: h.ends_at):
+        freed = held.blocks
+        for k in held.keys:
+            n = gone.get(k, 0) + 1
+            gone[k] = n
+            if n == refs[k]:
+                freed += 1
+        out.append((held.ends_at, freed))
+    return out
