@@ -22,7 +22,9 @@ __all__ = [
     "parse_model_tokenizer_flag",
     "parse_replica",
     "parse_replica_flag",
+    "parse_replicas_text",
     "parse_storage_domain_flag",
+    "read_replicas_file",
 ]
 
 
@@ -173,9 +175,21 @@ def parse_replica(item: object) -> ReplicaConfig:
 
 def load_replicas_file(path: str | Path) -> list[ReplicaConfig]:
     """Parse a replicas file; raises ConfigError (never a half-read list) when it is invalid."""
+    return parse_replicas_text(read_replicas_file(path), path)
+
+
+def read_replicas_file(path: str | Path) -> str:
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read replicas file {path}: {exc}") from exc
+
+
+def parse_replicas_text(text: str, path: str | Path) -> list[ReplicaConfig]:
+    """The replicas in a replicas file's ``text`` (``path`` names it in errors)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
         raise ConfigError(f"cannot read replicas file {path}: {exc}") from exc
     if data is None:
         return []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ConfigError, ReplicaConfig
-from kvroute.router.specs import load_replicas_file
+from kvroute.router.specs import load_replicas_file, parse_replicas_text, read_replicas_file
 
 __all__ = ["ReplicasFileWatcher"]
 
@@ -66,17 +66,17 @@ class ReplicasFileWatcher:
             self.last_error = f"replicas file {self.path} is missing; keeping the last list"
             log.error(self.last_error)
             return False
-        if self._empty():
-            # An editor's save truncates the file before writing it: read in between, the
-            # file is empty, which would remove every replica. `replicas: []` says that.
-            self.last_error = (
-                f"replicas file {self.path} is empty; keeping the last list "
-                "(write 'replicas: []' to remove every replica)"
-            )
-            log.error(self.last_error)
-            return False
         try:
-            replicas = load_replicas_file(self.path)
+            # Read once: the emptiness checked is the text parsed.
+            text = read_replicas_file(self.path)
+            if not text.strip():
+                # An editor's save truncates the file before writing it: read in between,
+                # the file is empty, which would remove every replica. `replicas: []` says so.
+                raise ConfigError(
+                    f"replicas file {self.path} is empty "
+                    "(write 'replicas: []' to remove every replica)"
+                )
+            replicas = parse_replicas_text(text, self.path)
         except ConfigError as exc:
             self.last_error = f"{exc}; keeping the last list"
             log.error("replicas file: %s", self.last_error)
@@ -85,12 +85,6 @@ class ReplicasFileWatcher:
         self.loads += 1
         self.last_error = None
         return True
-
-    def _empty(self) -> bool:
-        try:
-            return not self.path.read_text().strip()
-        except OSError:
-            return False  # load_replicas_file reports it
 
     async def _poll_round(self) -> None:
         self.poll()
