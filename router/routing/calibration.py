@@ -81,7 +81,9 @@ _N = 6
 _TIERS = (2, 3)  # the load rates' indices
 _ENGINE = 5  # the engine-timed samples' own intercept: free in sign, never priced
 _MIN_TIER_SAMPLES = 16
-_PIN_AFTER = 8  # samples before a negative overhead is refitted at zero (a few say little)
+# Samples a fit needs before its residuals mean something: before then no sample is clipped
+# as an outlier, no load is judged against the noise, no negative overhead is refitted at 0.
+_SETTLED = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +280,7 @@ class LearnedRates:
         if sample.from_counters:
             y -= theta[2] * sample.cpu + theta[3] * sample.storage
             x = (x[0], x[1], 0.0, 0.0, x[4], x[5])
-        elif fit.samples >= 8:
+        elif fit.samples >= _SETTLED:
             # A load too short to show above this sample's noise (a weight-1 sample's noise,
             # grown as its weight shrinks: sent into a queue, it waited a varying while) is
             # priced at the rate its tier follows and taken out: fitted, a few ms of load
@@ -302,7 +304,7 @@ class LearnedRates:
         fit.noise += (min(residual, bound or residual) * math.sqrt(w) - fit.noise) / min(
             fit.samples + 1, 50
         )
-        if fit.samples >= 8 and bound > 0 and residual > bound:
+        if fit.samples >= _SETTLED and bound > 0 and residual > bound:
             # Huber's weight: beyond the bound a sample's pull no longer grows with its error
             self.outliers += 1
             w *= bound / residual
@@ -373,7 +375,7 @@ class LearnedRates:
             return self._theta0
         # No overhead is negative: where the free fit's is, the slope it pairs with is too
         # steep (the samples' delays grow with their size), so fit again with none.
-        pin = theta[0] < 0 and count >= _PIN_AFTER
+        pin = theta[0] < 0 and count >= _SETTLED
         if pin:
             theta = self._fit(a, b, scale, seen, self._theta0, unit, spread, pin) or theta
         # The priors say how much faster a load is than recomputing: absent evidence of a
