@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -41,6 +42,7 @@ from kvroute.router.service import RouterService
 from kvroute.router.serving.auth import ApiKeyMiddleware
 from kvroute.router.serving.disagg import has_prefill_pool, may_serve_whole
 from kvroute.router.serving.endpoints import ProxyEndpoint, debug_kind
+from kvroute.router.serving.hot_paths import HotPaths
 from kvroute.router.serving.openapi import PROXIED, add_proxied_paths
 from kvroute.router.serving.proxy import read_body
 from kvroute.router.serving.response_ids import ResponseHomes
@@ -82,10 +84,13 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
     # Which replica stores each Responses object (kvroute.router.serving.response_ids), for every
     # endpoint.
     homes = app.state.response_homes = ResponseHomes()
+    hot: dict[tuple[str, str], ProxyEndpoint] = {}
     for path, operations in PROXIED.items():
         (kind,) = {op.kind for op in operations.values()}
         endpoint = ProxyEndpoint(service, kind, path, homes)
         app.router.routes.append(Route(path, endpoint, methods=[m.upper() for m in operations]))
+        if "{" not in path:
+            hot.update({(path, method.upper()): endpoint for method in operations})
     generated = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -94,13 +99,17 @@ def create_app(settings: RouterSettings, *, tokenizer: TokenizerBase | None = No
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    guard = None
     if settings.api_keys or settings.peer_key:
-        app.add_middleware(
+        guard = partial(
             ApiKeyMiddleware,
             keys=settings.api_keys,
             protect_metrics=settings.api_key_protects_metrics,
             peer_key=settings.peer_key,
         )
+        app.add_middleware(guard.func, **guard.keywords)
+    build_stack = app.build_middleware_stack  # the proxied paths skip it (serving/hot_paths.py)
+    app.build_middleware_stack = lambda: HotPaths(build_stack(), hot, guard)  # type: ignore[method-assign]
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> Response:

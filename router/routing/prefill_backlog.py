@@ -14,10 +14,11 @@ the queue model (router/routing/queue_model.py) never learns a prefill replica's
 The router knows the work it sends: each committed request's prefill and load estimate
 (``add``). A replica prefills in order (FCFS: vLLM's running requests keep the budget
 first), so the backlog drains like one server's: ``busy_until`` moves on by each request's
-work, and a request's first byte (or its prefill leg's answer: ``done``) says everything
-committed before it is done too and re-bases the rest on now. A request never reported
-done is dropped ``stale_after_s`` after its predicted end. What it does not see: other
-routers' requests (their counts are in the replica's gauges, priced by the caller).
+work, and a request's first byte (or its prefill leg's answer, or an unstreamed answer:
+``done``) says everything committed before it is done too and re-bases the rest on now. A
+request never reported done is dropped ``stale_after_s`` after its predicted end. What it
+does not see: other routers' requests (their counts are in the replica's gauges, priced by
+the caller).
 
 A prefill replica may also serve whole requests (the decider's ``whole_on_prefill``): each
 decodes there after its prefill, and every prefill sent there later stalls it. ``serving``
@@ -27,6 +28,7 @@ done, or their predicted end passed: an unstreamed answer reports no first byte)
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -47,6 +49,9 @@ class _Replica:
     entries: OrderedDict[Hashable, _Entry] = field(default_factory=OrderedDict)
     incoming: dict[Hashable, float] = field(default_factory=dict)  # decode legs: when due
     whole: dict[Hashable, float] = field(default_factory=dict)  # whole requests: prefill end
+    # No entry can be stale before this (a lower bound: removals only raise the true one), so
+    # the scan for stale entries runs only when one may be.
+    prune_at: float = math.inf
 
 
 class PrefillBacklog:
@@ -71,6 +76,7 @@ class PrefillBacklog:
         r.busy_until = max(now, r.busy_until) + work_s
         r.entries.pop(key, None)
         r.entries[key] = _Entry(work_s, r.busy_until)
+        r.prune_at = min(r.prune_at, r.busy_until + self.stale_after_s)
 
     def done(self, replica: str, key: Hashable) -> None:
         """``key``'s prefill ended on ``replica`` (first byte, or the prefill leg's answer):
@@ -156,8 +162,12 @@ class PrefillBacklog:
         self._by_replica.pop(replica, None)
 
     def _prune(self, r: _Replica, now: float) -> None:
-        """Drop requests never reported done (failed, or answered whole) long after their
-        predicted end: they hold no work and must not count as prefills forever."""
+        """Drop requests never reported done (failed, or cancelled before an answer) long
+        after their predicted end: they hold no work and must not count as prefills forever."""
+        if now <= r.prune_at:
+            return
         stale = [k for k, e in r.entries.items() if e.ends_at + self.stale_after_s < now]
         for k in stale:
             del r.entries[k]
+        r.prune_at = min((e.ends_at for e in r.entries.values()), default=math.inf)
+        r.prune_at += self.stale_after_s

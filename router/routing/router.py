@@ -436,6 +436,12 @@ class Router:
             explained = self.settings.cost.prefill_s_per_token * uncached
         self.queue_delay.observe(replica.name, view.pending, explained, seconds)
 
+    def answered_whole(self, decision: Decision, replica: Replica) -> None:
+        """An unstreamed answer's headers came from ``replica``: the answer is ready, so its
+        prefill, and every prefill sent there before it, is done. Not a queue sample: the
+        time includes the decode."""
+        self.backlog.done(replica.name, id(decision))
+
     def ended(self, decision: Decision, replica: Replica, *, complete: bool) -> None:
         """The request's answer from ``replica`` ended (``complete``: read to its end, a
         sample of the replica's decode pace) or failed: the blocks it held are free."""

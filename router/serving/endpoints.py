@@ -384,6 +384,8 @@ class ProxyEndpoint:
                     # Without streaming the headers come when the answer is ready: that is
                     # the first byte a client can see.
                     metrics.first_byte(self.label, time.perf_counter() - upstream.started)
+                    if decision is not None:
+                        service.router.answered_whole(decision, upstream.replica)
                     try:
                         body = await upstream.response.read()
                     except UpstreamError as exc:

@@ -4,6 +4,8 @@ and not yet done drains as one in-order server's, re-based on each reported end.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.router.routing.prefill_backlog import PrefillBacklog
 
@@ -119,3 +121,72 @@ def test_a_whole_request_decodes_once_its_prefill_is_done_or_due_and_stops_when_
     b.ended("p0", "unstreamed")
     b.ended("p1", "never-sent")
     assert b.decoding("p0") == 0 and b.decoding("p1") == 0
+
+
+class _ScanEveryTime(PrefillBacklog):
+    """The specification of pruning: scan every entry on every read (what ``_prune`` did
+    before it kept a bound on when the next entry can go stale)."""
+
+    def _prune(self, r, now):  # type: ignore[no-untyped-def]
+        for k in [k for k, e in r.entries.items() if e.ends_at + self.stale_after_s < now]:
+            del r.entries[k]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "done", "drop", "tick", "count", "wait"]),
+            st.integers(0, 7),
+            st.floats(0.0, 3.0),
+        ),
+        max_size=60,
+    )
+)
+def test_pruning_only_when_an_entry_may_be_stale_keeps_what_scanning_every_time_keeps(
+    ops: list[tuple[str, int, float]],
+) -> None:
+    """Differential: the bounded prune (skip the scan while no entry can be stale yet)
+    and a scan on every read agree on every count and wait, through re-based ends
+    (``done``), drops and re-added keys."""
+    clock = Clock()
+    fast, spec = (
+        PrefillBacklog(stale_after_s=2.0, clock=clock),
+        _ScanEveryTime(stale_after_s=2.0, clock=clock),
+    )
+    for op, key, amount in ops:
+        if op == "tick":
+            clock.now += amount
+            continue
+        for b in (fast, spec):
+            if op == "add":
+                b.add("p0", key, amount)
+            elif op == "done":
+                b.done("p0", key)
+            elif op == "drop":
+                b.drop("p0", key)
+        assert fast.count("p0") == spec.count("p0")
+        assert fast.wait_s("p0") == spec.wait_s("p0")
+
+
+def test_an_unstreamed_answer_ends_its_prefill_in_the_backlog(local_tokenizer) -> None:
+    """Through the real proxy: an answer sent whole (no stream, so no first byte to report)
+    still says its prefill is done when its headers come. Before, such requests stayed in
+    the backlog until ``stale_after_s`` after their predicted end, and every read scanned
+    them all: seconds of an unstreamed workload's requests per request routed."""
+    import httpx
+
+    from tests.router.sim_fleet import make_fleet
+
+    with make_fleet(local_tokenizer, n=1) as fleet:
+        backlog = fleet.service.router.backlog
+        for i in range(3):
+            body = {"model": "tiny", "prompt": f"{i} " + "tokens " * 60, "max_tokens": 2}
+            answer = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=10)
+            assert answer.status_code == 200
+            assert backlog.count("r0") == 0
+        stream = {"model": "tiny", "prompt": "more " * 60, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{fleet.url}/v1/completions", json=stream, timeout=10) as r:
+            assert r.status_code == 200
+            r.read()
+        assert backlog.count("r0") == 0
