@@ -139,7 +139,7 @@ class UnstoredBlocks:
     ``max_age_s`` is dropped: a request that failed, was retried elsewhere, or hit a cache
     the index did not know about stores nothing, and must not weigh on its replica."""
 
-    __slots__ = ("_clock", "_sent", "max_age_s")
+    __slots__ = ("_clock", "_sent", "_totals", "max_age_s")
 
     def __init__(self, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if max_age_s <= 0:
@@ -147,10 +147,13 @@ class UnstoredBlocks:
         self.max_age_s = max_age_s
         self._clock = clock
         self._sent: dict[str, deque[list[float]]] = {}  # name -> [[sent_at, blocks], ...]
+        # name -> the blocks in its queue, kept as entries come and go (whole numbers: exact)
+        self._totals: dict[str, float] = {}
 
     def add(self, name: str, blocks: int) -> None:
         if blocks > 0:
             self._sent.setdefault(name, deque()).append([self._clock(), float(blocks)])
+            self._totals[name] = self._totals.get(name, 0.0) + blocks
 
     def settle(self, stored: Mapping[str, int]) -> None:
         """``stored[name]`` blocks were announced since the last call."""
@@ -159,6 +162,7 @@ class UnstoredBlocks:
             while queue and count > 0:
                 take = min(count, queue[0][1])
                 queue[0][1] -= take
+                self._totals[name] -= take
                 count -= take
                 if queue[0][1] <= 0:
                     queue.popleft()
@@ -169,8 +173,8 @@ class UnstoredBlocks:
             return 0
         oldest = self._clock() - self.max_age_s
         while queue and queue[0][0] < oldest:
-            queue.popleft()
-        return int(sum(blocks for _, blocks in queue))
+            self._totals[name] -= queue.popleft()[1]
+        return int(self._totals[name])
 
     def snapshot(self, names: Iterable[str]) -> dict[str, int]:
         """Outstanding blocks by replica, for ``GET /peer/load``."""
@@ -178,3 +182,4 @@ class UnstoredBlocks:
 
     def forget(self, name: str) -> None:
         self._sent.pop(name, None)
+        self._totals.pop(name, None)

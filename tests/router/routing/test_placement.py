@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.router.routing.placement import StoredRate, UnstoredBlocks
 from tests.router.manual_clock import ManualClock
@@ -119,3 +121,37 @@ def test_a_prefix_cache_reset_starts_the_replica_from_zero() -> None:
     assert added == {"a": 250}
     assert rates.rate("a") == pytest.approx(250 * math.log(2) / 30.0)  # only what came after
     assert rates.rate("b") == 0.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "settle", "tick", "forget"]),
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 40),
+        ),
+        max_size=60,
+    )
+)
+def test_the_running_total_is_the_sum_of_what_is_outstanding(
+    ops: list[tuple[str, str, int]],
+) -> None:
+    """Differential: ``blocks`` keeps a running total instead of summing its queue on each
+    read (thousands of entries deep when no feed settles them); after any sequence of sends,
+    settles, expiries and forgets, it equals the queue's sum."""
+    clock = ManualClock(1000.0)
+    unstored = UnstoredBlocks(5.0, clock=clock)
+    for op, name, n in ops:
+        if op == "add":
+            unstored.add(name, n)
+        elif op == "settle":
+            unstored.settle({name: n})
+        elif op == "tick":
+            clock.t += n / 8
+        else:
+            unstored.forget(name)
+        for who in ("a", "b"):
+            queue = unstored._sent.get(who, ())
+            expected = int(sum(b for at, b in queue if at >= clock() - 5.0))
+            assert unstored.blocks(who) == expected
