@@ -247,10 +247,31 @@ class Replica:
     # Its metrics page shows speculative decoding while its config names no method
     # (``speculative=``): its hits may be a block shorter than predicted (router/fleet/health.py)
     drafts_unknown: bool = False
+    # ``config.key``, computed once: a decision reads every candidate's name several times
+    _key: str = field(init=False, repr=False, default="")
+    # the models' names joined, for the rates' pool (``rate_pool``), and the models they were of
+    _pool: tuple[dict[str, dict[str, Any]] | None, str] = field(
+        init=False, repr=False, default=(None, "")
+    )
+
+    def __post_init__(self) -> None:
+        self._key = self.config.key
 
     @property
     def name(self) -> str:
-        return self.config.key
+        return self._key
+
+    @property
+    def rate_pool(self) -> str:
+        """The replicas whose learned rates this one borrows while it has few samples of its
+        own: those serving the same models (the same deployment; a fleet mixing hardware for
+        one model names its replicas' models apart, or learns per replica). Recomputed when
+        ``models`` is replaced (the health checker sets a new dict each refresh)."""
+        models, pool = self._pool
+        if models is not self.models:
+            pool = ",".join(sorted(self.models))
+            self._pool = (self.models, pool)
+        return pool
 
     @property
     def url(self) -> str:

@@ -179,7 +179,7 @@ class Router:
         for r in candidates:
             name = r.name  # a property: read once per replica, a decision reads every one
             fresh, why = self._freshness(r)
-            rates = None if self.rates is None else self.rates.rates(name, _rate_pool(r))
+            rates = None if self.rates is None else self.rates.rates(name, r.rate_pool)
             views[name] = ReplicaView(
                 name=name,
                 pending=r.pending,
@@ -476,7 +476,7 @@ class Router:
         )
         if sample is None:
             return
-        self.rates.observe(replica.name, sample, _rate_pool(replica))
+        self.rates.observe(replica.name, sample, replica.rate_pool)
         if self.queue_delay is not None:  # numbered with the queue samples, for the peers
             self.queue_delay.log_rates(
                 replica.name,
@@ -505,7 +505,7 @@ class Router:
         """A peer router's sample of ``replica``'s rates (``answered`` there): learned like an
         own one, never passed on."""
         if self.rates is not None:
-            self.rates.observe(replica.name, CalibrationSample(*values), _rate_pool(replica))
+            self.rates.observe(replica.name, CalibrationSample(*values), replica.rate_pool)
             self.rates.shared_applied += 1
 
     def observe_counters(self, replica: Replica, scraped: dict[str, float]) -> None:
@@ -516,7 +516,7 @@ class Router:
             return
         sample = self.prefill_evidence.sample(replica.name, scraped)
         if sample is not None:
-            self.rates.observe(replica.name, sample, _rate_pool(replica))
+            self.rates.observe(replica.name, sample, replica.rate_pool)
 
     def forget(self, replica: str) -> None:
         self.prefill_evidence.forget(replica)
@@ -554,13 +554,6 @@ def _prefill_work_s(decision: Decision, view: ReplicaView, router: Router) -> fl
         return 0.0
     uncached = max(0, (decision.prompt_tokens or 0) - view.predicted_cached_tokens)
     return router.settings.cost.prefill_s_per_token * uncached
-
-
-def _rate_pool(replica: Replica) -> str:
-    """The replicas whose learned rates a replica with few samples of its own borrows: those
-    serving the same models (the same deployment; a fleet mixing hardware for one model
-    names its replicas' models apart, or learns per replica)."""
-    return ",".join(sorted(replica.models))
 
 
 def _max_model_len(model: str, candidates: list[Replica]) -> int | None:
