@@ -88,6 +88,8 @@ class Lookups(IndexStore):
             )
             by_size: dict[int, list[_ReplicaState]] = {}
             out: dict[str, PrefixMatch] = {}
+            # per block size: the replicas with partial blocks, and those of hybrid models
+            special: dict[int, tuple[list[_ReplicaState], list[_ReplicaState]]] = {}
             for state in wanted:
                 # ``block_size(name)`` inlined for the common case: at a thousand replicas
                 # the per-replica work around the walk is most of a lookup
@@ -102,23 +104,26 @@ class Lookups(IndexStore):
                     by_size[block_size] = [state]
                 else:
                     group.append(state)
+                specs = state.group_specs
+                # ``_hybrid`` inlined (the same test): it runs for every replica
+                hybrid = bool(
+                    state.groups or (specs and (len(specs) > 1 or state.primary not in specs))
+                )
+                if hybrid or state.partial_unit is not None:
+                    partial, hybrids = special.setdefault(block_size, ([], []))
+                    if state.partial_unit is not None:
+                        partial.append(state)
+                    if hybrid:
+                        hybrids.append(state)
             for block_size, states in by_size.items():
                 keys = request.keys(block_size)
                 self._walk(keys, states, block_size, out)
-                partial = [s for s in states if s.partial_unit is not None]
+                partial, hybrids = special.get(block_size, ((), ()))
                 if partial:
-                    self._probe_partials(request, partial, block_size, out)
+                    self._probe_partials(request, list(partial), block_size, out)
                 self._drop_drafted(request.n_tokens, keys, states, block_size, out)
-                # ``_hybrid`` inlined (the same test): it runs for every replica
-                hybrid = [
-                    s
-                    for s in states
-                    if s.groups
-                    or len(s.group_specs) > 1
-                    or (s.group_specs and s.primary not in s.group_specs)
-                ]
-                if hybrid:
-                    self._cap_hybrid(request, keys, hybrid, block_size, out)
+                if hybrids:
+                    self._cap_hybrid(request, keys, list(hybrids), block_size, out)
             return out
 
     def _probe_partials(
@@ -192,22 +197,33 @@ class Lookups(IndexStore):
         if get is None:
             get = self._lifted(states) if lifting else self._masks.get
         rows: Iterable[tuple[_ReplicaState, list[int], int]]
-        if native:
-            native_counts, native_ended = self._native.walk_counts(
+        # a replica named twice shares its counts (the trim below edits them in place)
+        slots = [s.slot for s in states]
+        shared: dict[int, list[int]] | None = None if len(set(slots)) == len(slots) else {}
+        if native and shared is None:
+            # The native core records the replicas its device prefix alone serves (most of a
+            # fleet); the rest come back to be trimmed here.
+            rest = self._native.walk_into(
                 keys,
                 self._masks,
-                [s.slot for s in states],
+                slots,
                 self._lift_pairs(states) if lifting else [],
+                [s.name for s in states],
+                block_size,
+                PrefixMatch,
+                Medium.GPU,
+                out,
+            )
+            rows = [(states[j], c, blocks) for j, c, blocks in rest]
+        elif native:
+            native_counts, native_ended = self._native.walk_counts(
+                keys, self._masks, slots, self._lift_pairs(states) if lifting else []
             )
             rows = zip(states, native_counts, native_ended, strict=True)
         else:
             counts, ended = self._walk_counts(keys, states, get)
             n = len(keys)
             rows = [(s, counts[s.slot], ended.get(s.slot, n)) for s in states]
-        # a replica named twice shares its counts (the trim below edits them in place)
-        shared: dict[int, list[int]] | None = (
-            None if len({s.slot for s in states}) == len(states) else {}
-        )
         gpu = Medium.GPU
         for s, c, blocks in rows:
             if shared is not None:

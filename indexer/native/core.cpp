@@ -19,6 +19,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -134,7 +135,18 @@ class MaskWords {
 // differs from the block before touches only the replicas whose slots' bits differ (the XOR
 // of the two masks' words): a replica whose bits do not change keeps its phase, so the counts
 // are the same, and the cost follows the changes, not blocks x replicas.
-py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list lifts) {
+// Owned reference helper: throws on a NULL result (a Python error is set).
+PyObject* checked(PyObject* obj) {
+  if (obj == nullptr) throw py::error_already_set();
+  return obj;
+}
+
+struct WalkResult {
+  std::vector<std::array<long long, kW>> counts;
+  std::vector<Py_ssize_t> ended;
+};
+
+WalkResult run_walk(py::list keys, py::dict masks, py::list slots, py::list lifts) {
   const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
   const Py_ssize_t n_keys = PyList_GET_SIZE(keys.ptr());
   std::vector<size_t> pos(n);
@@ -230,23 +242,110 @@ py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list li
   }
   for (size_t j = 0; j < n; ++j)
     if (cls[j] >= 0) counts[j][cls[j]] += n_keys - since[j];
+  return WalkResult{std::move(counts), std::move(ended)};
+}
 
+py::list counts_list(const std::array<long long, kW>& counts) {
+  py::list c(kW);
+  for (int k = 0; k < kW; ++k) c[k] = py::int_(counts[k]);
+  return c;
+}
+
+py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list lifts) {
+  WalkResult walk = run_walk(keys, masks, slots, lifts);
+  const size_t n = walk.ended.size();
   py::list out_counts(n);
   py::list out_ended(n);
   for (size_t j = 0; j < n; ++j) {
-    py::list c(kW);
-    for (int k = 0; k < kW; ++k) c[k] = py::int_(counts[j][k]);
-    out_counts[j] = c;
-    out_ended[j] = py::int_(ended[j]);
+    out_counts[j] = counts_list(walk.counts[j]);
+    out_ended[j] = py::int_(walk.ended[j]);
   }
   return py::make_tuple(out_counts, out_ended);
 }
 
-// Owned reference helper: throws on a NULL result (a Python error is set).
-PyObject* checked(PyObject* obj) {
-  if (obj == nullptr) throw py::error_already_set();
-  return obj;
+// walk_into(keys, masks, slots, lifts, names, block_size, match_type, gpu, out) -> rest: the
+// walk (``walk_counts``), with the results of replicas served by their device prefix alone
+// (most of a fleet: no lower tier past it, so no chunk to end the run on) written into
+// ``out[names[j]]`` as ``match_type(name, block_size, blocks, {gpu: blocks} or {}, {})``,
+// lookup.py's ``_walk`` for those rows. ``rest``: (j, counts, ended) of every other replica,
+// for the Python side to trim and record. The slots must be distinct (a replica named twice
+// shares its counts: the caller walks with ``walk_counts``).
+// PrefixMatch's fields in order (indexer/index/api.py): a slots dataclass whose instances
+// ``walk_into`` fills through its slots' descriptors, as its ``__init__`` would (the
+// dataclass's own ``__init__`` is Python code, a third of the walk's time at 1,000 replicas).
+// A type whose ``__slots__`` are not these is called instead.
+constexpr std::array<const char*, 7> kMatchFields = {
+    "replica", "block_size", "blocks", "blocks_by_tier", "unconfirmed_by_tier",
+    "partial_tokens", "partial_unit"};
+
+// The member descriptors of ``type``'s slots, when they are exactly kMatchFields (else empty).
+std::vector<py::object> match_slots(PyObject* type) {
+  std::vector<py::object> out;
+  py::object slots = py::reinterpret_steal<py::object>(PyObject_GetAttrString(type, "__slots__"));
+  if (!slots) {
+    PyErr_Clear();
+    return out;
+  }
+  py::tuple names = py::tuple(slots);
+  if (names.size() != kMatchFields.size()) return out;
+  for (size_t k = 0; k < kMatchFields.size(); ++k) {
+    if (names[k].cast<std::string>() != kMatchFields[k]) return {};
+    py::object descr = py::reinterpret_steal<py::object>(
+        PyObject_GetAttrString(type, kMatchFields[k]));
+    if (!descr || Py_TYPE(descr.ptr())->tp_descr_set == nullptr) {
+      PyErr_Clear();
+      return {};
+    }
+    out.push_back(descr);
+  }
+  return out;
 }
+
+py::list walk_into(py::list keys, py::dict masks, py::list slots, py::list lifts, py::list names,
+                   Py_ssize_t block_size, py::object match_type, py::object gpu, py::dict out) {
+  const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
+  if (static_cast<size_t>(PyList_GET_SIZE(names.ptr())) != n)
+    throw py::value_error("names and slots differ in length");
+  WalkResult walk = run_walk(keys, masks, slots, lifts);
+  py::list rest;
+  py::int_ size(block_size);
+  py::int_ zero(0);
+  PyObject* type = match_type.ptr();
+  const std::vector<py::object> fields = PyType_Check(type)
+                                             ? match_slots(type)
+                                             : std::vector<py::object>{};
+  for (size_t j = 0; j < n; ++j) {
+    const auto& c = walk.counts[j];
+    const long long blocks = static_cast<long long>(walk.ended[j]);
+    if (blocks > c[0]) {
+      rest.append(py::make_tuple(j, counts_list(c), blocks));
+      continue;
+    }
+    py::dict by_tier;
+    py::dict unconfirmed;
+    if (c[0]) by_tier[gpu] = py::int_(c[0]);
+    py::int_ held(c[0]);
+    PyObject* name = PyList_GET_ITEM(names.ptr(), static_cast<Py_ssize_t>(j));
+    py::object match;
+    if (!fields.empty()) {
+      PyTypeObject* tp = reinterpret_cast<PyTypeObject*>(type);
+      match = py::reinterpret_steal<py::object>(checked(tp->tp_alloc(tp, 0)));
+      PyObject* values[] = {name,          size.ptr(), held.ptr(), by_tier.ptr(),
+                            unconfirmed.ptr(), zero.ptr(), Py_None};
+      for (size_t k = 0; k < fields.size(); ++k) {
+        PyObject* descr = fields[k].ptr();
+        if (Py_TYPE(descr)->tp_descr_set(descr, match.ptr(), values[k]) < 0)
+          throw py::error_already_set();
+      }
+    } else {
+      PyObject* args[] = {name, size.ptr(), held.ptr(), by_tier.ptr(), unconfirmed.ptr()};
+      match = py::reinterpret_steal<py::object>(checked(PyObject_Vectorcall(type, args, 5, nullptr)));
+    }
+    if (PyDict_SetItem(out.ptr(), name, match.ptr()) < 0) throw py::error_already_set();
+  }
+  return rest;
+}
+
 
 // remove_device(hash_lists, slot, engine_to_key, masks, interned, refs, chain, ghost, ghost_max)
 // -> (removed, unresolved, forgotten): confirmed.py's _remove + _release + _forget_if_unheld
@@ -361,6 +460,9 @@ PYBIND11_MODULE(_native, m) {
         py::arg("max_blocks") = -1);
   m.def("walk_counts", &walk_counts, py::arg("keys"), py::arg("masks"), py::arg("slots"),
         py::arg("lifts"));
+  m.def("walk_into", &walk_into, py::arg("keys"), py::arg("masks"), py::arg("slots"),
+        py::arg("lifts"), py::arg("names"), py::arg("block_size"), py::arg("match_type"),
+        py::arg("gpu"), py::arg("out"));
   m.def("remove_device", &remove_device, py::arg("hash_lists"), py::arg("slot"),
         py::arg("engine_to_key"), py::arg("masks"), py::arg("interned"), py::arg("refs"),
         py::arg("chain"), py::arg("ghost"), py::arg("ghost_max"));

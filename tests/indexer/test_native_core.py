@@ -3,7 +3,8 @@ specification: random inputs through both, exact agreement.
 
 - keying: ``block_keys`` (native) and ``block_keys_py`` over random tokens, block sizes,
   parents and limits;
-- the walk: ``walk_counts`` (native) and ``Lookups._walk_counts`` over random masks of up to
+- the walk: ``walk_counts`` (native) and ``Lookups._walk_counts`` (and ``walk_into``, which
+  records the device-only rows itself, against ``walk_counts``) over random masks of up to
   200 replica slots (masks wider than 64 bits take the native core's wide path), masks equal
   in value but distinct objects (the native walk's same-object shortcut must not be all it
   relies on), repeated slots and storage-domain lifts;
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 
 from kvroute.indexer import keys as keys_module
 from kvroute.indexer import native_core
-from kvroute.indexer.index import InMemoryPrefixIndex
+from kvroute.indexer.index import InMemoryPrefixIndex, PrefixMatch
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.state import _W, _ReplicaState
 from kvroute.indexer.keys import RequestKeys, block_keys, block_keys_py, python_keying
@@ -158,6 +159,35 @@ def test_walk_counts_native_equals_python(
     for j, slot in enumerate(slots):
         assert native_counts[j] == counts[slot], (j, slot)
         assert native_ended[j] == ended.get(slot, len(keys)), (j, slot)
+
+
+@settings(max_examples=500, deadline=None)
+@given(walk=walks())
+def test_walk_into_records_device_only_rows_and_returns_the_rest(
+    walk: tuple[list[int], dict[int, int], list[int], list[tuple[int, int]]],
+) -> None:
+    """``walk_into``: the rows the device prefix alone serves are recorded as the Python
+    ``_walk`` records them (a match of the device blocks, GPU only); every other row comes
+    back with the counts and end ``walk_counts`` gives it, and is not recorded."""
+    keys, masks, slots, pairs = walk
+    slots = list(dict.fromkeys(slots))  # distinct: the caller walks duplicates the other way
+    pairs = [(src, j) for src, j in pairs if j < len(slots)]
+    assert NATIVE is not None
+    counts, ended = NATIVE.walk_counts(keys, masks, slots, pairs)
+    names = [f"r{j}" for j in range(len(slots))]
+    out: dict[str, PrefixMatch] = {"elsewhere": PrefixMatch("elsewhere", 16, 1, {})}
+    rest = NATIVE.walk_into(keys, masks, slots, pairs, names, 16, PrefixMatch, Medium.GPU, out)
+    returned = {j for j, _, _ in rest}
+    for j, c, blocks in rest:
+        assert (c, blocks) == (counts[j], ended[j]) and blocks > c[0]
+        assert names[j] not in out
+    for j, name in enumerate(names):
+        if j in returned:
+            continue
+        assert ended[j] == counts[j][0] and not any(counts[j][1:])
+        held = counts[j][0]
+        assert out[name] == PrefixMatch(name, 16, held, {Medium.GPU: held} if held else {}, {})
+    assert out["elsewhere"] == PrefixMatch("elsewhere", 16, 1, {})
 
 
 # ---- the whole index -------------------------------------------------------------------
