@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -48,12 +49,43 @@ class ChildTimeout(ChildError, TimeoutError):
     """A child still runs but did not become ready in time."""
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (Linux's ``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems' ranges start higher (49152)
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_PORTS_FROM = 20000
+_given: set[int] = set()  # handed out by this process: never twice
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that is free right now. Another process may take it before the
-    child binds it; the window is short enough for local fleets, tests and benchmarks."""
+    """A TCP port that is free right now, for a child to bind. Another process may take it
+    before the child binds it. Chosen below the kernel's ephemeral range when there is room
+    there: ports from that range are what every outgoing connection and every ``bind(0)``
+    (ZeroMQ's random ports included) takes meanwhile, which made tests running side by side
+    find one child's port already bound by another's socket. Never the same port twice in
+    one process."""
+    rng = random.Random()
+    for _ in range(64 if _EPHEMERAL_LOW - _PORTS_FROM >= 1024 else 0):
+        port = rng.randrange(_PORTS_FROM, _EPHEMERAL_LOW)
+        if port in _given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _given.add(port)
+    return port
 
 
 def child_env() -> dict[str, str]:

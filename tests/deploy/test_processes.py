@@ -5,6 +5,7 @@ The children are small Python one-liners, so these run in a second or two.
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from pathlib import Path
@@ -85,3 +86,19 @@ def test_stop_kills_the_whole_group_after_the_grace_period(tmp_path: Path) -> No
     assert not group_alive(pgid)  # the grandchild ignored SIGTERM: SIGKILL reached it
     assert child.pid is None
     child.stop()  # twice is fine
+
+
+def test_free_ports_come_from_below_the_kernels_range_and_never_twice() -> None:
+    """Ports the kernel hands out by itself (outgoing connections, ``bind(0)``, ZeroMQ's
+    random ports) are never what ``free_port`` picks when there is room below that range,
+    so a child's port is not taken meanwhile by another test's socket; and one process is
+    never given one port twice."""
+    from kvroute.deploy import processes
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if processes._EPHEMERAL_LOW - processes._PORTS_FROM >= 1024:
+        assert all(processes._PORTS_FROM <= p < processes._EPHEMERAL_LOW for p in ports)
+    for port in ports[:5]:  # free now: a child could bind it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
