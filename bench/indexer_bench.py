@@ -15,7 +15,8 @@
 - scale: ``--ingest-replicas`` spreads the ingest over that many replicas, each with its own
   stream (the block events split evenly), applied in turn as a router's feeds deliver them;
   with ``--replicas`` as large, lookup and memory are measured at that fleet size too
-  (docs/benchmarks.md, "Index at 1,000 replicas").
+  (docs/benchmarks.md, "Index at 1,000 replicas"); ``--scale-replicas`` measures the lookups
+  at that fleet size, and (``--decide``) a routing decision over it (bench/decide_scale.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from kvroute.bench.decide_scale import decide_at_scale
 from kvroute.indexer import native_core
 from kvroute.indexer.index import InMemoryPrefixIndex
 from kvroute.indexer.keys import RequestKeys, block_keys, pack_tokens, python_keying
@@ -79,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ingest-rounds", type=int, default=3, help="ingest runs per core, the cores in turn"
+    )
+    parser.add_argument(
+        "--decide",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time Router.decide over the --scale-replicas fleet too (bench/decide_scale.py)",
     )
 
 
@@ -477,8 +485,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         for core, figures in chat.items():
             for name, value in figures.items():
                 per_core[core][f"{name}_{n}_replicas"] = value
+        decided = decide_at_scale(n, random.Random(args.seed + 6)) if args.decide else {}
+    else:
+        decided = {}
     result: dict[str, Any] = dict(per_core[cores[0]])
     result["index_core"] = cores[0]
+    # on the index core a router runs here (native_core.CORE), whichever cores were measured
+    result.update({f"{name}_{args.scale_replicas}_replicas": v for name, v in decided.items()})
     result["cores"] = per_core
     if "native" in per_core and "python" in per_core:
         result["native_vs_python"] = _ratios(per_core["native"], per_core["python"])

@@ -78,6 +78,11 @@ def test_both_cores_are_measured_in_the_same_run() -> None:
     assert ratios["lookup_p50_us_2048 (python/native)"] > 0
     assert ratios["ingest_blocks_per_s (native/python)"] > 0
     assert set(result["native_targets"]) >= {"lookup_p99_us_2048 <= 100", "bytes_per_entry <= 64"}
+    # A routing decision over the same fleet size: it chose the prompt's holder (else the
+    # bench raises), and the lookup is a part of it.
+    assert result["decide_index_core_30_replicas"] == "native"
+    assert result["decide_p90_ms_30_replicas"] >= result["decide_p50_ms_30_replicas"] > 0
+    assert 0 < result["decide_lookup_share_30_replicas"] < 1
 
 
 def test_the_python_core_alone() -> None:
