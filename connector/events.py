@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvroute.connector.plan import Report
-from kvroute.connector.planner import TierEvent
+from kvroute.connector.planner_records import TierEvent
 from kvroute.indexer.tiers import Tier
 
 LOCALITY = "LOCAL"

@@ -18,7 +18,7 @@ import pytest
 from kvroute.connector.disk_scan import scan_layout
 from kvroute.connector.identity import RankInfo
 from kvroute.connector.plan import STORED, Report
-from kvroute.connector.planner import TierEvent
+from kvroute.connector.planner_records import TierEvent
 from kvroute.indexer.tiers import Tier
 from tests.connector.helpers import BLOCK, BPC, IDENTITY, make_executor, make_paged, make_planner
 
