@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvroute.router.common.lru import LRU, token_list_bytes
+from kvroute.router.common.lru import LRU, frozen_ids, token_list_bytes
 from kvroute.router.errors import RouterError
 from kvroute.router.tokens.chat_render import truncate_ids
 from kvroute.router.tokens.requests import ParsedRequest
@@ -135,10 +135,12 @@ class RemoteTokenizer(TokenizerBase):
         self.client = client
         self.pick_url = pick_url
         self.use_render = use_render
-        self._cache: LRU[bytes, Prompt] = LRU(
+        # (ids, multimodal items, source): the ids as a tuple (router/common/lru.py,
+        # ``frozen_ids``: not walked by every full garbage collection)
+        self._cache: LRU[bytes, tuple[tuple[int, ...], tuple[MMItem, ...], str]] = LRU(
             cache_entries,
             max_weight=64 * 2**20,
-            weigh=lambda k, v: 97 + token_list_bytes(v.tokens) + 64 * len(v.mm),
+            weigh=lambda k, v: 97 + token_list_bytes(v[0]) + 64 * len(v[1]),
         )
         # (replica url, model) -> why render is not used there (asked once, then remembered)
         self.no_render: dict[tuple[str, str], str] = {}
@@ -164,11 +166,12 @@ class RemoteTokenizer(TokenizerBase):
             )
             return Prompt(ids, source="given")
         key = self._key(req)
-        found = self._cache.get(key)
-        if found is not None:
-            return found
+        cached = self._cache.get(key)
+        if cached is not None:
+            ids, mm, source = cached
+            return Prompt(list(ids), list(mm), source)
         found = await self.fetch(req, max_model_len=max_model_len)
-        self._cache.put(key, found)
+        self._cache.put(key, (frozen_ids(found.tokens), tuple(found.mm), found.source))
         return found
 
     async def encode(self, req: ParsedRequest, max_model_len: int | None = None) -> list[int]:

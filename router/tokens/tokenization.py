@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvroute.router.common.lru import LRU, token_list_bytes
+from kvroute.router.common.lru import LRU, frozen_ids, token_list_bytes
 from kvroute.router.errors import RouterError
 from kvroute.router.tokens.chat_render import (
     ContentFormat,
@@ -133,7 +133,9 @@ class LocalTokenizer(TokenizerBase):
         self.content_format = content_format
         self._accepted_kwargs = _template_call_params(tokenizer)
         # Bounded in bytes too (approximate; router/common/lru.py): 64 + 32 + 32 MiB at most.
-        self._text_cache: LRU[tuple[str, bool], list[int]] = LRU(
+        # The ids are kept as tuples (``frozen_ids``): the garbage collector stops tracking a
+        # tuple of ints, so a full collection does not walk millions of cached ids.
+        self._text_cache: LRU[tuple[str, bool], tuple[int, ...]] = LRU(
             cache_entries,
             max_weight=64 * 2**20,
             weigh=lambda k, v: 49 + len(k[0]) + token_list_bytes(v),
@@ -141,7 +143,7 @@ class LocalTokenizer(TokenizerBase):
         self._render_cache: LRU[bytes, str] = LRU(
             cache_entries, max_weight=32 * 2**20, weigh=lambda k, v: 82 + len(v)
         )
-        self._segment_cache: LRU[str, list[int]] = LRU(
+        self._segment_cache: LRU[str, tuple[int, ...]] = LRU(
             segment_cache_entries,
             max_weight=32 * 2**20,
             weigh=lambda k, v: 49 + len(k) + token_list_bytes(v),
@@ -209,7 +211,7 @@ class LocalTokenizer(TokenizerBase):
                 continue
             ids = cache.get(piece)
             if ids is None:
-                ids = self._encode_text(piece, False)
+                ids = frozen_ids(self._encode_text(piece, False))
                 cache.put(piece, ids)
             out.extend(ids)
         return out
@@ -234,14 +236,16 @@ class LocalTokenizer(TokenizerBase):
         return True
 
     def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of ``text``: a list of the caller's own (the cache keeps a tuple)."""
         key = (text, add_special_tokens)
-        ids = self._text_cache.get(key)
-        if ids is None:
-            if self.segmented and not add_special_tokens:
-                ids = self._encode_segmented(text)
-            else:
-                ids = self._encode_text(text, add_special_tokens)
-            self._text_cache.put(key, ids)
+        cached = self._text_cache.get(key)
+        if cached is not None:
+            return list(cached)
+        if self.segmented and not add_special_tokens:
+            ids = self._encode_segmented(text)
+        else:
+            ids = self._encode_text(text, add_special_tokens)
+        self._text_cache.put(key, frozen_ids(ids))
         return ids
 
     # --- requests -------------------------------------------------------------------------
