@@ -81,9 +81,12 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
         _given.add(port)
         return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port = int(s.getsockname()[1])
+    for _ in range(1000):  # no room below the kernel's range: what it hands out, if new
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _given:
+            break
     _given.add(port)
     return port
 
