@@ -4,6 +4,7 @@
 # router/ (and, for the lookups, indexer/index/lookup.py and indexer/native/core.cpp with
 # `python setup.py build_ext --inplace`), measures, then HEAD's, and measures again.
 OUT=${OUT:-/tmp/request-path}
+DIR=docs/img/bench-2026-11-28-request-path  # run from the repository root
 mkdir -p "$OUT"
 for i in 1 2; do
   git checkout -q 68eeabe -- router
@@ -13,11 +14,11 @@ for i in 1 2; do
 done
 for i in 1 2; do
   git checkout -q 68eeabe -- indexer/index/lookup.py indexer/native/core.cpp
-  python setup.py -q build_ext --inplace && echo "old$i $(python lookup_ab.py)" >> "$OUT/lookup_ab.txt"
+  python setup.py -q build_ext --inplace && echo "old$i $(python $DIR/lookup_ab.py)" >> "$OUT/lookup_ab.txt"
   git checkout -q HEAD -- indexer/index/lookup.py indexer/native/core.cpp
-  python setup.py -q build_ext --inplace && echo "new$i $(python lookup_ab.py)" >> "$OUT/lookup_ab.txt"
+  python setup.py -q build_ext --inplace && echo "new$i $(python $DIR/lookup_ab.py)" >> "$OUT/lookup_ab.txt"
 done
 kvroute bench indexer --json --out "$OUT/indexer_native_vs_python.json" > /dev/null
-python gc_token_cache.py > "$OUT/gc_token_cache.json"
-python gc_hints.py > "$OUT/gc_hints.json"
-# long_prompts_p99.py: once per code version (git stash of router/ for the old), alternating
+python $DIR/gc_token_cache.py > "$OUT/gc_token_cache.json"
+python $DIR/gc_hints.py > "$OUT/gc_hints.json"
+# $DIR/long_prompts_p99.py: once per code version (git stash of router/ for the old), alternating
