@@ -1,26 +1,26 @@
 """A full garbage collection with the burst hints at their default cap (500,000): the layout
-before (``hints_before.py``: a dict of (key, replica) tuples and a deque) against
-router/routing/hints.py, one process, the start-up heap frozen as kvroute serve freezes it.
-Also the time to record them (5,000 requests of 100 blocks over 8 replicas). Run from the
-repository root with kvroute installed."""
+before (router/routing/hints.py at 68eeabe, read from git: a dict of (key, replica) tuples
+and a deque) against the current one, one process, the start-up heap frozen as kvroute
+serve freezes it. Also the time to record them (5,000 requests of 100 blocks over 8
+replicas). Run from the repository root (a git checkout) with kvroute installed."""
 
 import gc
-import importlib.util
 import json
 import random
 import statistics
+import subprocess
 import time
-from pathlib import Path
+import types
 
 from kvroute.router.routing.hints import BurstHints
 
 
 def _before() -> type:
-    path = Path(__file__).with_name("hints_before.py")
-    spec = importlib.util.spec_from_file_location("hints_before", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    source = subprocess.run(
+        ["git", "show", "68eeabe:router/routing/hints.py"], check=True, capture_output=True
+    ).stdout
+    module = types.ModuleType("hints_before")
+    exec(compile(source, "hints_before.py", "exec"), module.__dict__)
     return module.BurstHints
 
 
