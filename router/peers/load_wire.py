@@ -163,13 +163,18 @@ def parse_load(body: object) -> PeerAnswer:
     )
 
 
+def _sample_rows(samples: object, key: str) -> list[Any]:
+    """``samples[key]``: a list of at most ``MAX_SAMPLES`` rows (none when absent)."""
+    rows = samples.get(key, []) if isinstance(samples, dict) else []
+    if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
+        raise PeerLoadError(f"'samples.{key}' must be a list of at most {MAX_SAMPLES}")
+    return rows
+
+
 def _homes(value: object) -> list[tuple[str, bytes]]:
     """``samples.homes``: at most ``MAX_SAMPLES`` ``[replica, affinity as hex]`` pairs."""
-    rows = value.get("homes", []) if isinstance(value, dict) else []
-    if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
-        raise PeerLoadError(f"'samples.homes' must be a list of at most {MAX_SAMPLES}")
     out: list[tuple[str, bytes]] = []
-    for row in rows:
+    for row in _sample_rows(value, "homes"):
         if (
             not isinstance(row, list)
             or len(row) != 2
@@ -216,10 +221,7 @@ def _frees(value: object) -> dict[str, list[tuple[int, float]]]:
 def _rate_samples(value: object) -> list[tuple[str, tuple[float, ...]]]:
     out: list[tuple[str, tuple[float, ...]]] = []
     for key, size in (("rates", 6), ("rates_q", 7)):
-        rows = value.get(key, []) if isinstance(value, dict) else []
-        if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
-            raise PeerLoadError(f"'samples.{key}' must be a list of at most {MAX_SAMPLES}")
-        for row in rows:
+        for row in _sample_rows(value, key):
             if (
                 not isinstance(row, list)
                 or len(row) != size
@@ -245,13 +247,11 @@ def _samples(value: object) -> tuple[int | None, list[tuple[str, float]]]:
         return None, []
     if not isinstance(value, dict):
         raise PeerLoadError("'samples' is not an object")
-    next_sample, values = value.get("next"), value.get("values", [])
+    next_sample = value.get("next")
     if isinstance(next_sample, bool) or not isinstance(next_sample, int) or next_sample < 0:
         raise PeerLoadError("'samples.next' must be an integer >= 0")
-    if not isinstance(values, list) or len(values) > MAX_SAMPLES:
-        raise PeerLoadError(f"'samples.values' must be a list of at most {MAX_SAMPLES}")
     out: list[tuple[str, float]] = []
-    for item in values:
+    for item in _sample_rows(value, "values"):
         if (
             not isinstance(item, list)
             or len(item) != 2
