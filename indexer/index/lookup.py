@@ -118,12 +118,12 @@ class Lookups(IndexStore):
             for block_size, states in by_size.items():
                 keys = request.keys(block_size)
                 self._walk(keys, states, block_size, out)
-                partial, hybrids = special.get(block_size, ((), ()))
+                partial, hybrids = special.get(block_size, ([], []))
                 if partial:
-                    self._probe_partials(request, list(partial), block_size, out)
+                    self._probe_partials(request, partial, block_size, out)
                 self._drop_drafted(request.n_tokens, keys, states, block_size, out)
                 if hybrids:
-                    self._cap_hybrid(request, keys, list(hybrids), block_size, out)
+                    self._cap_hybrid(request, keys, hybrids, block_size, out)
             return out
 
     def _probe_partials(
