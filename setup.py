@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _NAME = "kvroute.indexer._native"
-_SOURCES = ["indexer/native/core.cpp"]
+_SOURCES = ["indexer/native/core.cpp", "indexer/native/tables.cpp"]
 
 
 def _warn(reason: object) -> None:

@@ -310,21 +310,21 @@ def _percentile(values: list[float], q: float) -> float:
 def _lookup(
     args: argparse.Namespace, rng: random.Random, cores: list[str], lookups: int
 ) -> dict[str, dict[str, Any]]:
-    """Fill one index (its state is the same whichever core walks it), then time each core's
-    lookups of the probe, in turn, on it."""
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    index = InMemoryPrefixIndex()
-    probe = _fill_index(index, args, rng)
-    gc.collect()
-    allocated = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    entries = index.entries
-    replicas = index.replicas()
+    """Per core: fill an index of that core (its tables: native words or dicts) with the same
+    entries, measure what it allocated (tracemalloc sees both), then time its lookups."""
+    seed = rng.random()
     out: dict[str, dict[str, Any]] = {}
     for core in cores:
-        index._native = InMemoryPrefixIndex(core=core)._native  # the walk this core runs
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        index = InMemoryPrefixIndex(core=core)
+        probe = _fill_index(index, args, random.Random(seed))  # keyed natively: not timed
+        gc.collect()
+        allocated = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        entries = index.entries
+        replicas = index.replicas()
         with _keying_of(core):
             request = RequestKeys(probe)
             keys = request.keys(args.block_size)  # keyed once, as the router does per request
@@ -350,10 +350,10 @@ def _lookup(
             "lookup_p99_us_2048": round(_percentile(walk_us, 0.99), 1),
             "lookup_with_keying_p50_us_2048": round(statistics.median(full_us), 1),
             "lookup_with_keying_p99_us_2048": round(_percentile(full_us, 0.99), 1),
-            # the store is Python's whichever core walks it: the same bytes for both
             "bytes_per_entry": round(allocated / entries, 1),
             "estimated_bytes_per_entry": round(index.estimated_bytes() / entries, 1),
         }
+        del index, request, matched
     return out
 
 
@@ -363,24 +363,25 @@ def _chat_lookup(
     """A chat-shaped probe (docs/benchmarks.md, "Index at 1,000 replicas"): a 64-block system
     prompt on every replica, ten 200-block histories after it on each, and a 264-block
     probe of one replica's history: the holders change twice along the prompt. 50 lookups
-    per core, on one filled index."""
+    per core, each on an index of its own tables filled alike."""
     bs = args.block_size
-    system = [rng.randrange(128_000) for _ in range(64 * bs)]
-    index = InMemoryPrefixIndex()
-    probe: list[int] = []
-    for r in range(args.replicas):
-        name = f"replica-{r}"
-        for h in range(10):
-            history = [rng.randrange(128_000) for _ in range(200 * bs)]
-            tokens = system + history
-            hashes = [_fake_hash(rng) for _ in range(264)]
-            index.apply(name, [BlockStored(hashes, None, tokens, bs)])
-            if r == args.replicas // 2 and h == 0:
-                probe = tokens
-    replicas = index.replicas()
+    seed = rng.random()
     out: dict[str, dict[str, Any]] = {}
     for core in cores:
-        index._native = InMemoryPrefixIndex(core=core)._native
+        fill = random.Random(seed)
+        system = [fill.randrange(128_000) for _ in range(64 * bs)]
+        index = InMemoryPrefixIndex(core=core)
+        probe: list[int] = []
+        for r in range(args.replicas):  # keyed natively: not timed
+            name = f"replica-{r}"
+            for h in range(10):
+                history = [fill.randrange(128_000) for _ in range(200 * bs)]
+                tokens = system + history
+                hashes = [_fake_hash(fill) for _ in range(264)]
+                index.apply(name, [BlockStored(hashes, None, tokens, bs)])
+                if r == args.replicas // 2 and h == 0:
+                    probe = tokens
+        replicas = index.replicas()
         with _keying_of(core):
             request = RequestKeys(probe)
             request.keys(bs)
@@ -396,6 +397,7 @@ def _chat_lookup(
             "chat_lookup_p99_us_264": round(_percentile(times, 0.99), 1),
             "chat_index_entries": index.entries,
         }
+        del index
     return out
 
 

@@ -232,6 +232,10 @@ def _counts(bit_values: Iterable[int]) -> list[int]:
     return counts
 
 
+def _u64(value: object) -> bool:
+    return type(value) is int and 0 <= value <= _U64
+
+
 def validate(rec: ReplicaState) -> None:
     """Refuse a record the index could not hold consistently (SnapshotError says why): a
     forged or corrupted one must fail here, before anything is installed."""
@@ -251,6 +255,11 @@ def validate(rec: ReplicaState) -> None:
             raise SnapshotError("a hash or key is not a 64-bit unsigned integer")
     if any(not 0 < b <= _SLOT for b in rec.bit_values):
         raise SnapshotError("class bits out of range")
+    if any(
+        len(link) != 2 or not _u64(link[0]) or not (link[1] is None or _u64(link[1]))
+        for link in rec.chain
+    ):
+        raise SnapshotError("a chain link is not a 64-bit hash and its parent (or None)")
     if len(rec.tier_counts) != _W or _counts(rec.bit_values) != rec.tier_counts:
         raise SnapshotError("tier counts disagree with the class bits")
     if sum(len(h.keys) for h in rec.held) != rec.unconfirmed_blocks:
@@ -286,7 +295,9 @@ def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) ->
     # Not carried: whether the peer saw every device store since the device was last empty.
     # Taken as not (confirmed.py: stores from the prompt's start are then never counted twice).
     state.device_history = False
-    state.engine_to_key = dict(zip(rec.engine_hashes, rec.engine_keys, strict=True))
+    engine_to_key = state.engine_to_key  # the index's kind of table, empty
+    for h, key in zip(rec.engine_hashes, rec.engine_keys, strict=True):
+        engine_to_key[h] = key
     shift = _W * state.slot
     masks = index._masks
     for key, bits in zip(rec.bit_keys, rec.bit_values, strict=True):
@@ -294,7 +305,7 @@ def import_state(index: InMemoryPrefixIndex, replica: str, rec: ReplicaState) ->
     state.tier_counts = list(rec.tier_counts)
     state.unconfirmed_blocks = rec.unconfirmed_blocks
     state.refs = {(k, c): n for k, c, n in rec.refs}
-    state.chain = dict(rec.chain)
+    state.chain.update(rec.chain)  # the index's kind of table, empty
     state.unsized = {c: list(hs) for c, hs in rec.unsized}
     state.whole_loads = set(rec.whole_loads)
     state.chunk_blocks = dict(rec.chunk_blocks)

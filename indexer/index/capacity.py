@@ -26,6 +26,11 @@ from kvroute.indexer.wire import Medium
 __all__ = ["Capacity"]
 
 
+def _table_bytes(table: object) -> int:
+    size = sys.getsizeof(table)
+    return size + 36 * len(table) if type(table) is dict else size  # type: ignore[arg-type]
+
+
 class Capacity(IndexStore):
     """Eviction under the entry cap; sizes and per-tier counts."""
 
@@ -114,14 +119,14 @@ class Capacity(IndexStore):
         return len(self._masks)
 
     def estimated_bytes(self) -> int:
-        """Dict tables plus the int objects they own (64-bit ints are 36 bytes in CPython)."""
+        """The tables plus the int objects a dict owns (64-bit ints are 36 bytes in CPython;
+        the native tables keep raw words, and ``getsizeof`` counts all they allocate)."""
         with self._lock:
-            size = sys.getsizeof(self._masks) + 36 * len(self._masks)
+            size = _table_bytes(self._masks)
             size += sum(sys.getsizeof(m) for m in self._interned.values())
             for s in self._replicas.values():
-                size += sys.getsizeof(s.engine_to_key) + 36 * len(s.engine_to_key)
-                if s.chain is not None:
-                    size += sys.getsizeof(s.chain) + 36 * len(s.chain)
+                size += _table_bytes(s.engine_to_key)
+                size += _table_bytes(s.chain)
                 size += sys.getsizeof(s.refs) + sys.getsizeof(s.chunks)
                 size += 120 * sum(len(h) for h in s.held.values()) + 8 * s.unconfirmed_blocks
             return size

@@ -32,7 +32,6 @@ from vLLM's block hash to our key, with the parent links, reference counts and f
 
 from __future__ import annotations
 
-from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult
@@ -174,7 +173,8 @@ class ConfirmedHoldings(IndexStore):
         chain = state.chain
         chain.update(zip(hashes, (event.parent_block_hash, *hashes[:-1]), strict=False))
         if state.warm_chain and len(chain) > 2 * _WARM_CHAIN:
-            state.chain = dict(islice(chain.items(), len(chain) - _WARM_CHAIN, None))
+            state.chain = type(chain)()  # a dict, or the native core's table
+            state.chain.update(list(chain.items())[-_WARM_CHAIN:])
         # From the start of a prompt (no parent), a store of blocks already held is vLLM
         # re-announcing a prefix-cache hit (kv_cache_report_mode "full": the same physical
         # blocks, never removed) or a second physical copy (a request that did not read the
@@ -525,12 +525,12 @@ class ConfirmedHoldings(IndexStore):
         shift = _W * state.slot
         self._drop_bits(state.engine_to_key.values(), _CONFIRMED << shift)
         self._entries -= len(state.engine_to_key)
-        state.engine_to_key = {}
+        state.engine_to_key = type(state.engine_to_key)()
         for c in range(3):
             state.tier_counts[c] = 0
         state.refs = {k: v for k, v in state.refs.items() if k[1] >= 3}
         state.chunks = {}
-        state.chain = {}
+        state.chain = type(state.chain)()
         state.unsized = {}
         state.groups = {}
         state.unplaced = {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult, PrefixIndex
 from kvroute.indexer.index.capacity import Capacity
@@ -23,7 +23,7 @@ from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.losses import SourceLosses
 from kvroute.indexer.index.resets import Resets
-from kvroute.indexer.index.state import _ReplicaState
+from kvroute.indexer.index.state import _W, _ReplicaState
 from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
 from kvroute.indexer.native_core import NATIVE, UNAVAILABLE
 from kvroute.indexer.wire import (
@@ -84,7 +84,14 @@ class InMemoryPrefixIndex(
         self.evicted_entries = 0
         self.expired_blocks = 0
         self.refuted_blocks = 0
-        self._masks: dict[int, int] = {}
+        # the two big tables: native (raw 64-bit words, about a third of a dict's bytes) where
+        # the native core runs, dicts otherwise; the same operations on both (state.py)
+        self._masks: MutableMapping[int, int] = (
+            {} if self._native is None else self._native.MaskMap()
+        )
+        self._hash_table: Callable[[], MutableMapping[int, Any]] = (
+            dict if self._native is None else self._native.U64Map
+        )
         self._interned: dict[int, int] = {}
         self._replicas: dict[str, _ReplicaState] = {}
         self._free_slots: list[int] = []
@@ -101,6 +108,13 @@ class InMemoryPrefixIndex(
         self._last_full = self._prev_full = None
         self._lock = threading.RLock()
 
+    def _intern_limit(self) -> int:
+        """Distinct masks kept interned before the table is dropped: masks a batch replaced
+        stay in it until then, and a mask is 6 bits per replica slot wide (750 bytes at 1,000
+        replicas), so the limit keeps the table near 16 MiB whatever the fleet."""
+        width = self._next_slot * _W // 8 + 32
+        return min(1 << 16, max(1024, (16 << 20) // width))
+
     # --- replicas -----------------------------------------------------------------------------
 
     def _state(self, replica: str) -> _ReplicaState:
@@ -111,7 +125,7 @@ class InMemoryPrefixIndex(
             else:
                 slot = self._next_slot
                 self._next_slot += 1
-            state = self._replicas[replica] = _ReplicaState(replica, slot)
+            state = self._replicas[replica] = _ReplicaState(replica, slot, self._hash_table)
         return state
 
     def add_replica(self, replica: str) -> None:
@@ -296,6 +310,6 @@ class InMemoryPrefixIndex(
             self._computed.clear()
             if self._entries > self.max_entries:
                 self._evict(self._entries - self.max_entries)
-            if len(self._interned) > 1 << 16:
+            if len(self._interned) > self._intern_limit():
                 self._interned.clear()  # interning only saves memory; masks stay valid
         return result

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +107,11 @@ class _ReplicaState:
         "whole_loads",
     )
 
-    def __init__(self, name: str, slot: int) -> None:
+    def __init__(
+        self, name: str, slot: int, table: Callable[[], MutableMapping[int, Any]] = dict
+    ) -> None:
+        # ``table``: the kind of table of the two per-block maps below, a dict or the native
+        # core's U64Map (the same operations, about a third of the bytes)
         self.name = name
         self.slot = slot
         self.block_size: int | None = None
@@ -115,13 +119,13 @@ class _ReplicaState:
         # finer prefix-match unit (partial blocks are published one at a time)
         self.size_confirmed = False
         self.partial_unit: int | None = None
-        self.engine_to_key: dict[int, int] = {}
+        self.engine_to_key: MutableMapping[int, int] = table()
         self.tier_counts = [0] * _W
         # (key, class) -> holdings beyond the first (only keys stored more than once)
         self.refs: dict[tuple[int, int], int] = {}
         # block hash -> parent hash of device stores. Only the last ``_WARM_CHAIN`` or so
         # (``warm_chain``) until the replica sends a tier-only store, all of them after.
-        self.chain: dict[int, int | None] = {}
+        self.chain: MutableMapping[int, int | None] = table()
         self.warm_chain = True
         # class -> hashes of the tier-only stores of the batch being applied: a chunk's walk
         # stops at them too, as vLLM announces one step's chunks in no particular order
@@ -207,7 +211,7 @@ class IndexStore:
     expired_blocks: int
     refuted_blocks: int
     _clock: Callable[[], float]
-    _masks: dict[int, int]
+    _masks: MutableMapping[int, int]
     _interned: dict[int, int]
     _replicas: dict[str, _ReplicaState]
     _free_slots: list[int]

@@ -13,6 +13,8 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 
+#include "tables.h"
+
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include <vector>
 
 namespace py = pybind11;
+namespace tables = kvroute_tables;
 
 namespace {
 
@@ -146,7 +149,30 @@ struct WalkResult {
   std::vector<Py_ssize_t> ended;
 };
 
-WalkResult run_walk(py::list keys, py::dict masks, py::list slots, py::list lifts) {
+// masks[key] as a borrowed reference (nullptr: no mask), from a dict or a MaskMap.
+class MaskReader {
+ public:
+  explicit MaskReader(PyObject* masks) : masks_(masks), table_(tables::as_mask_map(masks)) {
+    if (table_ == nullptr && !PyDict_Check(masks))
+      throw py::type_error("masks must be a dict or a MaskMap");
+  }
+
+  PyObject* get(PyObject* key) const {
+    if (table_ != nullptr) {
+      uint64_t k;
+      return tables::key_of(key, &k) ? tables::mask_get(table_, k) : nullptr;
+    }
+    PyObject* obj = PyDict_GetItemWithError(masks_, key);
+    if (obj == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    return obj;
+  }
+
+ private:
+  PyObject* masks_;
+  tables::Table* table_;
+};
+
+WalkResult run_walk(py::list keys, py::object masks, py::list slots, py::list lifts) {
   const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
   const Py_ssize_t n_keys = PyList_GET_SIZE(keys.ptr());
   std::vector<size_t> pos(n);
@@ -216,10 +242,9 @@ WalkResult run_walk(py::list keys, py::dict masks, py::list slots, py::list lift
   };
 
   PyObject* prev_obj = nullptr;
-  PyObject* dict = masks.ptr();
+  MaskReader reader(masks.ptr());
   for (Py_ssize_t i = 0; i < n_keys && alive; ++i) {
-    PyObject* obj = PyDict_GetItemWithError(dict, PyList_GET_ITEM(keys.ptr(), i));
-    if (obj == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    PyObject* obj = reader.get(PyList_GET_ITEM(keys.ptr(), i));
     if (i > 0 && obj == prev_obj) continue;  // masks are interned: the same object, the same mask
     prev_obj = obj;
     cur->load(obj);
@@ -251,7 +276,7 @@ py::list counts_list(const std::array<long long, kW>& counts) {
   return c;
 }
 
-py::tuple walk_counts(py::list keys, py::dict masks, py::list slots, py::list lifts) {
+py::tuple walk_counts(py::list keys, py::object masks, py::list slots, py::list lifts) {
   WalkResult walk = run_walk(keys, masks, slots, lifts);
   const size_t n = walk.ended.size();
   py::list out_counts(n);
@@ -301,7 +326,7 @@ std::vector<py::object> match_slots(PyObject* type) {
   return out;
 }
 
-py::list walk_into(py::list keys, py::dict masks, py::list slots, py::list lifts, py::list names,
+py::list walk_into(py::list keys, py::object masks, py::list slots, py::list lifts, py::list names,
                    Py_ssize_t block_size, py::object match_type, py::object gpu, py::dict out) {
   const size_t n = static_cast<size_t>(PyList_GET_SIZE(slots.ptr()));
   if (static_cast<size_t>(PyList_GET_SIZE(names.ptr())) != n)
@@ -346,21 +371,84 @@ py::list walk_into(py::list keys, py::dict masks, py::list slots, py::list lifts
   return rest;
 }
 
+// The two tables remove_device writes, as dicts (the Python core's) or native tables (U64Map,
+// MaskMap): the same operations on either.
+class HashKeys {  // engine_to_key, or chain (discard only)
+ public:
+  explicit HashKeys(PyObject* map) : map_(map), table_(tables::as_u64_map(map)) {
+    if (table_ == nullptr && !PyDict_Check(map))
+      throw py::type_error("engine_to_key and chain must be dicts or U64Maps");
+  }
+
+  // The key ``h`` maps to (a null object when none).
+  py::object get(PyObject* h) const {
+    if (table_ != nullptr) {
+      uint64_t hk, key;
+      if (!tables::key_of(h, &hk) || !tables::u64_get(table_, hk, &key)) return py::object();
+      return py::reinterpret_steal<py::object>(checked(PyLong_FromUnsignedLongLong(key)));
+    }
+    PyObject* key = PyDict_GetItemWithError(map_, h);
+    if (key == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    return py::reinterpret_borrow<py::object>(key);
+  }
+
+  // Removes ``h``; returns whether it was there.
+  bool discard(PyObject* h) const {
+    if (table_ != nullptr) {
+      uint64_t hk;
+      return tables::key_of(h, &hk) && tables::erase(table_, hk);
+    }
+    int held = PyDict_Contains(map_, h);
+    if (held < 0 || (held && PyDict_DelItem(map_, h) < 0)) throw py::error_already_set();
+    return held != 0;
+  }
+
+ private:
+  PyObject* map_;
+  tables::Table* table_;
+};
+
+class Masks : public MaskReader {
+ public:
+  explicit Masks(PyObject* masks) : MaskReader(masks), map_(masks), table_(tables::as_mask_map(masks)) {}
+
+  void set(PyObject* key, PyObject* mask) const {
+    uint64_t k;
+    if (table_ != nullptr ? (!tables::key_of(key, &k) || tables::mask_set(table_, k, mask) < 0)
+                          : PyDict_SetItem(map_, key, mask) < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "key out of range");
+      throw py::error_already_set();
+    }
+  }
+
+  void remove(PyObject* key) const {
+    uint64_t k;
+    if (table_ != nullptr) {
+      if (tables::key_of(key, &k)) tables::erase(table_, k);
+    } else if (PyDict_DelItem(map_, key) < 0) {
+      throw py::error_already_set();
+    }
+  }
+
+ private:
+  PyObject* map_;
+  tables::Table* table_;
+};
 
 // remove_device(hash_lists, slot, engine_to_key, masks, interned, refs, chain, ghost, ghost_max)
 // -> (removed, unresolved, forgotten): confirmed.py's _remove + _release + _forget_if_unheld
 // for a run of device (GPU, confirmed, keyed group) BlockRemoved events of a replica with no
-// tier-only chunk records, applied in order on the Python index's own tables. The caller
-// (ConfirmedHoldings._remove_device_run) checks that the run qualifies and books the counts:
-// tier_counts[GPU] -= removed, entries -= forgotten.
-py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to_key,
-                        py::dict masks, py::dict interned, py::dict refs, py::dict chain,
+// tier-only chunk records, applied in order on the index's own tables (dicts, or the native
+// U64Map and MaskMap). The caller (ConfirmedHoldings._remove_device_run) checks that the run
+// qualifies and books the counts: tier_counts[GPU] -= removed, entries -= forgotten.
+py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::object engine_to_key,
+                        py::object masks, py::dict interned, py::dict refs, py::object chain,
                         py::object ghost, Py_ssize_t ghost_max) {
-  PyObject* e2k = engine_to_key.ptr();
-  PyObject* mdict = masks.ptr();
+  HashKeys e2k(engine_to_key.ptr());
+  HashKeys parents(chain.ptr());
+  Masks mtable(masks.ptr());
   PyObject* idict = interned.ptr();
   PyObject* rdict = refs.ptr();
-  PyObject* cdict = chain.ptr();
   PyObject* gdict = ghost.is_none() ? nullptr : ghost.ptr();
   py::object shift = py::int_(kW * slot);
   py::object one = py::int_(1);
@@ -373,13 +461,12 @@ py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to
   long long removed = 0, unresolved = 0, forgotten = 0;
   for (py::handle hashes : hash_lists) {
     for (py::handle h : hashes) {
-      PyObject* key = PyDict_GetItemWithError(e2k, h.ptr());  // borrowed
-      if (key == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
+      py::object key_ref = e2k.get(h.ptr());  // owned: e2k may drop it below
+      if (!key_ref) {
         ++unresolved;
         continue;
       }
-      py::object key_ref = py::reinterpret_borrow<py::object>(key);  // e2k may drop it below
+      PyObject* key = key_ref.ptr();
       if (PyDict_GET_SIZE(rdict)) {
         py::object ref_key = py::make_tuple(key_ref, zero);
         PyObject* extra = PyDict_GetItemWithError(rdict, ref_key.ptr());
@@ -402,8 +489,7 @@ py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to
           }
         }
       }
-      PyObject* mask = PyDict_GetItemWithError(mdict, key);
-      if (mask == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      PyObject* mask = mtable.get(key);  // borrowed
       if (mask == nullptr) continue;  // masks.get(key, 0) & bit == 0
       py::object held = py::reinterpret_steal<py::object>(checked(PyNumber_And(mask, bit.ptr())));
       int has = PyObject_IsTrue(held.ptr());
@@ -414,10 +500,10 @@ py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to
       if (nonzero < 0) throw py::error_already_set();
       if (nonzero) {
         PyObject* shared = PyDict_SetDefault(idict, rest.ptr(), rest.ptr());  // borrowed
-        if (shared == nullptr || PyDict_SetItem(mdict, key_ref.ptr(), shared) < 0)
-          throw py::error_already_set();
-      } else if (PyDict_DelItem(mdict, key_ref.ptr()) < 0) {
-        throw py::error_already_set();
+        if (shared == nullptr) throw py::error_already_set();
+        mtable.set(key, shared);
+      } else {
+        mtable.remove(key);
       }
       ++removed;
       // _forget_if_unheld: forget the hash when no confirmed class of the replica holds it
@@ -427,15 +513,8 @@ py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to
       if (still < 0) throw py::error_already_set();
       if (still) continue;
       py::object h_ref = py::reinterpret_borrow<py::object>(h);
-      if (PyDict_Contains(e2k, h_ref.ptr())) {
-        if (PyDict_DelItem(e2k, h_ref.ptr()) < 0) throw py::error_already_set();
-        ++forgotten;
-      } else if (PyErr_Occurred()) {
-        throw py::error_already_set();
-      }
-      int in_chain = PyDict_Contains(cdict, h_ref.ptr());
-      if (in_chain < 0) throw py::error_already_set();
-      if (in_chain && PyDict_DelItem(cdict, h_ref.ptr()) < 0) throw py::error_already_set();
+      if (e2k.discard(h_ref.ptr())) ++forgotten;
+      parents.discard(h_ref.ptr());
       if (gdict != nullptr) {
         if (PyDict_SetItem(gdict, h_ref.ptr(), key_ref.ptr()) < 0) throw py::error_already_set();
         if (PyDict_GET_SIZE(gdict) > ghost_max) {
@@ -455,7 +534,7 @@ py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::dict engine_to
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "kvroute's native index core: keying token chains and the lookup walk";
+  m.doc() = "kvroute's native index core: keying token chains, the lookup walk, the tables";
   m.def("block_keys", &block_keys, py::arg("packed"), py::arg("block_size"), py::arg("parent"),
         py::arg("max_blocks") = -1);
   m.def("walk_counts", &walk_counts, py::arg("keys"), py::arg("masks"), py::arg("slots"),
@@ -467,4 +546,5 @@ PYBIND11_MODULE(_native, m) {
         py::arg("engine_to_key"), py::arg("masks"), py::arg("interned"), py::arg("refs"),
         py::arg("chain"), py::arg("ghost"), py::arg("ghost_max"));
   m.attr("XXH_VERSION") = XXH_versionNumber();
+  if (tables::add_types(m.ptr()) < 0) throw py::error_already_set();
 }

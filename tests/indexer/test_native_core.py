@@ -274,7 +274,8 @@ def test_index_on_native_core_answers_as_the_python_index(
     assert native.summary() == python.summary()
     a, b = native.stats(), python.stats()
     assert (a.index_core, b.index_core) == ("native", "python")
-    assert dataclasses.replace(a, index_core="python") == b
+    # the tables differ (native words, dicts of ints), and so do their bytes; nothing else
+    assert dataclasses.replace(a, index_core="python", estimated_bytes=b.estimated_bytes) == b
 
 
 def test_wide_fleet_lookups_agree() -> None:

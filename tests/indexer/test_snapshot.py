@@ -131,6 +131,9 @@ def _state() -> ReplicaState:
         ({"unconfirmed_blocks": 5}, "unconfirmed block count"),
         ({"block_size": 0}, "block_size 0 out of range"),
         ({"chunk_blocks": [(1, 0)]}, "chunk length"),
+        ({"chain": [(1, -2)]}, "chain link"),
+        ({"chain": [(1 << 64, None)]}, "chain link"),
+        ({"chain": [(1, 2, 3)]}, "chain link"),
     ],
 )
 def test_a_forged_state_is_refused_and_nothing_is_installed(
