@@ -167,9 +167,25 @@ class MaskReader {
     return obj;
   }
 
+  // get() of keys[start..start + n) (a list) into out[0..n): a MaskMap's in one prefetched pass.
+  void fill(PyObject* keys, Py_ssize_t start, size_t n, PyObject** out) {
+    if (table_ == nullptr) {
+      for (size_t k = 0; k < n; ++k) out[k] = get(PyList_GET_ITEM(keys, start + k));
+      return;
+    }
+    raw_.resize(n);
+    missing_.clear();
+    for (size_t k = 0; k < n; ++k)
+      if (!tables::key_of(PyList_GET_ITEM(keys, start + k), &raw_[k])) missing_.push_back(k);
+    tables::mask_get_many(table_, raw_.data(), n, out);
+    for (size_t k : missing_) out[k] = nullptr;  // not a 64-bit key: never held
+  }
+
  private:
   PyObject* masks_;
   tables::Table* table_;
+  std::vector<uint64_t> raw_;
+  std::vector<size_t> missing_;
 };
 
 WalkResult run_walk(py::list keys, py::object masks, py::list slots, py::list lifts) {
@@ -194,9 +210,12 @@ WalkResult run_walk(py::list keys, py::object masks, py::list slots, py::list li
     need_bits = std::max(need_bits, src - src % kW + kW);
   }
   // slot -> the replicas to look at again when that slot's bits change (its own, and the
-  // replicas a storage domain's slot is lifted into)
-  std::vector<std::vector<uint32_t>> watchers(need_bits / kW + 1);
-  for (size_t j = 0; j < n; ++j) watchers[pos[j] / kW].push_back(static_cast<uint32_t>(j));
+  // replicas a storage domain's slot is lifted into): (slot, replica) pairs, then one array
+  // per slot in ``watching[first[slot]..first[slot + 1])`` (no allocation per slot)
+  std::vector<std::pair<uint32_t, uint32_t>> watch;
+  watch.reserve(n + lift_list.size());
+  for (size_t j = 0; j < n; ++j)
+    watch.emplace_back(static_cast<uint32_t>(pos[j] / kW), static_cast<uint32_t>(j));
   // per replica j: (source bit, class bit) pairs lifted into it
   std::vector<std::vector<std::pair<size_t, unsigned>>> lifted(n);
   for (auto [src, j] : lift_list) {
@@ -204,8 +223,16 @@ WalkResult run_walk(py::list keys, py::object masks, py::list slots, py::list li
     for (size_t k = 0; k < n; ++k) {
       if (pos[k] != pos[j]) continue;
       lifted[k].emplace_back(src, 1u << (src % kW));
-      watchers[src / kW].push_back(static_cast<uint32_t>(k));
+      watch.emplace_back(static_cast<uint32_t>(src / kW), static_cast<uint32_t>(k));
     }
+  }
+  const size_t n_slots = need_bits / kW + 1;
+  std::vector<uint32_t> first(n_slots + 1, 0), watching(watch.size());
+  for (auto [slot, j] : watch) ++first[slot + 1];
+  for (size_t s = 0; s < n_slots; ++s) first[s + 1] += first[s];
+  {
+    std::vector<uint32_t> next(first.begin(), first.end() - 1);
+    for (auto [slot, j] : watch) watching[next[slot]++] = j;
   }
 
   MaskWords words_a(need_bits), words_b(need_bits);
@@ -243,8 +270,13 @@ WalkResult run_walk(py::list keys, py::object masks, py::list slots, py::list li
 
   PyObject* prev_obj = nullptr;
   MaskReader reader(masks.ptr());
+  // the masks of the next keys, read a chunk at a time: the walk usually stops early
+  constexpr Py_ssize_t kChunk = 64;
+  std::array<PyObject*, kChunk> chunk{};
   for (Py_ssize_t i = 0; i < n_keys && alive; ++i) {
-    PyObject* obj = reader.get(PyList_GET_ITEM(keys.ptr(), i));
+    if (i % kChunk == 0)
+      reader.fill(keys.ptr(), i, static_cast<size_t>(std::min(kChunk, n_keys - i)), chunk.data());
+    PyObject* obj = chunk[i % kChunk];
     if (i > 0 && obj == prev_obj) continue;  // masks are interned: the same object, the same mask
     prev_obj = obj;
     cur->load(obj);
@@ -256,8 +288,8 @@ WalkResult run_walk(py::list keys, py::object masks, py::list slots, py::list li
         while (diff) {
           size_t bit = 64 * k + static_cast<size_t>(__builtin_ctzll(diff));
           size_t slot = bit / kW;
-          if (slot < watchers.size())
-            for (uint32_t j : watchers[slot]) update(j, i);
+          if (slot < n_slots)
+            for (uint32_t w = first[slot]; w < first[slot + 1]; ++w) update(watching[w], i);
           size_t next = (slot + 1) * kW;  // the slot's other bits: done
           diff = next >= 64 * (k + 1) ? 0 : diff & ~((uint64_t{1} << (next - 64 * k)) - 1);
         }

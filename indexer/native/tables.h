@@ -33,6 +33,9 @@ Table* as_mask_map(PyObject* obj);
 // (nullptr when absent).
 bool u64_get(const Table* t, uint64_t key, uint64_t* value);
 PyObject* mask_get(const Table* t, uint64_t key);
+// mask_get of keys[0..n) into out[0..n), prefetching the index and entries a few keys ahead
+// (a lookup's keys are random positions in a large table: the misses overlap).
+void mask_get_many(const Table* t, const uint64_t* keys, size_t n, PyObject** out);
 // Writes. mask_set takes a new reference to ``mask`` (-1: MemoryError set); erase returns
 // whether ``key`` was held.
 int mask_set(Table* t, uint64_t key, PyObject* mask);

@@ -47,7 +47,9 @@ def _value(kind: str, rng: random.Random) -> int | None:
 
 def _run(kind: str, seed: int, steps: int, pool: int) -> None:
     rng = random.Random(seed)
-    keys = [rng.choice([0, 1, U64, rng.getrandbits(64), i]) for i in range(pool)]
+    # the widths an int's digits change at (30-bit digits: 2**30, 2**60) and 2**64's edge
+    edges = [2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, U64]
+    keys = [rng.choice([0, 1, *edges, rng.getrandbits(64), i]) for i in range(pool)]
     table, ref = _table(kind), {}
     for step in range(steps):
         op = rng.choice(_OPS)
@@ -149,7 +151,7 @@ def test_bad_keys_and_values_are_refused_or_absent() -> None:
     """Keys outside [0, 2**64) cannot be stored and are never found; a U64Map refuses values
     outside that range and a MaskMap anything but an int."""
     u64, masks = _table("u64"), _table("masks")
-    for bad in (-1, 1 << 64, "x", 1.0):
+    for bad in (-1, -(2**63), 1 << 64, (1 << 64) + 1, 1 << 90, 17 << 60, "x", 1.0):
         for table in (u64, masks):
             assert table.get(bad) is None and bad not in table  # type: ignore[attr-defined,operator]
             assert table.pop(bad, 7) == 7  # type: ignore[attr-defined]
