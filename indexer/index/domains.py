@@ -78,6 +78,7 @@ class StorageDomains(IndexStore):
         if layout is not None and (not layout or LAYOUT_SEP in layout):
             raise ValueError(f"layout {layout!r}: non-empty, without {LAYOUT_SEP!r}")
         with self._lock:
+            self._layout_epoch += 1  # lookups lift the domain's bits (plans.py)
             if domain is None:
                 self._attached.pop(replica, None)
                 return

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvroute.indexer.index.api import DOMAIN_PREFIX, PrefixMatch
+from kvroute.indexer.index.plans import LookupPlan, WalkGroup, build_plan
 from kvroute.indexer.index.state import (
     _CLASS_NAMES,
     _GPU,
@@ -31,6 +32,8 @@ from kvroute.indexer.wire import Medium
 
 __all__ = ["Lookups"]
 
+# Plans kept (per list of replicas asked: a router asks for its few candidate sets).
+_MAX_PLANS = 64
 # The classes a storage domain holds for its replicas: STORAGE, confirmed and not.
 _DOMAIN_CLASSES = (_STORAGE, _cls(Medium.STORAGE, confirmed=False))
 
@@ -81,50 +84,38 @@ class Lookups(IndexStore):
             if size is not None:
                 request.keys(size)
         with self._lock:
+            plan = self._plan(replicas)
+            out: dict[str, PrefixMatch] = {}
+            for name in plan.unsized:
+                out[name] = PrefixMatch(name, 0, 0, {})
+            for group in plan.groups:
+                block_size = group.block_size
+                keys = request.keys(block_size)
+                self._walk(keys, group.states, block_size, out, group=group)
+                if group.partial:
+                    self._probe_partials(request, group.partial, block_size, out)
+                self._drop_drafted(request.n_tokens, keys, group.states, block_size, out)
+                if group.hybrids:
+                    self._cap_hybrid(request, keys, group.hybrids, block_size, out)
+            return out
+
+    def _plan(self, replicas: Iterable[str] | None) -> LookupPlan:
+        """The plan of a lookup of ``replicas`` (plans.py), kept per list of replicas asked
+        until the layout changes. Call with the lock held."""
+        asked = None if replicas is None else tuple(replicas)
+        plans = self._plans
+        plan = plans.get(asked)
+        if plan is None or plan.epoch != self._layout_epoch:
             wanted = (
                 [s for s in self._replicas.values() if not s.name.startswith(DOMAIN_PREFIX)]
-                if replicas is None
-                else [self._replicas[r] for r in replicas if r in self._replicas]
+                if asked is None
+                else [self._replicas[r] for r in asked if r in self._replicas]
             )
-            by_size: dict[int, list[_ReplicaState]] = {}
-            out: dict[str, PrefixMatch] = {}
-            # per block size: the replicas with partial blocks, and those of hybrid models
-            special: dict[int, tuple[list[_ReplicaState], list[_ReplicaState]]] = {}
-            for state in wanted:
-                # ``block_size(name)`` inlined for the common case: at a thousand replicas
-                # the per-replica work around the walk is most of a lookup
-                block_size = state.block_size
-                if block_size is None:
-                    block_size = self.block_size(state.name)
-                    if block_size is None:
-                        out[state.name] = PrefixMatch(state.name, 0, 0, {})
-                        continue
-                group = by_size.get(block_size)
-                if group is None:
-                    by_size[block_size] = [state]
-                else:
-                    group.append(state)
-                specs = state.group_specs
-                # ``_hybrid`` inlined (the same test): it runs for every replica
-                hybrid = bool(
-                    state.groups or (specs and (len(specs) > 1 or state.primary not in specs))
-                )
-                if hybrid or state.partial_unit is not None:
-                    partial, hybrids = special.setdefault(block_size, ([], []))
-                    if state.partial_unit is not None:
-                        partial.append(state)
-                    if hybrid:
-                        hybrids.append(state)
-            for block_size, states in by_size.items():
-                keys = request.keys(block_size)
-                self._walk(keys, states, block_size, out)
-                partial, hybrids = special.get(block_size, ([], []))
-                if partial:
-                    self._probe_partials(request, partial, block_size, out)
-                self._drop_drafted(request.n_tokens, keys, states, block_size, out)
-                if hybrids:
-                    self._cap_hybrid(request, keys, hybrids, block_size, out)
-            return out
+            plan = build_plan(wanted, self._layout_epoch, self.block_size, self._attached)
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[asked] = plan
+        return plan
 
     def _probe_partials(
         self,
@@ -186,20 +177,27 @@ class Lookups(IndexStore):
         block_size: int,
         out: dict[str, PrefixMatch],
         get: Callable[[int, int], int] | None = None,
+        group: WalkGroup | None = None,
     ) -> None:
         """What each replica can serve of ``keys``, into ``out``: the walk's counts
         (``_walk_counts``, or the native core's twin when it runs, the keys are a list and
         no ``get`` replaces the index's masks), each lower-tier run ended on a whole chunk
-        (``_trim``)."""
-        attached = self._attached
-        lifting = bool(attached) and any(s.name in attached for s in states)
+        (``_trim``). ``group``: ``states``' plan (plans.py), its lists made once."""
+        if group is None:
+            attached = self._attached
+            lifting = bool(attached) and any(s.name in attached for s in states)
+            slots = [s.slot for s in states]
+            names = [s.name for s in states]
+            distinct = len(set(slots)) == len(slots)
+        else:
+            lifting, distinct = group.lifting, group.distinct
+            slots, names = group.slots, group.names
         native = self._native is not None and isinstance(keys, list) and get is None
         if get is None:
             get = self._lifted(states) if lifting else self._masks.get
         rows: Iterable[tuple[_ReplicaState, list[int], int]]
         # a replica named twice shares its counts (the trim below edits them in place)
-        slots = [s.slot for s in states]
-        shared: dict[int, list[int]] | None = None if len(set(slots)) == len(slots) else {}
+        shared: dict[int, list[int]] | None = None if distinct else {}
         if native and shared is None:
             # The native core records the replicas its device prefix alone serves (most of a
             # fleet); the rest come back to be trimmed here.
@@ -208,7 +206,7 @@ class Lookups(IndexStore):
                 self._masks,
                 slots,
                 self._lift_pairs(states) if lifting else [],
-                [s.name for s in states],
+                names,
                 block_size,
                 PrefixMatch,
                 Medium.GPU,

@@ -22,6 +22,7 @@ from kvroute.indexer.index.drafts import SpeculativeDrafts
 from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.losses import SourceLosses
+from kvroute.indexer.index.plans import LookupPlan, layout_of
 from kvroute.indexer.index.resets import Resets
 from kvroute.indexer.index.state import _W, _ReplicaState
 from kvroute.indexer.index.unconfirmed import UnconfirmedHoldings
@@ -107,6 +108,9 @@ class InMemoryPrefixIndex(
         self._computed = set()
         self._last_full = self._prev_full = None
         self._lock = threading.RLock()
+        # lookups' plans (plans.py), and the count of layout changes that ages them
+        self._plans: dict[tuple[str, ...] | None, LookupPlan] = {}
+        self._layout_epoch = 0
 
     def _intern_limit(self) -> int:
         """Distinct masks kept interned before the table is dropped: masks a batch replaced
@@ -126,6 +130,7 @@ class InMemoryPrefixIndex(
                 slot = self._next_slot
                 self._next_slot += 1
             state = self._replicas[replica] = _ReplicaState(replica, slot, self._hash_table)
+            self._layout_epoch += 1
         return state
 
     def add_replica(self, replica: str) -> None:
@@ -146,7 +151,11 @@ class InMemoryPrefixIndex(
         from kvroute.indexer.snapshot import import_state
 
         with self._lock:
-            return import_state(self, replica, state)
+            self._layout_epoch += 1
+            try:
+                return import_state(self, replica, state)
+            finally:
+                self._layout_epoch += 1
 
     def block_size(self, replica: str) -> int | None:
         state = self._replicas.get(replica)
@@ -163,6 +172,7 @@ class InMemoryPrefixIndex(
     def clear_replica(self, replica: str, tier: Medium | None = None) -> None:
         """Forget the replica's holdings (``tier``: only that confirmed tier)."""
         with self._lock:
+            self._layout_epoch += 1  # the configuration is forgotten (plans.py)
             state = self._replicas.get(replica)
             if state is None:
                 return
@@ -177,6 +187,7 @@ class InMemoryPrefixIndex(
 
     def clear_source(self, replica: str, source: str = "", *, restarted: bool) -> None:
         with self._lock:
+            self._layout_epoch += 1  # the configuration may be forgotten (plans.py)
             # A domain's evictor stream vouches for every layout of the domain.
             for layout in self._layouts(replica):
                 self._clear_confirmed(layout)
@@ -208,6 +219,7 @@ class InMemoryPrefixIndex(
             self.clear_replica(replica)
             del self._replicas[replica]
             self._free_slots.append(state.slot)
+            self._layout_epoch += 1
 
     # --- events -------------------------------------------------------------------------------
 
@@ -220,6 +232,9 @@ class InMemoryPrefixIndex(
             now = self._clock()
             # A domain's evictor stream: its removals apply to every layout of the domain.
             layouts = self._layouts(replica)
+            # what lookups' plans depend on (plans.py), to compare after the batch
+            touched = [state, domain, *layouts]
+            before = [layout_of(s) for s in touched]
             if state.held:
                 self._expire_state(state, now)
             if domain is not None and domain.held:
@@ -310,6 +325,8 @@ class InMemoryPrefixIndex(
             self._computed.clear()
             if self._entries > self.max_entries:
                 self._evict(self._entries - self.max_entries)
+            if [layout_of(s) for s in touched] != before:
+                self._layout_epoch += 1
             if len(self._interned) > self._intern_limit():
                 self._interned.clear()  # interning only saves memory; masks stay valid
         return result

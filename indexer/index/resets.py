@@ -138,6 +138,7 @@ class Resets(IndexStore):
 
     def reset_connector(self, replica: str, *, device_cleared: bool = False) -> None:
         with self._lock:
+            self._layout_epoch += 1  # may forget hybrid groups (plans.py)
             state = self._replicas.get(replica)
             if state is None:
                 if not device_cleared:

@@ -222,6 +222,10 @@ class IndexStore:
     _lock: threading.RLock
     # the native core's module (indexer/native_core.py), None where the Python core runs
     _native: Any
+    # changes of what lookups' plans depend on (plans.py): replicas, their configuration,
+    # attachments; and the plans
+    _layout_epoch: int
+    _plans: dict[Any, Any]
 
     def _intern(self, mask: int) -> int:
         return self._interned.setdefault(mask, mask)

@@ -11,7 +11,9 @@ specification: random inputs through both, exact agreement.
 - the whole index: every publisher's events (tests/indexer/builders.py's ``operation``:
   device, lower-tier, by-hash, tier-only stores, removals, clears; LMCache's unconfirmed
   chunks; a storage domain with attached replicas) applied to an index on the native core and
-  one on the Python core (keying too), then every lookup and the stats must agree.
+  one on the Python core (keying too), then every lookup and the stats must agree; the
+  native index's lookups go through the plans it keeps (indexer/index/plans.py), the Python
+  index's are planned afresh each time, so a plan kept past a change of layout disagrees.
 
 These tests need the extension: ``make install`` builds it, and they fail without it. The
 Python core on its own (the fallback) is tests/indexer/test_native_fallback.py.
@@ -264,7 +266,8 @@ def test_index_on_native_core_answers_as_the_python_index(
             assert ours.tier_counts == theirs.tier_counts
         assert native._masks == python._masks
         for tokens in _probes():
-            want = native.lookup(tokens)
+            want = native.lookup(tokens)  # through the plans it keeps (plans.py)
+            python._plans.clear()  # planned afresh: a plan kept too long shows here
             with python_keying():
                 assert python.lookup(RequestKeys(tokens)) == want
                 assert python.lookup(tokens, replicas=["r2", "r0", "r2"]) == native.lookup(
