@@ -47,6 +47,7 @@ from kvroute.indexer.wire import (
     encode_batch,
 )
 from kvroute.indexer.wire import encode_frames as frames_of
+from kvroute.router.common import gc_policy
 
 __all__ = ["add_arguments", "run"]
 
@@ -439,15 +440,15 @@ def _cores(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ingest_replicas < 1 or args.replicas < 1:
         raise ValueError("--replicas and --ingest-replicas must be >= 1")
-    # As `kvroute serve` does at startup (router/service.py, gc_freeze): the process's
+    # As `kvroute serve` does at startup (router/common/gc_policy.py): the process's
     # long-lived objects leave the collector's generations, so a lookup's tail is the index's
-    # own garbage collection, not a scan of this process's modules.
-    gc.collect()
-    gc.freeze()
+    # own garbage collection, not a scan of this process's modules, and young collections run
+    # as often as they do in the router.
+    before = gc_policy.apply()
     try:
         return _run(args)
     finally:
-        gc.unfreeze()
+        gc_policy.restore(before)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

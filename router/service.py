@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import sys
 import threading
@@ -24,6 +23,7 @@ import httpx
 from kvroute.indexer.cpu_priority import as_latency_sensitive, custom_slices_supported
 from kvroute.indexer.index import PrefixIndex, domain_key
 from kvroute.indexer.subscriber import EventSource, Freshness, ReplicaSnapshot
+from kvroute.router.common import gc_policy
 from kvroute.router.common.periodic import PeriodicTask
 from kvroute.router.config import ReplicaConfig, RouterSettings
 from kvroute.router.errors import RouterError
@@ -262,10 +262,7 @@ class RouterService:
         if self._has_local_tokenizer() and self.settings.tokenizer_check_on_start:
             self._check_task = asyncio.create_task(self._startup_check())
         if self.settings.gc_freeze:
-            # Startup leaves millions of long-lived objects (transformers, the tokenizer); a
-            # full collection scanning them stalls every request for hundreds of ms.
-            gc.collect()
-            gc.freeze()
+            gc_policy.apply()  # startup's heap frozen, young collections less often
         if self.settings.gil_switch_interval_s is not None:
             sys.setswitchinterval(self.settings.gil_switch_interval_s)
         self.loop_thread_id = threading.get_native_id()
