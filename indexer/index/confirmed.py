@@ -85,6 +85,9 @@ class ConfirmedHoldings(IndexStore):
         @staticmethod
         def _keyed(state: _ReplicaState, group: int) -> bool: ...
 
+        @staticmethod
+        def _keyed_group(state: _ReplicaState) -> int | None: ...
+
         _computed: set[tuple[_ReplicaState, int]]
 
     # --- confirmed stores -----------------------------------------------------------------------
@@ -341,9 +344,14 @@ class ConfirmedHoldings(IndexStore):
         *,
         count_dup: bool,
     ) -> None:
-        """``_hold`` for a run of blocks; the device's common path, kept tight."""
+        """``_hold`` for a run of blocks; the device's common path, kept tight (the native
+        core's ``hold_run`` where it runs: the same loop on the same tables)."""
         if state.loss is not None:
             count_dup = False  # losses.py: a lost batch may have removed the first copy
+        native = self._native
+        if native is not None:
+            self._hold_run_native(state, hashes, keys, cls, result, count_dup)
+            return
         engine_to_key = state.engine_to_key
         masks = self._masks
         interned = self._interned
@@ -368,6 +376,46 @@ class ConfirmedHoldings(IndexStore):
             mask |= bit
             masks[key] = interned.setdefault(mask, mask)
             added += 1
+        state.tier_counts[cls] += added
+        result.blocks_stored += added
+
+    def _hold_run_native(
+        self,
+        state: _ReplicaState,
+        hashes: list[int],
+        keys: list[int],
+        cls: int,
+        result: ApplyResult,
+        count_dup: bool,
+    ) -> None:
+        """``_hold_run``'s loop in the native core; a hash vLLM reused for another block (the
+        native loop stops before it) is taken here, as the Python loop takes it."""
+        engine_to_key, masks, interned, refs = (
+            state.engine_to_key,
+            self._masks,
+            self._interned,
+            state.refs,
+        )
+        i, n, added = 0, len(hashes), 0
+        while True:
+            i, run_added, entries = self._native.hold_run(
+                hashes, keys, i, state.slot, cls, count_dup, engine_to_key, masks, interned, refs
+            )
+            added += run_added
+            self._entries += entries
+            if i >= n:
+                break
+            h, key = hashes[i], keys[i]
+            # vLLM reused a hash for other content: the old block is gone from here.
+            self._forget_key(state, engine_to_key.pop(h))
+            engine_to_key[h] = key
+            bit = 1 << (_W * state.slot + cls)
+            mask = masks.get(key, 0)
+            if not mask & bit:
+                mask |= bit
+                masks[key] = interned.setdefault(mask, mask)
+                added += 1
+            i += 1
         state.tier_counts[cls] += added
         result.blocks_stored += added
 
@@ -466,14 +514,15 @@ class ConfirmedHoldings(IndexStore):
         native = self._native
         if native is None or state.chunks:
             return 0
-        end = i
-        while end < len(events):
+        end, n = i, len(events)
+        keyed, gpu = self._keyed_group(state), Medium.GPU  # _keyed(state, g): g == keyed
+        while end < n:
             event = events[end]
             if (
                 type(event) is not BlockRemoved
-                or event.medium is not Medium.GPU
+                or event.medium is not gpu
                 or not event.confirmed
-                or not self._keyed(state, event.group_idx)
+                or event.group_idx != keyed
             ):
                 break
             end += 1

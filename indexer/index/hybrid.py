@@ -102,6 +102,14 @@ class HybridGroups(IndexStore):
         spec = state.group_specs.get(group)
         return group == 0 and (spec is None or spec[0] is None)
 
+    @staticmethod
+    def _keyed_group(state: _ReplicaState) -> int | None:
+        """The group ``_keyed`` is true of (None: none yet), for a loop over many events."""
+        if state.primary is not None:
+            return state.primary
+        spec = state.group_specs.get(0)
+        return 0 if spec is None or spec[0] is None else None
+
     def _store_group(self, state: _ReplicaState, event: BlockStored, result: ApplyResult) -> None:
         """A device store of a group other than the keyed one, placed by vLLM hash."""
         if event.medium is not Medium.GPU or not event.confirmed:

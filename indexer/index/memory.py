@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from kvroute.indexer.index.api import DOMAIN_PREFIX, ApplyResult, PrefixIndex
@@ -244,10 +245,8 @@ class InMemoryPrefixIndex(
                 self._note_kept(state, events)
             state.landing = self._landing(events)
             self._last_full = None
-            skip_to = 0
-            for i, event in enumerate(events):
-                if i < skip_to:
-                    continue  # applied by the native core's run of device removals
+            numbered = enumerate(events)
+            for i, event in numbered:
                 # a keyed device store is remembered for the event right after it only
                 self._prev_full, self._last_full = self._last_full, None
                 if not layouts and type(event) is BlockRemoved:
@@ -255,7 +254,8 @@ class InMemoryPrefixIndex(
                     if run:
                         if run > 1:
                             self._prev_full = None
-                        skip_to = i + run
+                            # the run's other events, applied by the native core: skipped
+                            next(islice(numbered, run - 2, None), None)
                         continue
                 try:
                     if isinstance(event, BlockStored):

@@ -424,6 +424,20 @@ class HashKeys {  // engine_to_key, or chain (discard only)
     return py::reinterpret_borrow<py::object>(key);
   }
 
+  // engine_to_key[h] = key (a new entry is the youngest).
+  void set(PyObject* h, PyObject* key) const {
+    if (table_ != nullptr) {
+      uint64_t hk, k;
+      if (!tables::key_of(h, &hk) || !tables::key_of(key, &k)) {
+        PyErr_SetString(PyExc_OverflowError, "hashes and keys must be ints in [0, 2**64)");
+        throw py::error_already_set();
+      }
+      if (tables::u64_set(table_, hk, k) < 0) throw py::error_already_set();
+    } else if (PyDict_SetItem(map_, h, key) < 0) {
+      throw py::error_already_set();
+    }
+  }
+
   // Removes ``h``; returns whether it was there.
   bool discard(PyObject* h) const {
     if (table_ != nullptr) {
@@ -466,6 +480,71 @@ class Masks : public MaskReader {
   PyObject* map_;
   tables::Table* table_;
 };
+
+// hold_run(hashes, keys, start, slot, cls, count_dup, engine_to_key, masks, interned, refs)
+// -> (stopped, added, entries): confirmed.py's _hold_run loop from ``start``, on the index's
+// tables: each hash maps to its key as the youngest entry, the class bit is set on the key's
+// mask (interned), and a block held already counts one more reference when ``count_dup``.
+// It stops before a hash that maps to another key (vLLM reused the hash: the caller forgets
+// the old block in Python and goes on); ``stopped`` is len(hashes) otherwise. ``added``: the
+// bits set; ``entries``: hashes new to the replica.
+py::tuple hold_run(py::list hashes, py::list keys, Py_ssize_t start, Py_ssize_t slot, int cls,
+                   bool count_dup, py::object engine_to_key, py::object masks, py::dict interned,
+                   py::dict refs) {
+  const Py_ssize_t n = PyList_GET_SIZE(hashes.ptr());
+  if (PyList_GET_SIZE(keys.ptr()) != n) throw py::value_error("hashes and keys differ in length");
+  if (cls < 0 || cls >= kW) throw py::value_error("class out of range");
+  HashKeys e2k(engine_to_key.ptr());
+  Masks mtable(masks.ptr());
+  PyObject* idict = interned.ptr();
+  PyObject* rdict = refs.ptr();
+  py::object shift = py::int_(kW * slot + cls);
+  py::object one = py::int_(1);
+  py::object cls_obj = py::int_(cls);
+  py::object bit = py::reinterpret_steal<py::object>(checked(PyNumber_Lshift(one.ptr(), shift.ptr())));
+  long long added = 0, entries = 0;
+  for (Py_ssize_t i = start; i < n; ++i) {
+    PyObject* h = PyList_GET_ITEM(hashes.ptr(), i);
+    PyObject* key = PyList_GET_ITEM(keys.ptr(), i);
+    py::object old = e2k.get(h);
+    if (!old) {
+      ++entries;
+    } else {
+      int same = PyObject_RichCompareBool(old.ptr(), key, Py_EQ);
+      if (same < 0) throw py::error_already_set();
+      if (!same) return py::make_tuple(i, added, entries);
+      e2k.discard(h);  // re-inserted below: now the youngest
+    }
+    e2k.set(h, key);
+    PyObject* mask = mtable.get(key);  // borrowed
+    if (mask != nullptr) {
+      py::object held = py::reinterpret_steal<py::object>(checked(PyNumber_And(mask, bit.ptr())));
+      int has = PyObject_IsTrue(held.ptr());
+      if (has < 0) throw py::error_already_set();
+      if (has) {
+        if (count_dup && old) {  // refs[(key, cls)] = refs.get((key, cls), 0) + 1
+          py::object ref_key = py::make_tuple(py::reinterpret_borrow<py::object>(key), cls_obj);
+          PyObject* count = PyDict_GetItemWithError(rdict, ref_key.ptr());
+          if (count == nullptr && PyErr_Occurred()) throw py::error_already_set();
+          py::object more = count == nullptr
+                                ? one
+                                : py::reinterpret_steal<py::object>(
+                                      checked(PyNumber_Add(count, one.ptr())));
+          if (PyDict_SetItem(rdict, ref_key.ptr(), more.ptr()) < 0) throw py::error_already_set();
+        }
+        continue;
+      }
+    }
+    py::object grown = mask == nullptr ? bit
+                                       : py::reinterpret_steal<py::object>(
+                                             checked(PyNumber_Or(mask, bit.ptr())));
+    PyObject* shared = PyDict_SetDefault(idict, grown.ptr(), grown.ptr());  // borrowed
+    if (shared == nullptr) throw py::error_already_set();
+    mtable.set(key, shared);
+    ++added;
+  }
+  return py::make_tuple(n, added, entries);
+}
 
 // remove_device(hash_lists, slot, engine_to_key, masks, interned, refs, chain, ghost, ghost_max)
 // -> (removed, unresolved, forgotten): confirmed.py's _remove + _release + _forget_if_unheld
@@ -574,6 +653,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("walk_into", &walk_into, py::arg("keys"), py::arg("masks"), py::arg("slots"),
         py::arg("lifts"), py::arg("names"), py::arg("block_size"), py::arg("match_type"),
         py::arg("gpu"), py::arg("out"));
+  m.def("hold_run", &hold_run, py::arg("hashes"), py::arg("keys"), py::arg("start"),
+        py::arg("slot"), py::arg("cls"), py::arg("count_dup"), py::arg("engine_to_key"),
+        py::arg("masks"), py::arg("interned"), py::arg("refs"));
   m.def("remove_device", &remove_device, py::arg("hash_lists"), py::arg("slot"),
         py::arg("engine_to_key"), py::arg("masks"), py::arg("interned"), py::arg("refs"),
         py::arg("chain"), py::arg("ghost"), py::arg("ghost_max"));

@@ -668,6 +668,17 @@ int mask_set(Table* t, uint64_t key, PyObject* mask) {
   return 0;
 }
 
+int u64_set(Table* t, uint64_t key, uint64_t value) {
+  size_t slot = find_slot(t, key);
+  if (slot != kNone) {
+    size_t pos = t->index[slot] - 1;
+    t->entries[pos].value = value;
+    set_bit(t->nones, pos, false);
+    return 0;
+  }
+  return insert_new(t, key, value);
+}
+
 bool erase(Table* t, uint64_t key) {
   size_t slot = find_slot(t, key);
   if (slot == kNone) return false;

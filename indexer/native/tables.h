@@ -39,6 +39,7 @@ void mask_get_many(const Table* t, const uint64_t* keys, size_t n, PyObject** ou
 // Writes. mask_set takes a new reference to ``mask`` (-1: MemoryError set); erase returns
 // whether ``key`` was held.
 int mask_set(Table* t, uint64_t key, PyObject* mask);
+int u64_set(Table* t, uint64_t key, uint64_t value);
 bool erase(Table* t, uint64_t key);
 size_t size(const Table* t);
 

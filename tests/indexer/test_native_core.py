@@ -348,3 +348,44 @@ def test_device_removals_run_natively_and_agree() -> None:
     assert counting.runs == [n - 4, 6]
     assert native.lookup(doc) == python.lookup(doc)
     assert native.entries == python.entries > 0
+
+
+def test_device_stores_run_natively_and_agree_when_vllm_reuses_a_hash() -> None:
+    """A device store is one native ``hold_run`` call; a hash stored again for other content
+    (vLLM reused it) stops the native loop, is taken in Python (the old block forgotten),
+    and the loop goes on: the tables after are the Python core's, age order included."""
+    doc, other = DOCS[0], DOCS[1]
+    hashes = hashes_of(doc, 0, 6)
+    batches: list[list[Event]] = [
+        [BlockStored(hashes, None, doc[: 6 * BS], BS)],
+        # the same hashes, the middle two now naming other content; then the same again
+        [BlockStored(hashes[:2], None, doc[: 2 * BS], BS)],
+        [BlockStored(hashes[:4], None, doc[: 2 * BS] + other[2 * BS : 4 * BS], BS)],
+        [BlockStored(hashes[:4], None, doc[: 2 * BS] + other[2 * BS : 4 * BS], BS)],
+    ]
+    native = InMemoryPrefixIndex(core="native")
+    python = InMemoryPrefixIndex(core="python")
+    calls: list[int] = []
+    module = native._native
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            return getattr(module, name)
+
+        def hold_run(self, hashes: list[int], keys: list[int], start: int, *args: object) -> object:
+            calls.append(start)
+            return module.hold_run(hashes, keys, start, *args)  # type: ignore[attr-defined]
+
+    native._native = Counting()
+    for batch in batches:
+        with python_keying():
+            b = python.apply("r0", batch)
+        assert native.apply("r0", batch) == b
+        assert native._masks == python._masks
+        ours, theirs = native._replicas["r0"], python._replicas["r0"]
+        assert list(ours.engine_to_key.items()) == list(theirs.engine_to_key.items())
+        assert (ours.refs, ours.tier_counts) == (theirs.refs, theirs.tier_counts)
+        assert native.entries == python.entries
+    assert 0 in calls and 3 in calls  # stopped at a reused hash, and went on after it
+    assert native.lookup(doc[: 6 * BS]) == python.lookup(doc[: 6 * BS])
+    assert native.lookup(other[: 4 * BS]) == python.lookup(other[: 4 * BS])
