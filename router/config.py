@@ -282,7 +282,8 @@ class RouterSettings:
     # Per event stream: a publisher past this many MiB/s of events is cleared and dropped
     # until it slows down (indexer/subscriber/budget.py); 0 turns the budget off.
     event_max_mib_per_s: float = 8.0
-    index_max_entries: int = 8_000_000
+    # None: what fits in about 8 GiB on the index core that runs (indexer/index/memory.py)
+    index_max_entries: int | None = None
     # Tiers whose publisher never announces removals (LMCache, llm-d's FS backend): how long
     # an entry is believed after its last store, and how many blocks a replica may hold so.
     unconfirmed_ttl_s: float = 600.0

@@ -42,6 +42,13 @@ if TYPE_CHECKING:
 
 __all__ = ["InMemoryPrefixIndex"]
 
+# The default entry cap: what fits in about 8 GiB at each core's bytes per entry, measured
+# (docs/benchmarks.md: the native tables 55-69 bytes, dicts 145-186), so a thousand GPU
+# replicas holding 30,000 device and 100,000 CPU blocks each (130M entries) fit in the native
+# core's default (134M entries); the Python core's is 44.7M.
+DEFAULT_INDEX_BYTES = 8 << 30
+_BYTES_PER_ENTRY = {"native": 64, "python": 192}
+
 
 # The mixins come before PrefixIndex: its abstract methods would hide their implementations.
 class InMemoryPrefixIndex(
@@ -61,7 +68,7 @@ class InMemoryPrefixIndex(
 
     def __init__(
         self,
-        max_entries: int = 8_000_000,
+        max_entries: int | None = None,
         *,
         unconfirmed_ttl_s: float = 600.0,
         unconfirmed_max_blocks: int = 262_144,
@@ -75,6 +82,9 @@ class InMemoryPrefixIndex(
         if core == "native" and NATIVE is None:
             raise RuntimeError(f"the native index core is not available: {UNAVAILABLE}")
         self._native = None if core == "python" else NATIVE
+        if max_entries is None:
+            core_name = "python" if self._native is None else "native"
+            max_entries = DEFAULT_INDEX_BYTES // _BYTES_PER_ENTRY[core_name]
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         if unconfirmed_ttl_s <= 0 or unconfirmed_max_blocks < 0:
