@@ -358,6 +358,14 @@ def test_replicas_with_other_block_sizes_are_keyed_at_their_size() -> None:
     assert match["a"].tokens == 16 and match["b"].tokens == 16
 
 
+def test_the_default_cap_is_a_memory_budget_per_core() -> None:
+    """About 8 GiB at each core's bytes per entry: a thousand GPU replicas of 30,000 device
+    and 100,000 CPU blocks (130M entries) fit on the native core."""
+    assert InMemoryPrefixIndex(core="python").max_entries == (8 << 30) // 192
+    if InMemoryPrefixIndex().stats().index_core == "native":
+        assert InMemoryPrefixIndex().max_entries == (8 << 30) // 64 >= 1000 * 130_000
+
+
 def test_entry_cap_evicts_oldest_and_counts() -> None:
     index = InMemoryPrefixIndex(max_entries=6)
     index.apply("a", [stored(DOC, 0, 8)])
