@@ -366,7 +366,7 @@ def _chat_lookup(
 ) -> dict[str, dict[str, Any]]:
     """A chat-shaped probe (docs/benchmarks.md, "Index at 1,000 replicas"): a 64-block system
     prompt on every replica, ten 200-block histories after it on each, and a 264-block
-    probe of one replica's history: the holders change twice along the prompt. 50 lookups
+    probe of one replica's history: the holders change twice along the prompt. 200 lookups
     per core, each on an index of its own tables filled alike."""
     bs = args.block_size
     seed = rng.random()
@@ -391,7 +391,7 @@ def _chat_lookup(
             request.keys(bs)
             times: list[float] = []
             index.lookup(request, replicas=replicas)  # planned once, untimed (as above)
-            for _ in range(50):
+            for _ in range(200):
                 started = time.perf_counter()
                 matched = index.lookup(request, replicas=replicas)
                 times.append((time.perf_counter() - started) * 1e6)

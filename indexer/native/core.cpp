@@ -380,8 +380,9 @@ py::list walk_into(py::list keys, py::object masks, py::list slots, py::list lif
     }
     py::dict by_tier;
     py::dict unconfirmed;
-    if (c[0]) by_tier[gpu] = py::int_(c[0]);
     py::int_ held(c[0]);
+    if (c[0] && PyDict_SetItem(by_tier.ptr(), gpu.ptr(), held.ptr()) < 0)
+      throw py::error_already_set();
     PyObject* name = PyList_GET_ITEM(names.ptr(), static_cast<Py_ssize_t>(j));
     py::object match;
     if (!fields.empty()) {
@@ -398,6 +399,12 @@ py::list walk_into(py::list keys, py::object masks, py::list slots, py::list lif
       PyObject* args[] = {name, size.ptr(), held.ptr(), by_tier.ptr(), unconfirmed.ptr()};
       match = py::reinterpret_steal<py::object>(checked(PyObject_Vectorcall(type, args, 5, nullptr)));
     }
+    // Neither the match nor its dict can be part of a cycle (a str, ints, and dicts of a
+    // tier -> int): the collector need not track them. A lookup at a thousand replicas makes
+    // two thousand, which otherwise trigger young collections that scan them while alive.
+    // (A dict tracks itself again if a container is ever stored in it.)
+    if (PyObject_GC_IsTracked(match.ptr())) PyObject_GC_UnTrack(match.ptr());
+    if (PyObject_GC_IsTracked(by_tier.ptr())) PyObject_GC_UnTrack(by_tier.ptr());
     if (PyDict_SetItem(out.ptr(), name, match.ptr()) < 0) throw py::error_already_set();
   }
   return rest;
