@@ -13,7 +13,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _NAME = "kvroute.indexer._native"
-_SOURCES = ["indexer/native/core.cpp", "indexer/native/tables.cpp"]
+_SOURCES = [
+    "indexer/native/core.cpp",
+    "indexer/native/walk.cpp",
+    "indexer/native/holdings.cpp",
+    "indexer/native/tables.cpp",
+    "indexer/native/table_types.cpp",
+]
 
 
 def _warn(reason: object) -> None:

@@ -88,7 +88,10 @@ def test_the_sdist_carries_the_native_core_sources(tmp_path: Path) -> None:
     (sdist,) = (tmp_path / "dist").glob("kvroute-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    sources = {"core.cpp", "tables.cpp", "tables.h", "xxhash.h"}
+    sources = {
+        *("core.cpp", "walk.cpp", "holdings.cpp", "tables.cpp", "table_types.cpp"),
+        *("native.h", "tables.h", "table_layout.h", "xxhash.h"),
+    }
     assert {"setup.py", *(f"indexer/native/{name}" for name in sources)} <= names
 
 
