@@ -23,6 +23,7 @@ from kvroute.indexer.index.drafts import SpeculativeDrafts
 from kvroute.indexer.index.hybrid import HybridGroups
 from kvroute.indexer.index.lookup import Lookups
 from kvroute.indexer.index.losses import SourceLosses
+from kvroute.indexer.index.native_runs import NativeRuns
 from kvroute.indexer.index.plans import LookupPlan, layout_of
 from kvroute.indexer.index.resets import Resets
 from kvroute.indexer.index.state import _W, _ReplicaState
@@ -53,6 +54,7 @@ _BYTES_PER_ENTRY = {"native": 64, "python": 192}
 # The mixins come before PrefixIndex: its abstract methods would hide their implementations.
 class InMemoryPrefixIndex(
     ConfirmedHoldings,
+    NativeRuns,
     OffloadedChunks,
     HybridGroups,
     UnconfirmedHoldings,

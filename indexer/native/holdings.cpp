@@ -157,8 +157,9 @@ py::tuple hold_run(py::list hashes, py::list keys, Py_ssize_t start, Py_ssize_t 
 // -> (removed, unresolved, forgotten): confirmed.py's _remove + _release + _forget_if_unheld
 // for a run of device (GPU, confirmed, keyed group) BlockRemoved events of a replica with no
 // tier-only chunk records, applied in order on the index's own tables (dicts, or the native
-// U64Map and MaskMap). The caller (ConfirmedHoldings._remove_device_run) checks that the run
-// qualifies and books the counts: tier_counts[GPU] -= removed, entries -= forgotten.
+// U64Map and MaskMap). The caller (indexer/index/native_runs.py, _remove_device_run) checks
+// that the run qualifies and books the counts: tier_counts[GPU] -= removed, entries -=
+// forgotten.
 py::tuple remove_device(py::list hash_lists, Py_ssize_t slot, py::object engine_to_key,
                         py::object masks, py::dict interned, py::dict refs, py::object chain,
                         py::object ghost, Py_ssize_t ghost_max) {

@@ -21,6 +21,7 @@ from tests.indexer.builders import BS, DOC, DOCS, OTHER, ehash, lmcache_chunk, o
 BOTTOM = ["api", "state"]
 MIXINS = [
     "confirmed",
+    "native_runs",
     "chunks",
     "hybrid",
     "unconfirmed",
