@@ -113,10 +113,22 @@ void table_dealloc(PyObject* self) {
 
 Py_ssize_t table_len(PyObject* self) { return static_cast<Py_ssize_t>(table_of(self)->live); }
 
+// The index slot of ``key_obj`` (kNone: absent, or not a 64-bit key).
+size_t slot_of(const Table* t, PyObject* key_obj) {
+  uint64_t key;
+  return key_of(key_obj, &key) ? find_slot(t, key) : kNone;
+}
+
+// A call's arguments: one or two (a default), else TypeError with ``usage``.
+bool one_or_two(Py_ssize_t nargs, const char* usage) {
+  if (nargs >= 1 && nargs <= 2) return true;
+  PyErr_SetString(PyExc_TypeError, usage);
+  return false;
+}
+
 PyObject* table_getitem(PyObject* self, PyObject* key_obj) {
   Table* t = table_of(self);
-  uint64_t key;
-  size_t slot = key_of(key_obj, &key) ? find_slot(t, key) : kNone;
+  size_t slot = slot_of(t, key_obj);
   if (slot == kNone) {
     PyErr_SetObject(PyExc_KeyError, key_obj);
     return nullptr;
@@ -127,8 +139,7 @@ PyObject* table_getitem(PyObject* self, PyObject* key_obj) {
 int table_setitem(PyObject* self, PyObject* key_obj, PyObject* value_obj) {
   Table* t = table_of(self);
   if (value_obj != nullptr) return store(t, key_obj, value_obj);
-  uint64_t key;
-  size_t slot = key_of(key_obj, &key) ? find_slot(t, key) : kNone;
+  size_t slot = slot_of(t, key_obj);
   if (slot == kNone) {
     PyErr_SetObject(PyExc_KeyError, key_obj);
     return -1;
@@ -138,18 +149,13 @@ int table_setitem(PyObject* self, PyObject* key_obj, PyObject* value_obj) {
 }
 
 int table_contains(PyObject* self, PyObject* key_obj) {
-  uint64_t key;
-  return key_of(key_obj, &key) && find_slot(table_of(self), key) != kNone;
+  return slot_of(table_of(self), key_obj) != kNone;
 }
 
 PyObject* table_get(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 1 || nargs > 2) {
-    PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
-    return nullptr;
-  }
+  if (!one_or_two(nargs, "get(key, default=None)")) return nullptr;
   Table* t = table_of(self);
-  uint64_t key;
-  size_t slot = key_of(args[0], &key) ? find_slot(t, key) : kNone;
+  size_t slot = slot_of(t, args[0]);
   if (slot != kNone) return box_at(t, t->index[slot] - 1);
   PyObject* fallback = nargs == 2 ? args[1] : Py_None;
   Py_INCREF(fallback);
@@ -157,13 +163,9 @@ PyObject* table_get(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* table_pop(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 1 || nargs > 2) {
-    PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
-    return nullptr;
-  }
+  if (!one_or_two(nargs, "pop(key[, default])")) return nullptr;
   Table* t = table_of(self);
-  uint64_t key;
-  size_t slot = key_of(args[0], &key) ? find_slot(t, key) : kNone;
+  size_t slot = slot_of(t, args[0]);
   if (slot == kNone) {
     if (nargs == 2) {
       Py_INCREF(args[1]);

@@ -27,6 +27,16 @@ static int rebuild_index(Table* t, size_t size) {
 }
 
 // Resizes the entry arrays to ``cap`` positions (>= used).
+// A bitmap grown (or shrunk) to ``words`` words, the new ones zero; false: out of memory (the
+// old bitmap kept).
+static bool regrow_bits(uint64_t** bits, size_t words, size_t old_words) {
+  auto* grown = static_cast<uint64_t*>(PyMem_RawRealloc(*bits, words * sizeof(uint64_t)));
+  if (grown == nullptr) return false;
+  if (words > old_words) std::memset(grown + old_words, 0, (words - old_words) * 8);
+  *bits = grown;
+  return true;
+}
+
 static int resize(Table* t, size_t cap) {
   auto* entries = static_cast<Entry*>(PyMem_RawRealloc(t->entries, cap * sizeof(Entry)));
   if (entries == nullptr) {
@@ -35,20 +45,10 @@ static int resize(Table* t, size_t cap) {
   }
   t->entries = entries;
   size_t words = (cap + 63) / 64, old_words = (t->cap + 63) / 64;
-  auto* dead = static_cast<uint64_t*>(PyMem_RawRealloc(t->dead, words * sizeof(uint64_t)));
-  if (dead == nullptr) {
+  if (!regrow_bits(&t->dead, words, old_words) || !regrow_bits(&t->nones, words, old_words)) {
     PyErr_NoMemory();
     return -1;
   }
-  if (words > old_words) std::memset(dead + old_words, 0, (words - old_words) * 8);
-  t->dead = dead;
-  auto* nones = static_cast<uint64_t*>(PyMem_RawRealloc(t->nones, words * sizeof(uint64_t)));
-  if (nones == nullptr) {
-    PyErr_NoMemory();
-    return -1;
-  }
-  if (words > old_words) std::memset(nones + old_words, 0, (words - old_words) * 8);
-  t->nones = nones;
   t->cap = cap;
   return 0;
 }
