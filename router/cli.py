@@ -115,12 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per event stream: a publisher sending more is cleared and its events dropped "
         "until it slows down (a real vLLM replica sends well under 1 MiB/s); 0: no limit",
     )
-    fleet.add_argument(
-        "--index-max-entries",
-        type=int,
-        default=d.index_max_entries,
-        help="(block, replica) entries the index holds before it evicts the oldest; default: "
-        "what fits in about 8 GiB (134M on the native core, 44.7M on the Python one)",
+    fleet.add_argument(  # default: about 8 GiB's worth (134M native, 44.7M Python entries)
+        "--index-max-entries", type=int, default=d.index_max_entries
     )
     fleet.add_argument(
         "--unconfirmed-ttl-s",
