@@ -237,6 +237,13 @@ PyObject* table_update(PyObject* self, PyObject* pairs) {
   Py_RETURN_NONE;
 }
 
+// copy and pickle would make an empty table (the type has no state Python can see): refused.
+PyObject* table_reduce(PyObject* self, PyObject*) {
+  PyErr_Format(PyExc_TypeError, "%s cannot be copied or pickled: copy its items()",
+               Py_TYPE(self)->tp_name);
+  return nullptr;
+}
+
 PyObject* table_clear(PyObject* self, PyObject*) {
   clear_table(table_of(self));
   Py_RETURN_NONE;
@@ -328,6 +335,7 @@ PyMethodDef table_methods[] = {
     {"items", table_items, METH_NOARGS, "(key, value) pairs, in insertion order, as a list"},
     {"update", table_update, METH_O, "update(pairs): store each (key, value), in order"},
     {"clear", table_clear, METH_NOARGS, "remove every entry and free the memory"},
+    {"__reduce__", table_reduce, METH_NOARGS, "refused: copy the items instead"},
     {"__sizeof__", table_sizeof, METH_NOARGS, "bytes allocated"},
     {nullptr, nullptr, 0, nullptr},
 };

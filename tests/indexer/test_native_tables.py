@@ -8,6 +8,8 @@ tables, fill them with removed entries, compact and shrink them.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 import sys
 import tracemalloc
@@ -169,6 +171,16 @@ def test_bad_keys_and_values_are_refused_or_absent() -> None:
         with pytest.raises((ValueError, TypeError, OverflowError)):
             u64.update(bad_pairs)  # type: ignore[attr-defined]
     assert len(u64) == len(masks) == 0  # type: ignore[arg-type]
+
+
+def test_copying_or_pickling_a_table_is_refused_not_emptied() -> None:
+    """The types keep their entries where Python cannot see them: a copy would be empty."""
+    for kind in ("u64", "masks"):
+        table = _table(kind)
+        table[1] = 2  # type: ignore[index]
+        for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied"):
+                copier(table)
 
 
 def test_masks_are_held_by_reference() -> None:
