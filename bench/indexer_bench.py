@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 import random
 import statistics
 import threading
 import time
 import tracemalloc
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import msgspec
@@ -219,6 +221,23 @@ def _apply_in_threads(
         worker.join()
     if errors:
         raise errors[0]
+
+
+@contextmanager
+def _one_cpu() -> Iterator[bool]:
+    """The process's threads (those started inside, which inherit it) on one CPU, the first it
+    may use; yields False, changing nothing, where affinity is not available or one CPU is all
+    it has."""
+    get = getattr(os, "sched_getaffinity", None)
+    cpus = get(0) if get is not None else set()
+    if len(cpus) < 2:
+        yield False
+        return
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        yield True
+    finally:
+        os.sched_setaffinity(0, cpus)
 
 
 def _ingest(
@@ -483,6 +502,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             per_core[core][f"ingest_{n}_replicas_2_threads_index_entries"] = ingest[
                 "ingest_index_entries"
             ]
+        # Again with the process on one CPU: what the two threads lose is the GIL's hand-offs
+        # between cores (the cache moves with it), not only their taking turns.
+        with _one_cpu() as pinned:
+            if pinned:
+                for core, ingest in _ingest(scale, random.Random(args.seed + 3), cores, 2).items():
+                    one = per_core[core][f"ingest_{n}_replicas_blocks_per_s"]
+                    two = ingest["ingest_blocks_per_s"]
+                    per_core[core][f"ingest_{n}_replicas_2_threads_one_cpu_blocks_per_s"] = two
+                    per_core[core][f"ingest_{n}_replicas_2_threads_one_cpu_vs_1"] = round(
+                        two / one, 3
+                    )
         found = _lookup(scale, random.Random(args.seed + 4), cores, args.scale_lookups)
         for core, figures in found.items():
             for name in ("lookup_p50_us_2048", "lookup_p99_us_2048", "bytes_per_entry"):
