@@ -76,7 +76,7 @@ PYTEST_XDIST ?= -n 2 --dist loadgroup
 test: $(STAMP) $(LMCACHE_STAMP) $(NIXL_STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	KVROUTE_REQUIRE_VLLM=1 KVROUTE_LMCACHE_PATH=$(CURDIR)/$(LMCACHE_DIR) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_XDIST)
+	KVROUTE_REQUIRE_VLLM=1 KVROUTE_LMCACHE_PATH=$(CURDIR)/$(LMCACHE_DIR) $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_XDIST)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not vllm" -p no:cacheprovider $(PYTEST_XDIST)
