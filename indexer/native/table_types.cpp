@@ -65,7 +65,6 @@ int value_of(const Table* t, PyObject* obj, uint64_t* value, bool* none) {
   return 0;
 }
 
-
 int store(Table* t, PyObject* key_obj, PyObject* value_obj) {
   uint64_t key;
   if (!key_of(key_obj, &key)) {

@@ -26,7 +26,6 @@ static int rebuild_index(Table* t, size_t size) {
   return 0;
 }
 
-// Resizes the entry arrays to ``cap`` positions (>= used).
 // A bitmap grown (or shrunk) to ``words`` words, the new ones zero; false: out of memory (the
 // old bitmap kept).
 static bool regrow_bits(uint64_t** bits, size_t words, size_t old_words) {
@@ -37,6 +36,7 @@ static bool regrow_bits(uint64_t** bits, size_t words, size_t old_words) {
   return true;
 }
 
+// Resizes the entry arrays to ``cap`` positions (>= used).
 static int resize(Table* t, size_t cap) {
   auto* entries = static_cast<Entry*>(PyMem_RawRealloc(t->entries, cap * sizeof(Entry)));
   if (entries == nullptr) {
@@ -101,6 +101,10 @@ static int reserve_one(Table* t) {
   if (t->used > 0 && t->used - t->live >= t->used / 4) return compact(t);
   if (t->used > t->live && compact(t) < 0) return -1;  // grows in order, without holes
   size_t cap = t->cap + t->cap / 4 + 8;
+  if (cap >= UINT32_MAX) {  // the index holds positions as 32-bit words
+    PyErr_SetString(PyExc_OverflowError, "a native table holds fewer than 2**32 entries");
+    return -1;
+  }
   if (t->index == nullptr || t->index_mask + 1 < index_size_for(cap))
     if (rebuild_index(t, index_size_for(cap)) < 0) return -1;
   return resize(t, cap);
