@@ -597,10 +597,12 @@ def _follow_for(
     seconds: float,
     on_answer: Callable[[], None],
     sent: list[float] | None = None,
+    until: Callable[[], bool] | None = None,
 ) -> PeerReport:
     """Follow a peer served by ``peer`` (GET /peer/load, a real HTTP server) for
     ``seconds``; returns the follower's report of it. ``sent`` gets the time the follower
-    sent each question (on its own side: the server's arrival times jitter)."""
+    sent each question (on its own side: the server's arrival times jitter). ``until``: go on
+    past ``seconds`` until it holds (a loaded machine is slower), for at most 10 s more."""
     app = Starlette(routes=[Route("/peer/load", peer)])
 
     async def on_request(request: httpx.Request) -> None:
@@ -611,6 +613,9 @@ def _follow_for(
         async with httpx.AsyncClient(event_hooks={"request": [on_request]}) as client:
             task = asyncio.create_task(load.follow(client, url, on_answer))
             await asyncio.sleep(seconds)
+            deadline = time.monotonic() + 10.0
+            while until is not None and not until() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -689,7 +694,7 @@ def test_a_followed_peers_queue_samples_are_fetched_once_each() -> None:
 
     got: list[tuple[str, float]] = []
     load = PeerLoad(interval_s=0.1, timeout_s=1.0, router_id="me", on_samples=got.extend)
-    report = _follow_for(load, peer, 0.3, lambda: None)
+    report = _follow_for(load, peer, 0.3, lambda: None, until=lambda: len(asked) >= 7)
     # Asked from 1, 2, 3, 4, 4 (the old peer), then the new one answered from its 2.
     assert asked[:7] == [None, 1, 2, 3, 4, 4, 2], asked
     assert got[:3] == log[1:4]  # samples 1-3: each once, none from before the first answer

@@ -166,19 +166,24 @@ def test_a_returning_user_whose_history_the_decode_replica_holds_skips_the_prefi
 
 
 def test_a_dead_prefill_pool_falls_back_to_decode_only_with_zero_client_errors(
-    pd_fleet: Fleet,
+    local_tokenizer: Any,
 ) -> None:
-    pd_fleet.fakes[0].stop()  # refuses connections; the health checker has not noticed yet
-    client = _client(pd_fleet)
-    for i in range(4):
-        raw = client.completions.with_raw_response.create(
-            model="tiny", prompt=f"{LONG} {i}", max_tokens=3
-        )
-        assert raw.parse().choices[0].text
-        assert raw.headers["x-kvroute-replica"] == "r1"
-        assert "x-kvroute-prefill-replica" not in raw.headers
-    stats = _stats(pd_fleet)
-    assert stats["prefill_fallbacks"] >= 1 and stats["prefill_failures"] >= 1
+    # Health checks 30 s apart: the checker cannot notice the dead replica before the
+    # requests do, however slowly a loaded machine runs them (at pd_fleet's 0.2 s it could).
+    with make_fleet(
+        local_tokenizer, 2, roles=["prefill", "decode"], disagg=ALWAYS, health_interval_s=30.0
+    ) as fleet:
+        fleet.fakes[0].stop()  # refuses connections; the health checker has not noticed
+        client = _client(fleet)
+        for i in range(4):
+            raw = client.completions.with_raw_response.create(
+                model="tiny", prompt=f"{LONG} {i}", max_tokens=3
+            )
+            assert raw.parse().choices[0].text
+            assert raw.headers["x-kvroute-replica"] == "r1"
+            assert "x-kvroute-prefill-replica" not in raw.headers
+        stats = _stats(fleet)
+        assert stats["prefill_fallbacks"] >= 1 and stats["prefill_failures"] >= 1
 
 
 def test_one_of_two_prefill_replicas_killed_the_other_takes_the_prefill(
