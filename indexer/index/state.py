@@ -11,6 +11,10 @@ Layout, chosen for memory and lookup speed:
   replica sends tier-only stores). Reference counts beyond one, resolved chunks, other KV
   cache groups' blocks and unconfirmed holdings are side tables that stay empty on replicas
   that do not need them.
+- ``_masks``, ``engine_to_key`` and ``chain`` (the tables that grow with what a fleet holds)
+  are the native core's ``MaskMap`` and ``U64Map`` where it runs (raw 64-bit words, about a
+  third of a dict's bytes; indexer/native/tables.h), dicts where the Python core runs; the
+  code here and in every mixin uses only what both do.
 
 indexer/snapshot.py copies this layout whole (a replica's ``_ReplicaState`` and its bits).
 """
