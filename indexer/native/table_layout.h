@@ -81,6 +81,9 @@ inline size_t find_slot(const Table* t, uint64_t key) {
 int compact(Table* t);
 int insert_new(Table* t, uint64_t key, uint64_t value, bool none = false);
 uint64_t remove_at(Table* t, size_t slot);
+// key -> value: a new entry is the youngest, an old one keeps its place. Takes the value's
+// reference (a MaskMap's), releasing the value it replaces, or this one when it fails.
+int put(Table* t, uint64_t key, uint64_t value, bool none);
 void clear_table(Table* t);
 
 inline void release_value(const Table* t, uint64_t value) {

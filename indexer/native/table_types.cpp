@@ -74,20 +74,7 @@ int store(Table* t, PyObject* key_obj, PyObject* value_obj) {
   uint64_t value;
   bool none;
   if (value_of(t, value_obj, &value, &none) < 0) return -1;
-  size_t slot = find_slot(t, key);
-  if (slot != kNone) {
-    size_t pos = t->index[slot] - 1;
-    uint64_t old = t->entries[pos].value;
-    t->entries[pos].value = value;
-    set_bit(t->nones, pos, none);
-    release_value(t, old);
-    return 0;
-  }
-  if (insert_new(t, key, value, none) < 0) {
-    release_value(t, value);
-    return -1;
-  }
-  return 0;
+  return put(t, key, value, none);
 }
 
 PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {

@@ -219,33 +219,29 @@ void mask_get_many(const Table* t, const uint64_t* keys, size_t n, PyObject** ou
   }
 }
 
-int mask_set(Table* t, uint64_t key, PyObject* mask) {
+int put(Table* t, uint64_t key, uint64_t value, bool none) {
   size_t slot = find_slot(t, key);
-  Py_INCREF(mask);
   if (slot != kNone) {
-    Entry& e = t->entries[t->index[slot] - 1];
-    auto* old = reinterpret_cast<PyObject*>(e.value);
-    e.value = reinterpret_cast<uint64_t>(mask);
-    Py_DECREF(old);
+    size_t pos = t->index[slot] - 1;
+    uint64_t old = t->entries[pos].value;
+    t->entries[pos].value = value;
+    set_bit(t->nones, pos, none);
+    release_value(t, old);
     return 0;
   }
-  if (insert_new(t, key, reinterpret_cast<uint64_t>(mask)) < 0) {
-    Py_DECREF(mask);
+  if (insert_new(t, key, value, none) < 0) {
+    release_value(t, value);
     return -1;
   }
   return 0;
 }
 
-int u64_set(Table* t, uint64_t key, uint64_t value) {
-  size_t slot = find_slot(t, key);
-  if (slot != kNone) {
-    size_t pos = t->index[slot] - 1;
-    t->entries[pos].value = value;
-    set_bit(t->nones, pos, false);
-    return 0;
-  }
-  return insert_new(t, key, value);
+int mask_set(Table* t, uint64_t key, PyObject* mask) {
+  Py_INCREF(mask);
+  return put(t, key, reinterpret_cast<uint64_t>(mask), false);
 }
+
+int u64_set(Table* t, uint64_t key, uint64_t value) { return put(t, key, value, false); }
 
 bool erase(Table* t, uint64_t key) {
   size_t slot = find_slot(t, key);
